@@ -1,0 +1,229 @@
+"""turbospec's own compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
+
+No HF modeling code runs here: weights are loaded (``loader.py``) into plain tensors, the q/k/v and
+gate/up projections are fused into one matrix each (fewer, wider GEMVs), and on CPU every linear
+runs on oneDNN with weights pre-packed once at load. Attention reads the static KV cache
+(``kv_cache.py``) over the valid prefix plus the new tokens, under an arbitrary tree mask.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    model_type: str = "llama"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelConfig":
+        """From a ``transformers`` config; raises ValueError for unsupported architectures."""
+        mt = getattr(cfg, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
+                             f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: default, "
+                             f"linear, llama3")
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        eos = getattr(cfg, "eos_token_id", None)
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+            num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
+            model_type=mt, eos_token_ids=eos)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Rotary inverse frequencies [head_dim / 2], computed as transformers computes them."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    sc = cfg.rope_scaling
+    if sc is None:
+        return inv
+    if sc["rope_type"] == "linear":
+        return inv / sc["factor"]
+    # llama3: long wavelengths divided by factor, short kept, smooth interpolation between.
+    factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old_ctx = sc.get("original_max_position_embeddings", 8192)
+    low_wl, high_wl = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    mid = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return torch.where(mid, smoothed, out)
+
+
+class Linear:
+    """y = x @ W^T (+ b). On CPU the weight is pre-packed for oneDNN once; elsewhere F.linear."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
+        self.packed = None
+        if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
+                and weight.dtype in (torch.float32, torch.bfloat16):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            shape = x.shape
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias,
+                                                   "none", [], "")
+            return y.view(*shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding in the half-split layout HF checkpoints use. x: [B, H, n, D]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], pack: bool):
+        self.cfg = cfg
+        self.qkv = Linear(w["qkv"], w.get("qkv_bias"), pack)
+        self.o = Linear(w["o"], None, pack)
+        self.gate_up = Linear(w["gate_up"], None, pack)
+        self.down = Linear(w["down"], None, pack)
+        self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+
+
+class Transformer:
+    """Forward over new tokens against a static KV cache.
+
+    Weights are a flat dict in turbospec names (see ``loader.convert_hf_state_dict``)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], pack: bool = True):
+        self.cfg = cfg
+        self.embed = weights["embed"]
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.layers = [Layer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items()
+                                   if k.startswith(f"layers.{i}.")}, pack)
+                       for i in range(cfg.num_layers)]
+        self.norm = weights["norm"]
+        self.lm_head = Linear(weights.get("lm_head", self.embed), None, pack)
+        inv = rope_inv_freq(cfg)
+        self._inv_freq = inv
+        self._rope_len = 0
+        self._cos = self._sin = None
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
+        return KVCache(self.cfg.num_layers, batch_size, self.cfg.num_kv_heads, max_seq_len,
+                       self.cfg.head_dim, self.dtype, self.device)
+
+    def _rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self._inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            self._rope_len = n
+        return self._cos[position_ids].unsqueeze(1), self._sin[position_ids].unsqueeze(1)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
+                tree_mask: Tensor | None = None, logits: str = "all") -> Tensor | None:
+        """Run ``input_ids [B, n]`` at ``position_ids [B, n]``; their K/V are written to cache
+        slots [cache_len, cache_len + n). Each new token attends to the whole valid prefix
+        [0, cache_len) and, among the new tokens, to those allowed by ``tree_mask`` (bool [B, n, n];
+        None = causal). ``logits``: "all" -> [B, n, V] float32, "last" -> [B, 1, V], "none" -> None.
+        """
+        cfg = self.cfg
+        bsz, n = input_ids.shape
+        total = cache_len + n
+        if total > cache.max_seq_len:
+            raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
+                             f"{cache.max_seq_len}")
+        cos, sin = self._rope(position_ids)
+        if tree_mask is None:
+            allowed = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
+        else:
+            allowed = tree_mask
+        mask = None
+        if n > 1:
+            new_part = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            new_part.masked_fill_(~allowed, float("-inf"))
+            new_part = new_part.view(-1, n, n)  # [B or 1, n, n]
+            prefix = torch.zeros(new_part.shape[0], n, cache_len, dtype=self.dtype, device=self.device)
+            mask = torch.cat((prefix, new_part), dim=-1)[:, None, None]  # [B or 1, 1, 1, n, total]
+        h_kv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        x = self.embed[input_ids]
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            q = rotate(q.view(bsz, n, cfg.num_heads, d).transpose(1, 2), cos, sin)
+            k = rotate(k.view(bsz, n, h_kv, d).transpose(1, 2), cos, sin)
+            kc, vc = cache.k[li], cache.v[li]
+            kc[:, :, cache_len:total] = k
+            vc[:, :, cache_len:total] = v.view(bsz, n, h_kv, d).transpose(1, 2)
+            keys, values = kc[:, :, :total], vc[:, :, :total]
+            # Grouped-query attention without repeating K/V: fold the group into the query rows.
+            qg = q.reshape(bsz, h_kv, g * n, d)
+            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, g*n, total]
+            if mask is not None:
+                scores = (scores.view(bsz, h_kv, g, n, total) + mask).view(
+                    bsz, h_kv, g * n, total)
+            probs = torch.softmax(scores.float(), dim=-1).to(self.dtype)
+            attn = torch.matmul(probs, values).view(bsz, cfg.num_heads, n, d)
+            attn = attn.transpose(1, 2).reshape(bsz, n, self.q_size)
+            x = x + layer.o(attn)
+            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            gu = layer.gate_up(h)
+            gate, up = gu.chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[:, -1:]
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return self.lm_head(x).float()

@@ -1,0 +1,146 @@
+"""Thin Python wrappers over the ``turbospec::*`` torch ops, with fake kernels for torch.compile.
+
+Capability is decided once, at import: if ``turbospec._C`` (the C++/CUDA extension) loads, the ops
+run on its kernels; otherwise every op runs on the pure-torch reference (``turbospec.reference``) and
+a warning says how to build. ``kernels_available()`` tells which path is live per device.
+
+All ops write into caller-provided buffers (allocated here when omitted), take randomness as
+tensors and never read device values on the host, so a decode step built from them can be captured
+in a CUDA graph.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+_BUILD_HINT = ("turbospec: the C++ extension turbospec._C is not built; using the pure-torch reference "
+               "ops (slow). Build it with `pip install --no-build-isolation -e .` or "
+               "`python setup.py build_ext --inplace`.")
+
+try:
+    from . import _C  # noqa: F401  (registers the turbospec::* kernels)
+    _EXTENSION = True
+    _EXTENSION_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the build
+    _EXTENSION = False
+    _EXTENSION_ERROR = e
+    warnings.warn(f"{_BUILD_HINT} ({e})", stacklevel=2)
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    if not _EXTENSION:
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"turbospec::{op}", key)
+
+
+_KERNELS = {dev: _EXTENSION and all(_has_kernel(op, key) for op in ("build_tree", "verify", "compact_kv"))
+            for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
+
+
+def kernels_available() -> dict[str, bool]:
+    """Which devices run turbospec's compiled kernels: ``{"cpu": bool, "cuda": bool}``.
+    A device mapped to False runs the pure-torch reference ops."""
+    return dict(_KERNELS)
+
+
+def _compiled(device: torch.device) -> bool:
+    return _KERNELS.get(device.type, False)
+
+
+# ----------------------------------------------------------------------------------------------
+def build_tree(parents: Tensor, tree_mask: Tensor | None = None, tree_mask_packed: Tensor | None = None,
+               depth: Tensor | None = None, retrieve_index: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Tree attention metadata from parent indices; see ``reference.build_tree``.
+
+    parents: int64 [B, N] (N <= 64) -> tree_mask bool [B, N, N], tree_mask_packed int64 [B, N],
+    depth int64 [B, N], retrieve_index int64 [B, N, N].
+
+    Example: ``build_tree(torch.tensor([[-1, 0, 0, 1]]))`` gives depth ``[[0, 1, 1, 2]]`` and
+    tree_mask_packed ``[[0b1, 0b11, 0b101, 0b1011]]``.
+    """
+    bsz, n = parents.shape if parents.dim() == 2 else (0, 0)
+    dev = parents.device
+    if tree_mask is None:
+        tree_mask = torch.empty(bsz, n, n, dtype=torch.bool, device=dev)
+    if tree_mask_packed is None:
+        tree_mask_packed = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    if depth is None:
+        depth = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    if retrieve_index is None:
+        retrieve_index = torch.empty(bsz, n, n, dtype=torch.int64, device=dev)
+    if _compiled(dev):
+        torch.ops.turbospec.build_tree.default(parents, tree_mask, tree_mask_packed, depth, retrieve_index)
+    else:
+        outs = reference.build_tree(parents)
+        for dst, src in zip((tree_mask, tree_mask_packed, depth, retrieve_index), outs):
+            dst.copy_(src)
+    return tree_mask, tree_mask_packed, depth, retrieve_index
+
+
+def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+           uniform: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+           accept_len: Tensor | None = None, accept_index: Tensor | None = None,
+           output_token_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Fused softmax + speculative acceptance (chain or tree); see ``reference.verify``.
+
+    target_logits: [B, N, V] float; parents, draft_token_ids: int64 [B, N];
+    draft_probs: [B, N, V] float or None (point-mass drafts); uniform: float32 [B, N] in [0, 1).
+    Returns accept_len int64 [B] (-1: non-finite logits, nothing emitted),
+    accept_index int64 [B, N], output_token_ids int64 [B, N] (padded with -1).
+    """
+    bsz, n = target_logits.shape[:2] if target_logits.dim() == 3 else (0, 0)
+    dev = target_logits.device
+    if accept_len is None:
+        accept_len = torch.empty(bsz, dtype=torch.int64, device=dev)
+    if accept_index is None:
+        accept_index = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    if output_token_ids is None:
+        output_token_ids = torch.empty(bsz, n, dtype=torch.int64, device=dev)
+    if _compiled(dev):
+        torch.ops.turbospec.verify.default(target_logits, parents, draft_token_ids, draft_probs, uniform,
+                                           float(temperature), int(top_k), float(top_p),
+                                           accept_len, accept_index, output_token_ids)
+    else:
+        outs = reference.verify(target_logits.cpu(), parents.cpu(), draft_token_ids.cpu(),
+                                None if draft_probs is None else draft_probs.cpu(), uniform.cpu(),
+                                float(temperature), int(top_k), float(top_p))
+        for dst, src in zip((accept_len, accept_index, output_token_ids), outs):
+            dst.copy_(src)
+    return accept_len, accept_index, output_token_ids
+
+
+def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, accept_len: Tensor) -> None:
+    """In place, move accepted tree nodes' KV entries to contiguous positions after the prefix,
+    every layer in one call; see ``reference.compact_kv``.
+
+    caches: list of [B, H, S, D] tensors (each layer's K and V); prefix_len, accept_len: int64 [B];
+    accept_index: int64 [B, N].
+    """
+    if not caches:
+        return
+    if _compiled(caches[0].device):
+        torch.ops.turbospec.compact_kv.default(caches, prefix_len, accept_index, accept_len)
+    else:
+        reference.compact_kv(caches, prefix_len, accept_index, accept_len)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake kernels: the ops only mutate their out-arguments, so tracing needs no output metadata.
+if _EXTENSION:
+    @torch.library.register_fake("turbospec::build_tree")
+    def _build_tree_fake(parents, tree_mask, tree_mask_packed, depth, retrieve_index):
+        return None
+
+    @torch.library.register_fake("turbospec::verify")
+    def _verify_fake(target_logits, parents, draft_token_ids, draft_probs, uniform, temperature, top_k,
+                     top_p, accept_len, accept_index, output_token_ids):
+        return None
+
+    @torch.library.register_fake("turbospec::compact_kv")
+    def _compact_kv_fake(caches, prefix_len, accept_index, accept_len):
+        return None

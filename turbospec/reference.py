@@ -1,0 +1,253 @@
+"""Pure-torch reference implementations of turbospec's ops: the specification.
+
+The C++ (``csrc/cpu``) and CUDA (``csrc/cuda``) kernels must produce the same integer outputs as the
+functions here (floating outputs within tolerance); tests compare them on random inputs, and
+``turbospec.ops`` falls back to these functions when the extension is not built.
+
+Vocabulary (shapes use B = batch, N = nodes per draft tree including the root, V = vocab):
+
+* A draft *tree* is given by ``parents: int64 [B, N]``. Node 0 is the *root*: the last committed
+  token, not yet in the target's KV cache. ``parents[b, 0] == -1`` and ``0 <= parents[b, i] < i``
+  for ``i >= 1`` (nodes are in topological order). A chain of k drafts is ``[-1, 0, 1, ..., k-1]``.
+* ``draft_token_ids: int64 [B, N]``: the token at each node (node 0 holds the root token).
+* ``target_logits: [B, N, V]``: the target's logits *at* each node, i.e. its prediction for the
+  children of that node. ``draft_probs: [B, N, V]`` is indexed the same way: ``draft_probs[b, i]``
+  is the distribution q the drafter sampled node i's children from.
+* *accepted* tokens are drafts the target keeps; the *recovered* token is sampled from the residual
+  distribution after a rejection; the *bonus* token is sampled from the target at the last accepted
+  node when it has no children left to try. Every verify step emits ``accept_len + 1`` tokens.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+MAX_TREE_NODES = 64
+
+
+# ----------------------------------------------------------------------------------------------
+# build_tree
+# ----------------------------------------------------------------------------------------------
+def check_parents(parents: Tensor) -> None:
+    """Raise ValueError unless ``parents`` is a valid batch of trees (see module docstring)."""
+    if parents.dim() != 2 or parents.dtype != torch.int64:
+        raise ValueError(f"parents must be int64 [batch, num_nodes], got {parents.dtype} "
+                         f"{list(parents.shape)}")
+    n = parents.shape[1]
+    if not 1 <= n <= MAX_TREE_NODES:
+        raise ValueError(f"num_nodes must be in [1, {MAX_TREE_NODES}], got {n}")
+    if parents.shape[0] == 0:
+        return
+    if bool((parents[:, 0] != -1).any()):
+        raise ValueError(f"parents[:, 0] must be -1 (node 0 is the root), got {parents[:, 0].tolist()}")
+    idx = torch.arange(n, device=parents.device)
+    bad = (parents[:, 1:] < 0) | (parents[:, 1:] >= idx[1:])
+    if bool(bad.any()):
+        b, i = (bad.nonzero()[0] + torch.tensor([0, 1], device=parents.device)).tolist()
+        raise ValueError(f"parents[{b}, {i}] = {int(parents[b, i])}: the parent of node i must be in "
+                         f"[0, i) (nodes in topological order)")
+
+
+def build_tree(parents: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Tree attention metadata from parent indices.
+
+    Args:
+        parents: int64 [B, N], N <= 64.
+    Returns:
+        tree_mask: bool [B, N, N]; ``tree_mask[b, i, j]`` is True iff node j is node i or an
+            ancestor of it (node i may attend to node j).
+        tree_mask_packed: int64 [B, N]; bit j of ``tree_mask_packed[b, i]`` is ``tree_mask[b, i, j]``
+            (bit 63 is the sign bit).
+        depth: int64 [B, N]; the root has depth 0. A node's position id is prefix_len + depth.
+        retrieve_index: int64 [B, N, N]; row i is the root-to-node-i path:
+            ``retrieve_index[b, i, d]`` is node i's ancestor at depth d for d <= depth[b, i], else -1.
+            The rows of leaves are the candidate paths acceptance chooses from.
+    """
+    check_parents(parents)
+    bsz, n = parents.shape
+    mask = torch.zeros(bsz, n, n, dtype=torch.bool, device=parents.device)
+    depth = torch.zeros(bsz, n, dtype=torch.int64, device=parents.device)
+    retrieve = torch.full((bsz, n, n), -1, dtype=torch.int64, device=parents.device)
+    for i in range(n):
+        mask[:, i, i] = True
+        if i > 0:
+            p = parents[:, i]
+            rows = torch.arange(bsz, device=parents.device)
+            mask[:, i] |= mask[rows, p]
+            depth[:, i] = depth[rows, p] + 1
+            retrieve[:, i] = retrieve[rows, p]
+        retrieve[torch.arange(bsz), i, depth[:, i]] = i
+    weights = torch.ones(n, dtype=torch.int64, device=parents.device)
+    weights = torch.bitwise_left_shift(weights, torch.arange(n, device=parents.device))
+    packed = (mask.to(torch.int64) * weights).sum(-1)  # bit 63 wraps to the sign bit, as in C++
+    return mask, packed, depth, retrieve
+
+
+# ----------------------------------------------------------------------------------------------
+# logits -> probabilities (shared by verify and every drafter that samples)
+# ----------------------------------------------------------------------------------------------
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Sampling distribution of ``logits [..., V]`` in float32: divide by temperature, keep the
+    logits >= the k-th largest (top_k = 0: all), then keep the tokens whose strictly-larger
+    probability mass is < top_p (ties are kept or dropped together), then softmax.
+    temperature must be > 0 here (0 means greedy and never reaches this function)."""
+    x = logits.float() / temperature
+    vocab = x.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = torch.softmax(x, dim=-1)
+        sorted_p = torch.sort(probs, dim=-1, descending=True).values
+        mass_before = torch.cumsum(sorted_p.double(), dim=-1) - sorted_p.double()
+        num_kept = (mass_before < top_p).sum(-1, keepdim=True).clamp(min=1)
+        min_kept = torch.gather(sorted_p, -1, num_kept - 1)
+        x = x.masked_fill(probs < min_kept, float("-inf"))
+    return torch.softmax(x, dim=-1)
+
+
+def sample_from_probs(probs: Tensor, u: float | Tensor) -> int:
+    """Inverse-CDF sample of one token from unnormalised ``probs [V]`` with a uniform u in [0, 1):
+    the first token whose float64 cumulative mass exceeds u * total (the last token with positive
+    mass if rounding leaves none)."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    threshold = float(u) * float(cdf[-1])
+    t = int(torch.searchsorted(cdf, torch.tensor([threshold], dtype=torch.float64), right=True)[0])
+    if t >= probs.shape[0] or probs[t] <= 0:
+        t = int(torch.nonzero(probs > 0)[-1, 0])
+    return t
+
+
+def logits_are_valid(logits: Tensor) -> bool:
+    """False when a row of logits cannot define a distribution: any NaN or +inf, or all -inf."""
+    return not (bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())
+                or bool(torch.isneginf(logits).all()))
+
+
+# ----------------------------------------------------------------------------------------------
+# verify
+# ----------------------------------------------------------------------------------------------
+def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+           uniform: Tensor, temperature: float, top_k: int, top_p: float
+           ) -> tuple[Tensor, Tensor, Tensor]:
+    """Speculative acceptance over a chain or tree, lossless for the target's distribution.
+
+    Args:
+        target_logits: float [B, N, V], the target's logits at each node.
+        parents: int64 [B, N], the tree (see module docstring).
+        draft_token_ids: int64 [B, N], token at each node (node 0: the root, not tested).
+        draft_probs: float [B, N, V] or None. ``draft_probs[b, i]`` is the distribution q the
+            children of node i were drafted from; siblings are taken as drawn without replacement
+            (after a sibling is rejected it is removed from q and q renormalised). None means the
+            drafts are point masses (n-gram lookup, top-k trees, greedy drafters): q(x) = 1.
+        uniform: float [B, N] in [0, 1). ``uniform[b, i]`` (i >= 1) is the coin of node i's
+            acceptance test; ``uniform[b, 0]`` draws the final recovered/bonus token.
+        temperature: 0 means greedy (argmax; the first maximal index on ties); > 0 samples.
+        top_k: 0 disables; top_p: 1.0 disables. Applied to the target logits as in
+            ``logits_to_probs``; draft_probs are taken as given.
+    Returns:
+        accept_len: int64 [B], number of accepted draft tokens; -1 if a row's logits or draft
+            probs at a visited node are not finite (see ``logits_are_valid``): no tokens emitted.
+        accept_index: int64 [B, N], accepted path as node indices, starting with the root (0);
+            ``accept_len + 1`` entries, padded with -1.
+        output_token_ids: int64 [B, N], emitted tokens: the accepted drafts then the recovered or
+            bonus token; ``accept_len + 1`` entries, padded with -1.
+
+    Walk from the root. Greedy: move to the first child (in node order) whose token equals the
+    argmax of the target at the current node; stop when none does and emit the argmax. Sampling:
+    p = target distribution at the current node; for each child c in node order with token x, accept
+    if ``uniform[c] * q(x) < p(x)`` (q(x) = 1 for point masses); on rejection set
+    p <- normalise(max(0, p - q)) (point mass: p(x) <- 0, renormalise; if the residual has no mass,
+    p is kept) and remove x from q. On acceptance move to c. When no child is accepted, emit a
+    sample from p with ``uniform[b, 0]``. Each step of the recursion preserves the distribution
+    (recursive rejection sampling), so emitted tokens follow the target exactly.
+    """
+    bsz, n, vocab = target_logits.shape
+    check_parents(parents)
+    accept_len = torch.zeros(bsz, dtype=torch.int64)
+    accept_index = torch.full((bsz, n), -1, dtype=torch.int64)
+    output = torch.full((bsz, n), -1, dtype=torch.int64)
+    greedy = temperature == 0.0
+    for b in range(bsz):
+        children = [[] for _ in range(n)]
+        for i in range(1, n):
+            children[int(parents[b, i])].append(i)
+        node, n_acc, path, emitted, valid = 0, 0, [0], [], True
+        while True:
+            logits = target_logits[b, node]
+            if not logits_are_valid(logits):
+                valid = False
+                break
+            if greedy:
+                t = int(torch.argmax(logits.float()))
+                nxt = next((c for c in children[node] if int(draft_token_ids[b, c]) == t), None)
+                if nxt is None:
+                    emitted.append(t)
+                    break
+                emitted.append(t)
+                path.append(nxt)
+                node, n_acc = nxt, n_acc + 1
+                continue
+            p = logits_to_probs(logits, temperature, top_k, top_p).double()
+            q = None
+            if draft_probs is not None and children[node]:
+                q = draft_probs[b, node].double().clone()
+                if not (bool(torch.isfinite(q).all()) and bool((q >= 0).all())):
+                    valid = False
+                    break
+            nxt = None
+            for c in children[node]:
+                x = int(draft_token_ids[b, c])
+                qx = 1.0 if q is None else float(q[x])
+                if float(uniform[b, c]) * qx < float(p[x]):
+                    nxt = c
+                    break
+                if q is None:
+                    residual = p.clone()
+                    residual[x] = 0.0
+                else:
+                    residual = torch.clamp(p - q, min=0.0)
+                    q[x] = 0.0
+                    qs = float(q.sum())
+                    if qs > 0:
+                        q = q / qs
+                rs = float(residual.sum())
+                if rs > 0:
+                    p = residual / rs
+            if nxt is None:
+                emitted.append(sample_from_probs(p, uniform[b, 0]))
+                break
+            emitted.append(int(draft_token_ids[b, nxt]))
+            path.append(nxt)
+            node, n_acc = nxt, n_acc + 1
+        if not valid:
+            accept_len[b] = -1
+            continue
+        accept_len[b] = n_acc
+        accept_index[b, : len(path)] = torch.tensor(path)
+        output[b, : len(emitted)] = torch.tensor(emitted)
+    return accept_len, accept_index, output
+
+
+# ----------------------------------------------------------------------------------------------
+# compact_kv
+# ----------------------------------------------------------------------------------------------
+def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, accept_len: Tensor) -> None:
+    """Move the KV entries of accepted tree nodes to contiguous positions, in place.
+
+    Args:
+        caches: tensors [B, H, S, D] (every layer's K and V), all the same shape.
+        prefix_len: int64 [B], cache length before the tree; node i's entry sits at prefix_len + i.
+        accept_index: int64 [B, N], accepted path from ``verify`` (root first).
+        accept_len: int64 [B]; rows with accept_len < 0 are left untouched.
+    For each row and j in [0, accept_len]: ``cache[b, :, prefix_len + j] =
+    cache[b, :, prefix_len + accept_index[b, j]]``. Path indices increase along the path, so doing
+    j in increasing order never overwrites an entry before it is read.
+    """
+    for b in range(accept_len.shape[0]):
+        base = int(prefix_len[b])
+        for j in range(int(accept_len[b]) + 1):
+            src = int(accept_index[b, j])
+            if src != j:
+                for c in caches:
+                    c[b, :, base + j] = c[b, :, base + src]
