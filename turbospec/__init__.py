@@ -1,4 +1,8 @@
 """turbospec: exact speculative decoding for Hugging Face causal language models."""
+from .drafter import Draft, Drafter
+from .engine import Engine, Generation, NonFiniteLogitsError
+from .loader import default_model_path, load_model, load_tokenizer
 from .ops import kernels_available
 
-__all__ = ["kernels_available"]
+__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Draft", "Drafter", "kernels_available",
+           "load_model", "load_tokenizer", "default_model_path"]

@@ -91,21 +91,26 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 class Linear:
-    """y = x @ W^T (+ b). On CPU the weight is pre-packed for oneDNN once; elsewhere F.linear."""
+    """y = x @ W^T (+ b). On CPU the weight is pre-packed for oneDNN once, in two layouts: one tuned
+    for a single row (decode steps) and one for several rows (verify, prefill); elsewhere F.linear.
+    A packed Linear drops its reference to the plain weight."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
-        self.packed = None
+        self.packed_row = self.packed_rows = None
         if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
                 and weight.dtype in (torch.float32, torch.bfloat16):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self.packed_row = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self.packed_rows = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.weight = None
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is not None:
+        if self.packed_row is not None:
             shape = x.shape
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed, self.bias,
-                                                   "none", [], "")
+            x2 = x.reshape(-1, shape[-1])
+            w = self.packed_row if x2.shape[0] == 1 else self.packed_rows
+            y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
             return y.view(*shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -117,7 +122,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding in the half-split layout HF checkpoints use. x: [B, H, n, D]."""
+    """Rotary embedding in the half-split layout HF checkpoints use. x: [B, n, H, D]."""
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
@@ -152,7 +157,6 @@ class Transformer:
         self._rope_len = 0
         self._cos = self._sin = None
         self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
@@ -167,7 +171,7 @@ class Transformer:
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
             self._rope_len = n
-        return self._cos[position_ids].unsqueeze(1), self._sin[position_ids].unsqueeze(1)
+        return self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)  # [B, n, 1, D]
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
@@ -199,13 +203,13 @@ class Transformer:
         x = self.embed[input_ids]
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
-            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            q = rotate(q.view(bsz, n, cfg.num_heads, d).transpose(1, 2), cos, sin)
-            k = rotate(k.view(bsz, n, h_kv, d).transpose(1, 2), cos, sin)
+            qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d)
+            qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], cos, sin)  # q and k heads in one pass
+            q, k = qk[:, :, : cfg.num_heads].transpose(1, 2), qk[:, :, cfg.num_heads:].transpose(1, 2)
+            v = qkv[:, :, cfg.num_heads + h_kv:].transpose(1, 2)
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k
-            vc[:, :, cache_len:total] = v.view(bsz, n, h_kv, d).transpose(1, 2)
+            vc[:, :, cache_len:total] = v
             keys, values = kc[:, :, :total], vc[:, :, :total]
             # Grouped-query attention without repeating K/V: fold the group into the query rows.
             qg = q.reshape(bsz, h_kv, g * n, d)

