@@ -12,8 +12,10 @@ from __future__ import annotations
 
 class DraftBudget:
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
-                 decay: float = 0.9):
-        self.max_draft, self.adaptive, self.decay = max_draft, adaptive, decay
+                 decay: float = 0.9, timed: bool = True):
+        # timed=False: ignore measured times (keep the prior cost model), so that the chosen draft
+        # lengths depend only on acceptance, which is reproducible, and not on wall-clock noise.
+        self.max_draft, self.adaptive, self.decay, self.timed = max_draft, adaptive, decay, timed
         self.prior = (2.0 * prior_accept, 2.0 * (1.0 - prior_accept))  # pseudo-counts
         self.accepted, self.rejected = 0.0, 0.0
         self.verify_time: dict[int, float] = {}  # width (nodes) -> seconds
@@ -57,11 +59,14 @@ class DraftBudget:
 
     def record(self, proposed: int, accepted: int, width: int, verify_seconds: float,
                draft_seconds: float) -> None:
-        t = self.verify_time.get(width)
-        self.verify_time[width] = verify_seconds if t is None else 0.8 * t + 0.2 * verify_seconds
+        if self.timed:
+            t = self.verify_time.get(width)
+            self.verify_time[width] = verify_seconds if t is None else 0.8 * t + 0.2 * verify_seconds
         if proposed > 0:
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)
+            if not self.timed:
+                return
             per_token = draft_seconds / proposed
             self.draft_token_time = per_token if self.draft_token_time == 0.0 else \
                 0.8 * self.draft_token_time + 0.2 * per_token

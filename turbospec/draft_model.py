@@ -11,6 +11,7 @@ import torch
 
 from .drafter import Draft, Drafter
 from .model import Transformer
+from .reference import logits_are_valid
 from .sampling import SamplingParams, draft_sample
 
 
@@ -51,7 +52,7 @@ class DraftModelDrafter(Drafter):
         self._speculative = 0
 
     def begin(self, prompt_ids: list[int]) -> None:
-        self._cached = 0
+        self._cached = self._base = self._speculative = 0  # no state from an earlier generation
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
@@ -66,13 +67,17 @@ class DraftModelDrafter(Drafter):
         self._base = len(tokens)
         drafted, qs = [], []
         for i in range(max_tokens):
+            if not logits_are_valid(logits):  # NaN/inf draft: stop drafting, the target decides alone
+                break
             t, q = draft_sample(logits, params, generator)
             drafted.append(t)
             qs.append(q)
             if i + 1 < max_tokens:
                 p = len(tokens) + i
                 logits = m.forward(torch.tensor([[t]]), torch.tensor([[p]]), self.cache, p, logits="last")[0, -1]
-        self._speculative = max_tokens - 1
+        self._speculative = min(len(drafted), max_tokens - 1)  # drafts whose K/V were written
+        if not drafted:
+            return None
         probs = None
         if not params.greedy:
             qs.append(torch.zeros_like(qs[0]))  # the last node has no children

@@ -50,6 +50,18 @@ def _dtype(d) -> torch.dtype:
     return _DTYPES[d]
 
 
+def _check_draft(draft: Draft, max_tokens: int, vocab: int) -> None:
+    """A drafter's proposal must fit the request; a bad one is a bug in the drafter, said clearly."""
+    k = len(draft.token_ids)
+    if not 1 <= k <= max_tokens:
+        raise ValueError(f"drafter returned {k} draft tokens; allowed: 1..{max_tokens} (max_tokens)")
+    if draft.parents is not None and len(draft.parents) != k:
+        raise ValueError(f"drafter returned {len(draft.parents)} parents for {k} draft tokens")
+    if draft.draft_probs is not None and tuple(draft.draft_probs.shape) != (k + 1, vocab):
+        raise ValueError(f"drafter returned draft_probs of shape {tuple(draft.draft_probs.shape)}; "
+                         f"expected ({k + 1}, {vocab})")
+
+
 class Engine:
     """Speculative decoding engine (batch 1).
 
@@ -192,7 +204,10 @@ class Engine:
         if not params.greedy:
             generator = torch.Generator().manual_seed(seed if seed is not None else
                                                       int(torch.randint(0, 2**62, (1,))))
-        budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive)
+        # Sampling with a seed must be reproducible: the draft lengths (which decide how the random
+        # stream is consumed) must then not depend on measured timings.
+        budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive,
+                             timed=params.greedy or seed is None)
         t0 = time.perf_counter()
         cache_len = self.prefill(ids)
         t_prefill = time.perf_counter() - t0
@@ -210,6 +225,8 @@ class Engine:
             k = min(budget.choose(), remaining - 1) if self.drafter is not None else 0
             t1 = time.perf_counter()
             draft = self.drafter.propose(tokens, k, params, generator) if k > 0 else None
+            if draft is not None:
+                _check_draft(draft, k, self.target.cfg.vocab_size)
             t2 = time.perf_counter()
             new, n_acc = self.speculative_step(tokens, cache_len, draft, params, generator)
             t3 = time.perf_counter()
@@ -308,11 +325,19 @@ class Engine:
                 return self.tokenizer.decode(out)[: stats["stop_text_end"]]
             return self.tokenizer.decode(out, skip_special_tokens=True)
 
+        def held_back(text: str) -> int:
+            # Text that may be the start of a stop string is not shown until that is decided.
+            if "stop_text_end" in stats:
+                return 0
+            return max((n for s in stop for n in range(min(len(s) - 1, len(text)), 0, -1)
+                        if text.endswith(s[:n])), default=0)
+
         for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
             out.extend(new)
             text = current_text()
             if text.endswith("\ufffd"):
                 continue  # an incomplete multi-byte character: wait for the rest
+            text = text[: len(text) - held_back(text)]
             if len(text) > len(shown) and text.startswith(shown):
                 yield text[len(shown):]
                 shown = text

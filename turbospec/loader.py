@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -152,6 +151,10 @@ def load_tokenizer(source):
     if isinstance(source, torch.nn.Module):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(resolve_model_dir(source))
+    model_dir = resolve_model_dir(source)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
+        return None  # weights only: prompts must then be token ids
+    return AutoTokenizer.from_pretrained(model_dir)
 
 

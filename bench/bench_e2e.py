@@ -1,0 +1,12 @@
+"""End-to-end benchmark (same as `turbospec bench`); see turbospec/benchmark.py for the options.
+
+Example (CPU, default model, both dtypes):
+    python bench/bench_e2e.py --dtype float32 --layer-skip 8
+    python bench/bench_e2e.py --dtype bfloat16 --layer-skip 8
+"""
+import sys
+
+from turbospec.benchmark import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""Drafters and the draft budget in isolation: NgramDrafter lookups and its incremental index,
+DraftModelDrafter's KV-cache bookkeeping across steps, DraftBudget's choice of draft length."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import turbospec
+from turbospec import Engine
+from turbospec.budget import DraftBudget
+from turbospec.draft_model import DraftModelDrafter, layer_skip_draft
+from turbospec.ngram import NgramDrafter
+from turbospec.sampling import SamplingParams
+
+from conftest import make_tiny_model
+
+GREEDY = SamplingParams()
+
+
+# ------------------------------------------------------------------------------------------------
+# NgramDrafter
+# ------------------------------------------------------------------------------------------------
+def naive_ngram(tokens, max_tokens, max_ngram=3, min_ngram=1):
+    """From scratch: the latest earlier occurrence (with a continuation) of the longest suffix."""
+    for n in range(min(max_ngram, len(tokens)), min_ngram - 1, -1):
+        suffix = tokens[-n:]
+        for e in range(len(tokens) - 1, n - 1, -1):  # e: position right after the occurrence
+            if tokens[e - n:e] == suffix:
+                return tokens[e:e + max_tokens]
+    return None
+
+
+def propose(d, tokens, k):
+    draft = d.propose(list(tokens), k, GREEDY, None)
+    if draft is not None:
+        assert draft.parents is None and draft.draft_probs is None  # a chain of point masses
+        return draft.token_ids
+    return None
+
+
+def test_ngram_prefers_longest_match():
+    tokens = [1, 2, 3, 9, 9, 5, 2, 3, 8, 7, 1, 2, 3]
+    d = NgramDrafter(max_ngram=3)
+    d.begin(tokens)
+    # (1,2,3) occurred at the start (-> 9); the more recent (2,3) -> 8 and (3,) -> 8 lose
+    assert propose(d, tokens, 4) == [9, 9, 5, 2]
+    d2 = NgramDrafter(max_ngram=2)
+    d2.begin(tokens)
+    assert propose(d2, tokens, 4) == [8, 7, 1, 2]
+
+
+def test_ngram_prefers_latest_occurrence():
+    tokens = [1, 2, 3, 4, 0, 1, 2, 3, 5, 6, 0, 1, 2, 3]
+    d = NgramDrafter()
+    d.begin(tokens)
+    assert propose(d, tokens, 3) == [5, 6, 0]
+
+
+def test_ngram_respects_max_tokens_and_short_continuations():
+    tokens = [4, 5, 6, 7, 8, 9, 4, 5]
+    d = NgramDrafter()
+    d.begin(tokens)
+    for k in range(1, 10):
+        out = propose(d, tokens, k)
+        assert out == [6, 7, 8, 9, 4, 5][:k]
+        assert len(out) <= k
+    assert d.propose(tokens, 0, GREEDY, None) is None
+    # the continuation may run into the query itself: [7, 8, 7] -> after the first 7 comes [8, 7]
+    d.begin([7, 8, 7])
+    assert propose(d, [7, 8, 7], 5) == [8, 7]
+
+
+def test_ngram_none_without_match():
+    d = NgramDrafter()
+    for tokens in ([1], [1, 2], [1, 2, 3, 4, 5]):
+        d.begin(tokens)
+        assert d.propose(tokens, 4, GREEDY, None) is None
+    d = NgramDrafter(max_ngram=3, min_ngram=2)
+    d.begin([1, 2, 3, 1])  # only a 1-gram matches, below min_ngram
+    assert d.propose([1, 2, 3, 1], 4, GREEDY, None) is None
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_ngram_incremental_index_matches_from_scratch(max_ngram, min_ngram):
+    rng = random.Random(max_ngram * 10 + min_ngram)
+    tokens = [rng.randrange(6) for _ in range(5)]
+    d = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
+    d.begin(tokens)
+    hits = 0
+    for step in range(300):
+        k = rng.randrange(1, 7)
+        got = propose(d, tokens, k)
+        assert got == naive_ngram(tokens, k, max_ngram, min_ngram), (step, tokens)
+        hits += got is not None
+        tokens = tokens + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+    assert hits > 250  # small alphabet: lookups almost always hit
+
+
+def test_ngram_begin_forgets_the_previous_sequence():
+    d = NgramDrafter()
+    first = [1, 2, 3, 4, 1, 2]
+    d.begin(first)
+    assert propose(d, first, 2) == [3, 4]
+    second = [9, 1, 2]
+    d.begin(second)
+    assert d.propose(second, 2, GREEDY, None) is None  # (1, 2) -> 3 belonged to the old sequence
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_ngram=0), dict(min_ngram=0), dict(max_ngram=2, min_ngram=3),
+                                    dict(min_ngram=-1, max_ngram=2)])
+def test_ngram_invalid_sizes(kwargs):
+    with pytest.raises(ValueError, match="min_ngram.*max_ngram"):
+        NgramDrafter(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# DraftModelDrafter
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_target():
+    return turbospec.load_model(make_tiny_model("llama", seed=3, num_hidden_layers=2))
+
+
+def greedy_reference(target, prompt, n):
+    return Engine(target, drafter="none", max_seq_len=256).generate(prompt, n).token_ids
+
+
+@pytest.mark.parametrize("draft_kind", ["same-weights", "layer-skip-all"])
+def test_draft_model_equal_to_target_drafts_the_true_continuation(tiny_target, draft_kind):
+    """Drive the drafter as the engine does, with full and partial acceptance, steps without a
+    proposal, and a second generation: a draft identical to the target must always propose exactly
+    the target's greedy continuation, which holds only if its cache bookkeeping is right."""
+    draft = (layer_skip_draft(tiny_target, tiny_target.cfg.num_layers) if draft_kind == "layer-skip-all"
+             else turbospec.load_model(make_tiny_model("llama", seed=3, num_hidden_layers=2)))
+    d = DraftModelDrafter(draft, max_seq_len=256)
+    rng = random.Random(0)
+    for prompt in ([5, 6, 7, 8, 9], [200, 3, 17], [5, 6, 7, 8, 9]):
+        ref = greedy_reference(tiny_target, prompt, 90)
+        tokens = list(prompt)
+        d.begin(tokens)
+        total_proposed = 0
+        while len(tokens) - len(prompt) < 80:
+            pos = len(tokens) - len(prompt)
+            k = rng.choice([0, 1, 2, 5, 8])
+            if k:
+                out = d.propose(tokens, k, GREEDY, None)
+                assert out.token_ids == ref[pos:pos + k], (prompt, pos, k)
+                assert out.draft_probs is None and out.parents is None
+                total_proposed += k
+                n_acc = rng.choice([k, k, rng.randrange(k + 1)])  # mostly total acceptance
+            else:
+                n_acc = 0
+            tokens = tokens + ref[pos:pos + n_acc + 1]  # accepted drafts + the target's next token
+            d.observe(tokens, n_acc)
+        assert total_proposed > 50
+
+
+def test_draft_model_observe_without_propose_after_begin(tiny_target):
+    """A generation whose first step drafts nothing (the engine skips propose when the budget
+    says 0) must not inherit cache bookkeeping from the previous generation."""
+    draft = layer_skip_draft(tiny_target, tiny_target.cfg.num_layers)
+    d = DraftModelDrafter(draft, max_seq_len=128)
+    p1 = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    ref1 = greedy_reference(tiny_target, p1, 10)
+    d.begin(p1)
+    assert d.propose(p1, 4, GREEDY, None).token_ids == ref1[:4]
+    d.observe(p1 + ref1[:5], 4)
+    p2 = [40, 41]
+    ref2 = greedy_reference(tiny_target, p2, 10)
+    d.begin(p2)
+    t2 = p2 + ref2[:1]
+    d.observe(t2, 0)  # step without a proposal
+    assert d.propose(t2, 4, GREEDY, None).token_ids == ref2[1:5]
+
+
+def test_draft_model_sampling_probs(tiny_target):
+    d = DraftModelDrafter(layer_skip_draft(tiny_target, 1), max_seq_len=64)
+    params = SamplingParams(temperature=0.8, top_k=20)
+    prompt = [3, 4, 5]
+    d.begin(prompt)
+    g = torch.Generator().manual_seed(0)
+    draft = d.propose(prompt, 5, params, g)
+    probs = draft.draft_probs
+    assert len(draft) == 5 and probs.shape == (6, 256) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs[:5].sum(-1), torch.ones(5))
+    assert (probs[5] == 0).all()  # the last node has no children
+    assert ((probs[:5] > 0).sum(-1) <= 20).all()  # top_k applied
+    for i, t in enumerate(draft.token_ids):
+        assert probs[i, t] > 0  # node i+1 was drawn from probs[i]
+    # same generator seed, same draft
+    d.begin(prompt)
+    again = d.propose(prompt, 5, params, torch.Generator().manual_seed(0))
+    assert again.token_ids == draft.token_ids and torch.equal(again.draft_probs, probs)
+
+
+def test_draft_model_nan_draft_stops_drafting(tiny_target):
+    bad = turbospec.load_model(make_tiny_model("llama", seed=5, num_hidden_layers=1))
+    bad.norm.fill_(float("nan"))
+    d = DraftModelDrafter(bad, max_seq_len=64)
+    d.begin([1, 2, 3])
+    assert d.propose([1, 2, 3], 4, GREEDY, None) is None
+    assert d.propose([1, 2, 3], 4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0)) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# DraftBudget
+# ------------------------------------------------------------------------------------------------
+def feed(budget, accept_rate, cost, steps=30, max_draft=8):
+    """Record steps that draft max_draft tokens (accepting a fraction) and plain steps, with verify
+    times cost(width) for every width."""
+    for i in range(steps):
+        for w in range(1, max_draft + 2):
+            k = w - 1
+            budget.record(k, int(round(accept_rate * k)) if k else 0, w, cost(w), 1e-6 * k)
+
+
+def test_budget_switches_speculation_off_with_steep_cost_and_low_acceptance():
+    b = DraftBudget(8)
+    feed(b, 0.0, lambda w: 0.01 * w * w)
+    assert b.accept_rate < 0.11  # the floor with decay 0.9 and the 0.6 prior
+    assert b.choose() == 0
+
+
+def test_budget_chooses_max_with_high_acceptance_and_flat_cost():
+    b = DraftBudget(8)
+    feed(b, 1.0, lambda w: 0.01)
+    assert b.accept_rate > 0.9
+    assert b.choose() == 8
+
+
+def test_budget_intermediate_choice():
+    """Moderate acceptance and a cost linear in width: neither 0 nor the maximum."""
+    b = DraftBudget(16)
+    for _ in range(40):
+        b.record(4, 3, 5, 0.01 * (1 + 0.25 * 4), 0.0)  # 3 of 4 accepted -> a ~ 0.75
+        b.record(0, 0, 1, 0.01, 0.0)
+    for w in range(1, 18):
+        b.record(0, 0, w, 0.01 * (1 + 0.25 * (w - 1)), 0.0)
+    assert 0 < b.choose() < 16
+
+
+def test_budget_probes_again_after_switching_off():
+    b = DraftBudget(8)
+    feed(b, 0.0, lambda w: 0.01 * (1 + 0.3 * (w - 1)))  # moderate cost: worth it only if a > 0.3
+    assert b.choose() == 0
+    rates = [b.accept_rate]
+    for _ in range(200):
+        if b.choose() > 0:
+            break
+        rates.append(b.accept_rate)
+    else:
+        pytest.fail("speculation never probed again")
+    assert len(rates) > 5
+    assert all(r2 > r1 for r1, r2 in zip(rates, rates[1:]))  # evidence decays towards the prior
+    assert rates[-1] > 0.25
+
+
+def test_budget_not_adaptive_or_zero():
+    b = DraftBudget(5, adaptive=False)
+    feed(b, 0.0, lambda w: 0.01 * w * w, max_draft=5)
+    assert b.choose() == 5
+    assert DraftBudget(0).choose() == 0
+
+
+def test_budget_untimed_ignores_measured_cost():
+    """timed=False (engine: sampling with a seed) decides from acceptance only, reproducibly."""
+    timed, untimed = DraftBudget(8), DraftBudget(8, timed=False)
+    for b in (timed, untimed):
+        feed(b, 0.5, lambda w: 0.01 * w ** 3)
+    assert untimed.accept_rate == pytest.approx(timed.accept_rate)  # acceptance is still tracked
+    assert untimed.verify_time == {} and untimed.draft_token_time == 0.0
+    assert timed.choose() == 0
+    assert untimed.choose() > 0
+
+
+def test_budget_expected_tokens():
+    b = DraftBudget(8)
+    a = b.accept_rate
+    assert a == pytest.approx(0.6)  # the prior before any evidence
+    assert b.expected_tokens(0) == pytest.approx(1.0)
+    e = [b.expected_tokens(k) for k in range(9)]
+    assert all(y > x for x, y in zip(e, e[1:])) and e[-1] < 1 / (1 - a)
+    assert b.expected_tokens(2) == pytest.approx(1 + a + a * a)

@@ -1,0 +1,321 @@
+"""turbospec's own Transformer against transformers' modeling code, tree-masked attention, the static
+KV cache, and the loader (in-memory models, directories, bad inputs, bf16)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import turbospec
+from turbospec import loader, ops
+from turbospec.model import ModelConfig, Transformer
+
+from conftest import make_tiny_model
+
+ATOL = 1e-4
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+
+CONFIGS = {
+    "llama-gqa": ("llama", {}),
+    "llama-mha-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama-mqa-3layers": ("llama", dict(num_key_value_heads=1, num_hidden_layers=3)),
+    "llama3-rope-scaling": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
+    "linear-rope-scaling": ("llama", dict(rope_parameters=LINEAR_ROPE)),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen2-bias-3layers-tied": ("qwen2", dict(num_hidden_layers=3, tie_word_embeddings=True)),
+    "mistral": ("mistral", {}),
+}
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(ids).logits.float()
+
+
+def full_forward(model: Transformer, ids: torch.Tensor, max_seq_len: int = 128) -> torch.Tensor:
+    cache = model.new_cache(max_seq_len)
+    n = ids.shape[1]
+    return model.forward(ids, torch.arange(n)[None], cache, 0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(hf model, turbospec model) for the default tiny Llama (3 layers, GQA)."""
+    hf = make_tiny_model("llama", seed=3, num_hidden_layers=3)
+    return hf, turbospec.load_model(hf)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward vs transformers
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_forward_matches_transformers(name):
+    kind, overrides = CONFIGS[name]
+    hf = make_tiny_model(kind, seed=1, **overrides)
+    model = turbospec.load_model(hf)
+    cfg = model.cfg
+    assert cfg.model_type == kind
+    assert cfg.qkv_bias == (kind == "qwen2")
+    assert cfg.num_kv_heads == hf.config.num_key_value_heads
+    if "rope_parameters" in overrides:
+        assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == \
+            overrides["rope_parameters"]["rope_type"]
+    # 48 positions: beyond the llama3 config's original context of 16, so the scaling matters.
+    ids = torch.randint(0, cfg.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(hf, ids)
+    out = full_forward(model, ids)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+    # logits="last" is the last row of "all"; "none" returns nothing
+    last = model.forward(ids, torch.arange(48)[None], model.new_cache(64), 0, logits="last")
+    torch.testing.assert_close(last, out[:, -1:], atol=ATOL, rtol=1e-4)
+    assert model.forward(ids, torch.arange(48)[None], model.new_cache(64), 0, logits="none") is None
+
+
+def test_rope_scaling_changes_the_logits():
+    """Guards the scaled-rope comparison above against being vacuous."""
+    plain = turbospec.load_model(make_tiny_model("llama", seed=1))
+    scaled = turbospec.load_model(make_tiny_model("llama", seed=1, rope_parameters=LLAMA3_ROPE))
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    assert (full_forward(plain, ids) - full_forward(scaled, ids)).abs().max() > 1e-2
+
+
+def test_unpacked_linear_matches_packed(tiny):
+    hf, model = tiny
+    unpacked = loader.load_model(hf, pack=False)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(full_forward(unpacked, ids), full_forward(model, ids), atol=ATOL, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache: incremental decoding, tree attention, overflow
+# ------------------------------------------------------------------------------------------------
+def test_incremental_decode_equals_full_forward(tiny):
+    hf, model = tiny
+    n = 40
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(hf, ids)
+    cache = model.new_cache(64)
+    rows, pos = [], 0
+    for chunk in (7, 1, 1, 5, 1, 3, 1, 1, 10, 1, 9):  # prefill, single-token decode and chunks
+        x = ids[:, pos:pos + chunk]
+        rows.append(model.forward(x, torch.arange(pos, pos + chunk)[None], cache, pos))
+        pos += chunk
+    assert pos == n
+    torch.testing.assert_close(torch.cat(rows, dim=1), ref, atol=ATOL, rtol=1e-4)
+
+
+def test_stale_cache_entries_beyond_cache_len_are_ignored(tiny):
+    """Entries past cache_len (rejected drafts of an earlier step) must not influence attention."""
+    _, model = tiny
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 256, (1, 12), generator=g)
+    junk = torch.randint(0, 256, (1, 6), generator=g)
+    cache = model.new_cache(32)
+    model.forward(ids[:, :8], torch.arange(8)[None], cache, 0, logits="none")
+    model.forward(junk, torch.arange(8, 14)[None], cache, 8, logits="none")  # to be overwritten
+    out = model.forward(ids[:, 8:], torch.arange(8, 12)[None], cache, 8)
+    torch.testing.assert_close(out, full_forward(model, ids)[:, 8:], atol=ATOL, rtol=1e-4)
+
+
+TREES = {
+    "chain": [-1, 0, 1, 2, 3],
+    "star": [-1, 0, 0, 0, 0, 0],
+    "mixed": [-1, 0, 0, 1, 1, 2, 3, 3, 6, 0, 9, 5],
+    "deep-and-wide": [-1, 0, 1, 2, 3, 4, 0, 6, 1, 8, 2, 10, 7, 12, 12, 14],
+}
+
+
+@pytest.mark.parametrize("prefix_len", [0, 1, 9])
+@pytest.mark.parametrize("tree", list(TREES))
+def test_tree_masked_forward_equals_each_path_run_causally(tiny, tree, prefix_len):
+    """The core property of tree verification: with the tree mask and depth-based positions, each
+    node's logits are exactly those of its root-to-node path run causally after the prefix."""
+    _, model = tiny
+    parents = torch.tensor([TREES[tree]])
+    n = parents.shape[1]
+    g = torch.Generator().manual_seed(n + prefix_len)
+    prefix = torch.randint(0, 256, (1, prefix_len), generator=g)
+    nodes = torch.randint(0, 256, (1, n), generator=g)
+    tree_mask, _, depth, retrieve = ops.build_tree(parents)
+    cache = model.new_cache(64)
+    if prefix_len:
+        model.forward(prefix, torch.arange(prefix_len)[None], cache, 0, logits="none")
+    out = model.forward(nodes, prefix_len + depth, cache, prefix_len, tree_mask)
+    assert out.shape == (1, n, 256)
+    for i in range(n):
+        d = int(depth[0, i])
+        path = retrieve[0, i, : d + 1]
+        assert int(path[0]) == 0 and int(path[-1]) == i
+        seq = torch.cat([prefix, nodes[:, path]], dim=1)
+        expect = full_forward(model, seq)[0, -1]
+        torch.testing.assert_close(out[0, i], expect, atol=ATOL, rtol=1e-4,
+                                   msg=lambda m: f"node {i} (path {path.tolist()}): {m}")
+
+
+def test_tree_mask_is_not_causal_mask(tiny):
+    """Guards the tree test: for a non-chain tree the causal mask gives different logits."""
+    _, model = tiny
+    parents = torch.tensor([TREES["star"]])
+    nodes = torch.randint(0, 256, (1, parents.shape[1]), generator=torch.Generator().manual_seed(5))
+    tree_mask, _, depth, _ = ops.build_tree(parents)
+    tree_out = model.forward(nodes, depth, model.new_cache(16), 0, tree_mask)
+    causal_out = model.forward(nodes, torch.arange(parents.shape[1])[None], model.new_cache(16), 0)
+    assert (tree_out[0, 2:] - causal_out[0, 2:]).abs().max() > 1e-2
+
+
+def test_kv_cache_overflow_raises(tiny):
+    _, model = tiny
+    cache = model.new_cache(16)
+    ids = torch.randint(0, 256, (1, 10))
+    model.forward(ids, torch.arange(10)[None], cache, 0, logits="none")
+    with pytest.raises(ValueError, match="cache overflow.*max_seq_len 16"):
+        model.forward(ids[:, :7], torch.arange(10, 17)[None], cache, 10)
+    # exactly filling the cache is fine
+    out = model.forward(ids[:, :6], torch.arange(10, 16)[None], cache, 10)
+    assert out.shape == (1, 6, 256)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.new_cache(0)
+
+
+def test_cache_shapes_and_dtype(tiny):
+    _, model = tiny
+    cache = model.new_cache(33)
+    cfg = model.cfg
+    assert len(cache.tensors()) == 2 * cfg.num_layers
+    for t in cache.tensors():
+        assert t.shape == (1, cfg.num_kv_heads, 33, cfg.head_dim) and t.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# Loader
+# ------------------------------------------------------------------------------------------------
+def test_load_from_saved_directory_matches_in_memory(tmp_path):
+    hf = make_tiny_model("qwen2", seed=4)
+    hf.save_pretrained(tmp_path)
+    from_dir = turbospec.load_model(str(tmp_path))
+    from_mem = turbospec.load_model(hf)
+    assert from_dir.cfg == from_mem.cfg
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(full_forward(from_dir, ids), hf_logits(hf, ids), atol=ATOL, rtol=1e-4)
+    # an os.PathLike works as well as a str
+    assert turbospec.load_model(tmp_path).cfg == from_mem.cfg
+
+
+def test_load_sharded_safetensors(tmp_path):
+    hf = make_tiny_model("llama", seed=5)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model = turbospec.load_model(tmp_path)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(full_forward(model, ids), hf_logits(hf, ids), atol=ATOL, rtol=1e-4)
+
+
+def test_load_pytorch_bin_checkpoint(tmp_path):
+    hf = make_tiny_model("llama", seed=6)
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    model = turbospec.load_model(tmp_path)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(full_forward(model, ids), hf_logits(hf, ids), atol=ATOL, rtol=1e-4)
+
+
+def test_unsupported_architecture_saved_dir_raises(tmp_path):
+    from transformers import GPT2Config
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as ei:
+        turbospec.load_model(tmp_path)
+    msg = str(ei.value)
+    assert "gpt2" in msg
+    for supported in ("llama", "mistral", "qwen2"):
+        assert supported in msg
+
+
+def test_unsupported_architecture_in_memory_raises():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2"):
+        turbospec.load_model(model)
+    with pytest.raises(ValueError, match="gpt2"):
+        turbospec.Engine(model, drafter="none")
+
+
+def test_unsupported_activation_and_rope_type_raise():
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(make_tiny_model("llama", hidden_act="gelu").config)
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2),
+                         "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="'dynamic'"):
+        ModelConfig.from_hf(cfg)
+
+
+def test_missing_model_path_raises_with_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError) as ei:
+        turbospec.load_model(str(missing))
+    assert str(missing) in str(ei.value)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        turbospec.Engine(str(missing))
+
+
+def test_directory_without_weights_raises(tmp_path):
+    make_tiny_model("llama").config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no weights.*safetensors"):
+        turbospec.load_model(tmp_path)
+
+
+def test_directory_without_config_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        turbospec.load_model(tmp_path)
+
+
+def test_checkpoint_shape_mismatch_raises(tmp_path):
+    hf = make_tiny_model("llama", seed=7)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["vocab_size"] = 300
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="embed_tokens has shape"):
+        turbospec.load_model(tmp_path)
+
+
+def test_non_gguf_file_raises(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match="model.bin"):
+        turbospec.load_model(f)
+
+
+def test_bf16_load_close_to_fp32(tiny):
+    hf, fp32 = tiny
+    bf16 = turbospec.load_model(hf, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for t in bf16.new_cache(8).tensors())
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    a = full_forward(fp32, ids)
+    b = full_forward(bf16, ids)
+    assert b.dtype == torch.float32 and torch.isfinite(b).all()
+    err = (a - b).abs()
+    scale = a.std()
+    assert err.mean() < 0.1 * scale, (err.mean(), scale)
+    assert err.max() < 0.6 * scale, (err.max(), scale)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+    # the model was not changed by loading a bf16 copy (fp32 weights are not aliased as bf16)
+    torch.testing.assert_close(full_forward(fp32, ids), a)
+
+
+def test_default_model_loads(smollm2_dir, smollm2):
+    model, tok = smollm2
+    assert os.path.isfile(os.path.join(smollm2_dir, "config.json"))
+    cfg = model.cfg
+    assert (cfg.model_type, cfg.num_layers, cfg.vocab_size) == ("llama", 30, 49152)
+    assert cfg.tie_word_embeddings
+    assert tok.eos_token_id in cfg.eos_token_ids
+    # resolving again hits the cache (no re-conversion)
+    assert loader.resolve_model_dir(turbospec.default_model_path()) == smollm2_dir
