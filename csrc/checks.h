@@ -1,0 +1,218 @@
+// Argument checks shared by the CPU and CUDA entry points of every turbospec op.
+//
+// Each message names the op, the parameter, what is allowed and what was received, e.g.
+//   "verify: uniform must be float32 [B, N] = [1, 5], got float64 [1, 5]".
+// Values inside tensors (parents, token ids, path indices) are checked by the kernels themselves:
+// the CPU kernels raise, the CUDA kernels mark the row invalid (no host sync).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace turbospec {
+
+constexpr int64_t kMaxTreeNodes = 64;  // a tree mask row is one int64 (reference.MAX_TREE_NODES)
+
+inline std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return "float32";
+    case c10::kDouble: return "float64";
+    case c10::kHalf: return "float16";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kLong: return "int64";
+    case c10::kInt: return "int32";
+    case c10::kShort: return "int16";
+    case c10::kChar: return "int8";
+    case c10::kByte: return "uint8";
+    case c10::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+inline std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream o;
+  o << "[";
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << "]";
+  return o.str();
+}
+
+inline std::string describe(const at::Tensor& t) {
+  return dtype_name(t.scalar_type()) + " " + shape_str(t.sizes());
+}
+
+// One named dimension of an expected shape, e.g. {"B", 4}.
+struct Dim {
+  const char* name;
+  int64_t size;
+};
+
+inline bool is_float_dtype(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kBFloat16 || t == c10::kHalf;
+}
+
+// Checks the dtype (one of `dtypes`) and the exact shape of `t`.
+inline void check_tensor(const char* op, const char* name, const at::Tensor& t,
+                         std::initializer_list<c10::ScalarType> dtypes, std::initializer_list<Dim> dims) {
+  bool dtype_ok = false;
+  for (auto d : dtypes) dtype_ok = dtype_ok || t.scalar_type() == d;
+  bool shape_ok = t.dim() == static_cast<int64_t>(dims.size());
+  if (shape_ok) {
+    int64_t i = 0;
+    for (const Dim& d : dims) shape_ok = shape_ok && t.size(i++) == d.size;
+  }
+  if (dtype_ok && shape_ok) return;
+  std::ostringstream want;
+  size_t k = 0;
+  for (auto d : dtypes) {
+    want << (k == 0 ? "" : (k + 1 == dtypes.size() ? " or " : ", ")) << dtype_name(d);
+    ++k;
+  }
+  want << " [";
+  k = 0;
+  for (const Dim& d : dims) want << (k++ ? ", " : "") << d.name;
+  want << "] = [";
+  k = 0;
+  for (const Dim& d : dims) want << (k++ ? ", " : "") << d.size;
+  want << "]";
+  TORCH_CHECK(false, op, ": ", name, " must be ", want.str(), ", got ", describe(t));
+}
+
+inline void check_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref,
+                         const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", name, " must be on ", ref.device(), " (the device of ",
+              ref_name, "), got ", t.device());
+}
+
+inline void check_kernel_device(const char* op, const char* name, const at::Tensor& t, c10::DeviceType type) {
+  TORCH_CHECK(t.device().type() == type, op, ": ", name, " must be a ", c10::DeviceTypeName(type, true),
+              " tensor for this kernel, got one on ", t.device());
+}
+
+inline void check_output(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), op, ": output ", name, " must be contiguous, got ", describe(t),
+              " with strides ", shape_str(t.strides()));
+}
+
+// ---------------------------------------------------------------------------------------------
+struct TreeDims {
+  int64_t B, N;
+};
+
+inline TreeDims check_build_tree_args(const at::Tensor& parents, const at::Tensor& tree_mask,
+                                      const at::Tensor& tree_mask_packed, const at::Tensor& depth,
+                                      const at::Tensor& retrieve_index, c10::DeviceType type) {
+  const char* op = "build_tree";
+  TORCH_CHECK(parents.dim() == 2 && parents.scalar_type() == c10::kLong, op,
+              ": parents must be int64 [B, N], got ", describe(parents));
+  const int64_t B = parents.size(0), N = parents.size(1);
+  TORCH_CHECK(N >= 1 && N <= kMaxTreeNodes, op, ": parents must have N in [1, ", kMaxTreeNodes,
+              "] nodes, got N = ", N, " (", describe(parents), ")");
+  check_kernel_device(op, "parents", parents, type);
+  check_tensor(op, "tree_mask", tree_mask, {c10::kBool}, {{"B", B}, {"N", N}, {"N", N}});
+  check_tensor(op, "tree_mask_packed", tree_mask_packed, {c10::kLong}, {{"B", B}, {"N", N}});
+  check_tensor(op, "depth", depth, {c10::kLong}, {{"B", B}, {"N", N}});
+  check_tensor(op, "retrieve_index", retrieve_index, {c10::kLong}, {{"B", B}, {"N", N}, {"N", N}});
+  const std::pair<const char*, const at::Tensor*> outs[] = {
+      {"tree_mask", &tree_mask}, {"tree_mask_packed", &tree_mask_packed}, {"depth", &depth},
+      {"retrieve_index", &retrieve_index}};
+  for (const auto& o : outs) {
+    check_device(op, o.first, *o.second, parents, "parents");
+    check_output(op, o.first, *o.second);
+  }
+  return {B, N};
+}
+
+// ---------------------------------------------------------------------------------------------
+struct VerifyDims {
+  int64_t B, N, V;
+};
+
+inline VerifyDims check_verify_args(const at::Tensor& target_logits, const at::Tensor& parents,
+                                    const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
+                                    const at::Tensor& uniform, double temperature, int64_t top_k, double top_p,
+                                    const at::Tensor& accept_len, const at::Tensor& accept_index,
+                                    const at::Tensor& output_token_ids, c10::DeviceType type) {
+  const char* op = "verify";
+  TORCH_CHECK(target_logits.dim() == 3 && is_float_dtype(target_logits.scalar_type()), op,
+              ": target_logits must be float32, bfloat16 or float16 [B, N, V], got ", describe(target_logits));
+  const int64_t B = target_logits.size(0), N = target_logits.size(1), V = target_logits.size(2);
+  TORCH_CHECK(N >= 1 && N <= kMaxTreeNodes, op, ": target_logits must have N in [1, ", kMaxTreeNodes,
+              "] nodes, got N = ", N, " (", describe(target_logits), ")");
+  TORCH_CHECK(V >= 1, op, ": target_logits must have a vocabulary V >= 1, got ", describe(target_logits));
+  TORCH_CHECK(V <= INT32_MAX, op, ": target_logits vocabulary V must fit in int32, got V = ", V);
+  check_kernel_device(op, "target_logits", target_logits, type);
+  check_tensor(op, "parents", parents, {c10::kLong}, {{"B", B}, {"N", N}});
+  check_tensor(op, "draft_token_ids", draft_token_ids, {c10::kLong}, {{"B", B}, {"N", N}});
+  if (draft_probs.has_value()) {
+    check_tensor(op, "draft_probs", *draft_probs, {c10::kFloat, c10::kBFloat16, c10::kHalf},
+                 {{"B", B}, {"N", N}, {"V", V}});
+    check_device(op, "draft_probs", *draft_probs, target_logits, "target_logits");
+  }
+  check_tensor(op, "uniform", uniform, {c10::kFloat}, {{"B", B}, {"N", N}});
+  check_tensor(op, "accept_len", accept_len, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "accept_index", accept_index, {c10::kLong}, {{"B", B}, {"N", N}});
+  check_tensor(op, "output_token_ids", output_token_ids, {c10::kLong}, {{"B", B}, {"N", N}});
+  const std::pair<const char*, const at::Tensor*> ins[] = {
+      {"parents", &parents}, {"draft_token_ids", &draft_token_ids}, {"uniform", &uniform}};
+  for (const auto& i : ins) check_device(op, i.first, *i.second, target_logits, "target_logits");
+  const std::pair<const char*, const at::Tensor*> outs[] = {
+      {"accept_len", &accept_len}, {"accept_index", &accept_index}, {"output_token_ids", &output_token_ids}};
+  for (const auto& o : outs) {
+    check_device(op, o.first, *o.second, target_logits, "target_logits");
+    check_output(op, o.first, *o.second);
+  }
+  TORCH_CHECK(std::isfinite(temperature) && temperature >= 0.0, op,
+              ": temperature must be a finite number >= 0 (0 = greedy), got ", temperature);
+  TORCH_CHECK(top_k >= 0, op, ": top_k must be >= 0 (0 disables top-k), got ", top_k);
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 disables top-p), got ", top_p);
+  return {B, N, V};
+}
+
+// ---------------------------------------------------------------------------------------------
+struct CacheDims {
+  int64_t L, B, H, S, D, N;
+};
+
+inline CacheDims check_compact_kv_args(at::TensorList caches, const at::Tensor& prefix_len,
+                                       const at::Tensor& accept_index, const at::Tensor& accept_len,
+                                       c10::DeviceType type) {
+  const char* op = "compact_kv";
+  TORCH_CHECK(accept_len.dim() == 1 && accept_len.scalar_type() == c10::kLong, op,
+              ": accept_len must be int64 [B], got ", describe(accept_len));
+  const int64_t B = accept_len.size(0);
+  TORCH_CHECK(accept_index.dim() == 2 && accept_index.scalar_type() == c10::kLong && accept_index.size(0) == B,
+              op, ": accept_index must be int64 [B, N] with B = ", B, ", got ", describe(accept_index));
+  const int64_t N = accept_index.size(1);
+  check_tensor(op, "prefix_len", prefix_len, {c10::kLong}, {{"B", B}});
+  check_kernel_device(op, "accept_len", accept_len, type);
+  check_device(op, "accept_index", accept_index, accept_len, "accept_len");
+  check_device(op, "prefix_len", prefix_len, accept_len, "accept_len");
+  CacheDims d{static_cast<int64_t>(caches.size()), B, 0, 0, 0, N};
+  if (caches.empty()) return d;
+  const at::Tensor& c0 = caches[0];
+  TORCH_CHECK(c0.dim() == 4 && c0.size(0) == B, op, ": caches[0] must be [B, H, S, D] with B = ", B, ", got ",
+              describe(c0));
+  d.H = c0.size(1);
+  d.S = c0.size(2);
+  d.D = c0.size(3);
+  for (size_t l = 0; l < caches.size(); ++l) {
+    const at::Tensor& c = caches[l];
+    const std::string name = "caches[" + std::to_string(l) + "]";
+    TORCH_CHECK(c.sizes() == c0.sizes() && c.scalar_type() == c0.scalar_type(), op, ": ", name,
+                " must have the dtype and shape of caches[0] (", describe(c0), "), got ", describe(c));
+    TORCH_CHECK(c.is_floating_point(), op, ": ", name, " must be a floating-point tensor, got ", describe(c));
+    check_device(op, name.c_str(), c, accept_len, "accept_len");
+    TORCH_CHECK(c.size(3) <= 1 || c.stride(3) == 1, op, ": ", name,
+                " must be contiguous in its last dim (D), got strides ", shape_str(c.strides()));
+  }
+  return d;
+}
+
+}  // namespace turbospec

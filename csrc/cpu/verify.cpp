@@ -1,0 +1,387 @@
+// verify, CPU: fused softmax + speculative acceptance over a chain or tree (spec: reference.verify).
+//
+// Rows run in parallel (at::parallel_for); each row walks its tree from the root exactly as the
+// reference does, computing the target distribution only at the nodes it visits:
+//   * validity: one pass (NaN / +inf / all -inf -> accept_len = -1, nothing emitted);
+//   * greedy (temperature == 0): one argmax pass (first maximal index);
+//   * sampling: logits / temperature in float32; top-k by the k-th largest value (a k-heap or
+//     nth_element, O(V)); top-p by the value rule of logits_to_probs, sorting only the prefix of
+//     the probabilities the cut can reach (nth_element on doubling chunks) with the reference's
+//     float64 running sum; softmax in float32 (torch's own kernel from V = 1024 on, see
+//     kTorchSoftmaxMinVocab; below, float32 exp with a float64 sum); recursive rejection over the
+//     children in node order in float64; inverse-CDF sampling with a float64 cumulative sum.
+// No full sort unless top-p has to cut deep into a flat distribution. The integer outputs equal
+// the reference's except for decisions within float rounding of a tie.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+
+namespace turbospec {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Sampling {
+  double temperature;
+  int64_t top_k;
+  double top_p;
+};
+
+// Per-thread buffers, kept across calls (they only grow): allocating and faulting in a few MB per
+// call would cost more than a large-vocabulary row itself.
+struct Scratch {
+  std::vector<float> x, e, probs, sorted;
+  std::vector<double> p, q, r;
+  void reserve(int64_t V, bool top_k_or_p, bool with_q) {
+    const size_t n = static_cast<size_t>(V);
+    for (auto* v : {&x, &e}) if (v->size() < n) v->resize(n);
+    if (p.size() < n) p.resize(n);
+    if (r.size() < n) r.resize(n);
+    if (probs.size() < n) probs.resize(n);
+    if (top_k_or_p && sorted.size() < n) sorted.resize(n);
+    if (with_q && q.size() < n) q.resize(n);
+  }
+};
+
+// False when the row cannot define a distribution (any NaN or +inf, or all -inf), as in
+// reference.logits_are_valid; otherwise *argmax is the first maximal index.
+template <typename T>
+bool scan_logits(const T* row, int64_t V, int64_t* argmax) {
+  float best = static_cast<float>(row[0]);
+  int64_t best_i = 0;
+  bool any_finite_or_neg = false;  // some value is not -inf
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (std::isnan(v) || v == std::numeric_limits<float>::infinity()) return false;
+    any_finite_or_neg = any_finite_or_neg || v != kNegInf;
+    if (v > best) {
+      best = v;
+      best_i = i;
+    }
+  }
+  *argmax = best_i;
+  return any_finite_or_neg;
+}
+
+// The smallest probability kept by top-p (logits_to_probs): with the probabilities sorted in
+// descending order s_0 >= s_1 >= ..., mass_before_k = cumsum_k - s_k in float64, and
+// num_kept = max(1, #{k : mass_before_k < top_p}); returns s_{num_kept - 1}. Only the sorted prefix
+// the cut can reach is materialised: chunks of doubling size are selected with nth_element.
+float top_p_min_kept(const float* probs, int64_t V, double top_p, std::vector<float>& buf) {
+  std::copy(probs, probs + V, buf.begin());
+  int64_t done = 0, count = 0, chunk = 64;
+  double cum = 0.0;
+  bool crossed = false;
+  while (!crossed && done < V) {
+    const int64_t stop = std::min(V, done + chunk);
+    std::nth_element(buf.begin() + done, buf.begin() + (stop - 1), buf.begin() + V, std::greater<float>());
+    std::sort(buf.begin() + done, buf.begin() + (stop - 1), std::greater<float>());
+    for (int64_t k = done; k < stop; ++k) {
+      const double s = buf[k];
+      cum += s;
+      if (cum - s < top_p) {
+        ++count;
+      } else {
+        crossed = true;
+      }
+    }
+    done = stop;
+    chunk *= 2;
+  }
+  return buf[std::max<int64_t>(count, 1) - 1];
+}
+
+// The k-th largest of x[0:V] (1 <= k < V), counting repeated values: a min-heap of the k largest
+// for small k (one comparison per element for most), nth_element otherwise.
+float kth_largest(const float* x, int64_t V, int64_t k, std::vector<float>& buf) {
+  if (k <= 4096 && k * 16 <= V) {
+    float* heap = buf.data();
+    std::copy(x, x + k, heap);
+    std::make_heap(heap, heap + k, std::greater<float>());
+    for (int64_t i = k; i < V; ++i) {
+      if (x[i] > heap[0]) {
+        std::pop_heap(heap, heap + k, std::greater<float>());
+        heap[k - 1] = x[i];
+        std::push_heap(heap, heap + k, std::greater<float>());
+      }
+    }
+    return heap[0];
+  }
+  std::copy(x, x + V, buf.begin());
+  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + V, std::greater<float>());
+  return buf[k - 1];
+}
+
+// From this vocabulary size on, the float32 softmax is torch's own (at::_softmax on the same
+// float32 values as the reference, hence bitwise equal to it). Its float32 sum drifts by ~1e-6
+// relative at V ~ 1e5, enough to move the top-p cut (a mass compared with top_p) by one token in a
+// flat distribution, and the inverse-CDF sample with it. Below, a float64 sum is as close to the
+// reference as torch's own rounding, and saves the per-call overhead on the many small rows.
+constexpr int64_t kTorchSoftmaxMinVocab = 1024;
+
+void torch_softmax(float* x, float* out, int64_t V) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor out_t = at::from_blob(out, {V}, opts);
+  at::_softmax_out(out_t, at::from_blob(x, {V}, opts), 0, false);
+}
+
+// p <- logits_to_probs(row, temperature, top_k, top_p) as float64 (values rounded to float32).
+template <typename T>
+void target_probs(const T* row, int64_t V, const Sampling& s, Scratch& w) {
+  const float t = static_cast<float>(s.temperature);
+  float* x = w.x.data();
+  float m = kNegInf;  // the maximum survives top-k, so it is the maximum of the kept logits too
+  for (int64_t i = 0; i < V; ++i) {
+    x[i] = static_cast<float>(row[i]) / t;
+    m = x[i] > m ? x[i] : m;
+  }
+  if (s.top_k > 0 && s.top_k < V) {
+    const float kth = kth_largest(x, V, s.top_k, w.sorted);
+    for (int64_t i = 0; i < V; ++i)
+      if (x[i] < kth) x[i] = kNegInf;
+  }
+  double* p = w.p.data();
+  if (V >= kTorchSoftmaxMinVocab) {
+    float* probs = w.probs.data();
+    torch_softmax(x, probs, V);
+    if (s.top_p < 1.0) {
+      const float min_kept = top_p_min_kept(probs, V, s.top_p, w.sorted);
+      for (int64_t i = 0; i < V; ++i)
+        if (probs[i] < min_kept) x[i] = kNegInf;
+      torch_softmax(x, probs, V);
+    }
+    for (int64_t i = 0; i < V; ++i) p[i] = probs[i];
+    return;
+  }
+  float* e = w.e.data();
+  double sum = 0.0;
+  {
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};  // independent chains: the adds overlap
+    int64_t i = 0;
+    for (; i + 4 <= V; i += 4) {
+      for (int k = 0; k < 4; ++k) {
+        e[i + k] = std::exp(x[i + k] - m);
+        acc[k] += e[i + k];
+      }
+    }
+    for (; i < V; ++i) {
+      e[i] = std::exp(x[i] - m);
+      acc[0] += e[i];
+    }
+    sum = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  }
+  if (s.top_p < 1.0) {
+    float* probs = w.probs.data();
+    const float inv = 1.0f / static_cast<float>(sum);
+    for (int64_t i = 0; i < V; ++i) probs[i] = e[i] * inv;
+    const float min_kept = top_p_min_kept(probs, V, s.top_p, w.sorted);
+    sum = 0.0;
+    for (int64_t i = 0; i < V; ++i) {
+      if (probs[i] < min_kept) e[i] = 0.0f;
+      sum += e[i];
+    }
+  }
+  const float inv = 1.0f / static_cast<float>(sum);
+  for (int64_t i = 0; i < V; ++i) p[i] = static_cast<double>(e[i] * inv);
+}
+
+// reference.sample_from_probs: the first token whose float64 cumulative mass exceeds u * total,
+// or the last token with positive mass if rounding leaves none.
+int64_t sample_from_probs(const double* p, int64_t V, double u) {
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += p[i];
+  const double threshold = u * total;
+  double cdf = 0.0;
+  int64_t t = V;
+  for (int64_t i = 0; i < V; ++i) {
+    cdf += p[i];
+    if (cdf > threshold) {
+      t = i;
+      break;
+    }
+  }
+  if (t >= V || p[t] <= 0.0) {
+    for (t = V - 1; t > 0 && !(p[t] > 0.0); --t) {
+    }
+  }
+  return t;
+}
+
+// q <- draft_probs row as float64; false if any entry is non-finite or negative.
+bool load_draft_probs(const at::Tensor& draft_probs, int64_t b, int64_t node, int64_t V, double* q) {
+  bool ok = true;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, draft_probs.scalar_type(), "verify_draft_probs", [&] {
+    const scalar_t* row = draft_probs.data_ptr<scalar_t>() + b * draft_probs.stride(0) + node * draft_probs.stride(1);
+    for (int64_t i = 0; i < V; ++i) {
+      q[i] = static_cast<double>(static_cast<float>(row[i]));
+      ok = ok && std::isfinite(q[i]) && q[i] >= 0.0;
+    }
+  });
+  return ok;
+}
+
+struct RowIO {
+  const int64_t* parents;   // [N]
+  const int64_t* tokens;    // [N]
+  const float* uniform;     // [N]
+  int64_t* accept_len;      // scalar
+  int64_t* accept_index;    // [N]
+  int64_t* output;          // [N]
+};
+
+template <typename T>
+void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft_probs, int64_t b, int64_t N,
+                int64_t V, bool greedy, const Sampling& s, const RowIO& io, Scratch& w) {
+  int64_t node = 0, n_acc = 0, n_out = 0;
+  int64_t path[kMaxTreeNodes], emitted[kMaxTreeNodes];
+  path[0] = 0;
+  bool valid = true;
+  while (true) {
+    const T* row = logits + b * s0 + node * s1;
+    int64_t argmax = 0;
+    if (!scan_logits(row, V, &argmax)) {
+      valid = false;
+      break;
+    }
+    if (greedy) {
+      int64_t next = -1;
+      for (int64_t c = node + 1; c < N && next < 0; ++c)
+        if (io.parents[c] == node && io.tokens[c] == argmax) next = c;
+      emitted[n_out++] = argmax;
+      if (next < 0) break;
+      path[++n_acc] = next;
+      node = next;
+      continue;
+    }
+    target_probs(row, V, s, w);
+    double* p = w.p.data();
+    bool has_children = false;
+    for (int64_t c = node + 1; c < N; ++c) has_children = has_children || io.parents[c] == node;
+    double* q = nullptr;
+    if (draft_probs != nullptr && has_children) {
+      q = w.q.data();
+      if (!load_draft_probs(*draft_probs, b, node, V, q)) {
+        valid = false;
+        break;
+      }
+    }
+    int64_t next = -1;
+    for (int64_t c = node + 1; c < N; ++c) {
+      if (io.parents[c] != node) continue;
+      const int64_t x = io.tokens[c];
+      const double qx = q == nullptr ? 1.0 : q[x];
+      if (static_cast<double>(io.uniform[c]) * qx < p[x]) {
+        next = c;
+        break;
+      }
+      // Rejected: p <- normalise(max(0, p - q)) (point mass: p(x) <- 0), kept if no mass is left.
+      double* r = w.r.data();
+      double rs = 0.0;
+      if (q == nullptr) {
+        for (int64_t i = 0; i < V; ++i) {
+          r[i] = i == x ? 0.0 : p[i];
+          rs += r[i];
+        }
+      } else {
+        for (int64_t i = 0; i < V; ++i) {
+          r[i] = std::max(p[i] - q[i], 0.0);
+          rs += r[i];
+        }
+        q[x] = 0.0;  // siblings are drawn without replacement: remove x from q and renormalise
+        double qs = 0.0;
+        for (int64_t i = 0; i < V; ++i) qs += q[i];
+        if (qs > 0.0)
+          for (int64_t i = 0; i < V; ++i) q[i] /= qs;
+      }
+      if (rs > 0.0)
+        for (int64_t i = 0; i < V; ++i) p[i] = r[i] / rs;
+    }
+    if (next < 0) {
+      emitted[n_out++] = sample_from_probs(p, V, static_cast<double>(io.uniform[0]));
+      break;
+    }
+    emitted[n_out++] = io.tokens[next];
+    path[++n_acc] = next;
+    node = next;
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    io.accept_index[i] = -1;
+    io.output[i] = -1;
+  }
+  if (!valid) {
+    *io.accept_len = -1;
+    return;
+  }
+  *io.accept_len = n_acc;
+  for (int64_t i = 0; i <= n_acc; ++i) io.accept_index[i] = path[i];
+  for (int64_t i = 0; i < n_out; ++i) io.output[i] = emitted[i];
+}
+
+void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
+                const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in, double temperature,
+                int64_t top_k, double top_p, const at::Tensor& accept_len, const at::Tensor& accept_index,
+                const at::Tensor& output_token_ids) {
+  const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
+                                         temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
+                                         c10::DeviceType::CPU);
+  const int64_t B = d.B, N = d.N, V = d.V;
+  if (B == 0) return;
+  // Rows only need a contiguous vocab dim; other strides are used as given.
+  const at::Tensor target_logits = target_logits_in.stride(2) == 1 ? target_logits_in : target_logits_in.contiguous();
+  std::optional<at::Tensor> draft_probs;
+  if (draft_probs_in.has_value())
+    draft_probs = draft_probs_in->stride(2) == 1 ? *draft_probs_in : draft_probs_in->contiguous();
+  const at::Tensor parents = parents_in.contiguous();
+  const at::Tensor tokens = draft_token_ids_in.contiguous();
+  const at::Tensor uniform = uniform_in.contiguous();
+  const int64_t* par = parents.data_ptr<int64_t>();
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(par[b * N] == -1, "verify: parents[", b, ", 0] = ", par[b * N],
+                ": node 0 is the root and its parent must be -1");
+    for (int64_t i = 1; i < N; ++i) {
+      const int64_t p = par[b * N + i];
+      TORCH_CHECK(p >= 0 && p < i, "verify: parents[", b, ", ", i, "] = ", p, ": the parent of node ", i,
+                  " must be in [0, ", i, ") (nodes in topological order)");
+      const int64_t t = tok[b * N + i];
+      TORCH_CHECK(t >= 0 && t < V, "verify: draft_token_ids[", b, ", ", i, "] = ", t,
+                  " is not a token id in [0, V = ", V, ")");
+    }
+  }
+  const bool greedy = temperature == 0.0;
+  const Sampling s{temperature, top_k, top_p};
+  const float* uni = uniform.data_ptr<float>();
+  int64_t* alen = accept_len.data_ptr<int64_t>();
+  int64_t* aidx = accept_index.data_ptr<int64_t>();
+  int64_t* out = output_token_ids.data_ptr<int64_t>();
+  const at::Tensor* dp = draft_probs.has_value() ? &*draft_probs : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target_logits.scalar_type(), "verify_cpu", [&] {
+    const scalar_t* logits = target_logits.data_ptr<scalar_t>();
+    const int64_t s0 = target_logits.stride(0), s1 = target_logits.stride(1);
+    // A row costs O(V) per visited node: parallelise over rows, several per task when V is small.
+    const int64_t grain = std::max<int64_t>(1, 4096 / V);
+    at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+      static thread_local Scratch w;
+    if (!greedy) w.reserve(V, top_k > 0 || top_p < 1.0, dp != nullptr);
+      for (int64_t b = begin; b < end; ++b) {
+        const RowIO io{par + b * N, tok + b * N, uni + b * N, alen + b, aidx + b * N, out + b * N};
+        verify_row(logits, s0, s1, dp, b, N, V, greedy, s, io, w);
+      }
+    });
+  });
+}
+
+}  // namespace
+}  // namespace turbospec
+
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("verify", &turbospec::verify_cpu); }

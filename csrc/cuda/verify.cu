@@ -1,0 +1,507 @@
+// verify, CUDA: fused softmax + speculative acceptance over a chain or tree
+// (spec: reference.verify; CPU twin: csrc/cpu/verify.cpp).
+//
+// Variant: one thread block per batch row (the walk down a tree is sequential, the vocabulary
+// is not). At each visited node the block sweeps the node's logits with block-wide reductions:
+//   1. validity + max + argmax in one pass (NaN / +inf / all -inf -> accept_len = -1);
+//   2. greedy: move to the first child whose token is the argmax, else emit it;
+//   3. sampling: x = logits / temperature; top-k threshold = the k-th largest x by a 4-bit radix
+//      select on order-preserving keys (8 counting passes, no sort); softmax sum in float64;
+//      top-p threshold = the smallest kept probability by the same radix descent on the
+//      probabilities' bits, carrying the mass above each bucket (the value rule of
+//      logits_to_probs, ties kept together); recursive rejection over the children in node
+//      order; inverse-CDF sampling by a tiled block scan that stops at the first tile crossing
+//      u * total.
+// Nothing is allocated and nothing is stored per vocabulary entry: p and q are recomputed where
+// needed from the logits, draft_probs and the node's rejection history (token, residual mass,
+// q mass of each rejected sibling, in shared memory), replaying the reference's float64
+// operations in the same order, so the values equal those of a stored copy. A rejection costs
+// one pass, O(V * rejections so far). Randomness comes from `uniform`, outputs go to the caller's
+// buffers, there is no host sync: the op can be captured in a CUDA graph. Bad parents or token
+// ids mark the row invalid (accept_len = -1) instead of reading out of bounds.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "../checks.h"
+#include "common.cuh"
+#include "launch.cuh"
+
+namespace turbospec {
+namespace gpu {
+namespace {
+
+constexpr int kMaxThreads = 512;
+
+struct VerifyParams {
+  const void* logits;          // [B, N, V], vocab dim contiguous
+  int64_t logits_s0, logits_s1;
+  int logits_type;             // FloatType
+  const void* draft_probs;     // [B, N, V] or nullptr (point-mass drafts)
+  int64_t draft_s0, draft_s1;
+  int draft_type;
+  const int64_t* parents;      // [B, N] contiguous
+  const int64_t* tokens;       // [B, N] contiguous
+  const float* uniform;        // [B, N] contiguous
+  int64_t* accept_len;         // [B]
+  int64_t* accept_index;       // [B, N]
+  int64_t* output_token_ids;   // [B, N]
+  int N;
+  int64_t V;
+  bool greedy;
+  float temperature;
+  int64_t top_k;
+  double top_p;
+};
+
+// The target distribution at the current node, p = logits_to_probs(row), after the rejections of
+// the node's first `rejected` children: enough to recompute p(i) and q(i) for any i.
+struct NodeDist {
+  const void* row;      // target logits [V]
+  const void* q_row;    // draft_probs [V], or nullptr (point masses)
+  float x_max;          // max of x = row / temperature
+  float kth;            // top-k threshold on x (-inf: none)
+  float inv_sum1;       // 1 / first softmax sum (top-p)
+  float min_kept;       // top-p threshold on the first softmax probabilities
+  float inv_sum;        // 1 / softmax sum over the kept tokens
+  bool top_p;
+  int rejected;
+  int64_t rej_token[kMaxTreeNodes];
+  double rej_rs[kMaxTreeNodes];  // residual mass after the rejection (<= 0: p kept)
+  double rej_qs[kMaxTreeNodes];  // q mass left after removing the token (<= 0: q kept)
+};
+
+struct VerifySmem {
+  double red_d[kMaxWarps];
+  int64_t red_l[kMaxWarps];
+  int red_i[kMaxWarps];
+  ArgMax red_am[kMaxWarps];
+  int bins_i[kMaxWarps * 16];
+  double bins_d[kMaxWarps * 16];
+  int total_i[16];
+  double total_d[16];
+  int64_t parents[kMaxTreeNodes];
+  int64_t tokens[kMaxTreeNodes];
+  float uniform[kMaxTreeNodes];
+  int64_t path[kMaxTreeNodes];
+  int64_t emitted[kMaxTreeNodes];
+  int children[kMaxTreeNodes];
+  int num_children;
+  int next;
+  int flag;
+  NodeDist dist;
+};
+
+__device__ __forceinline__ float scaled_logit(const VerifyParams& P, const void* row, int64_t i) {
+  return load_float(row, i, P.logits_type) / P.temperature;
+}
+
+// First softmax (before top-p) of the top-k-kept logits, as float32: top-p's input.
+__device__ __forceinline__ float first_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
+  const float x = scaled_logit(P, d.row, i);
+  return x >= d.kth ? expf(x - d.x_max) * d.inv_sum1 : 0.0f;
+}
+
+// p(i) before any rejection: logits_to_probs rounded to float32, as float64.
+__device__ __forceinline__ double base_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
+  const float x = scaled_logit(P, d.row, i);
+  if (!(x >= d.kth)) return 0.0;
+  const float e = expf(x - d.x_max);
+  if (d.top_p && !(e * d.inv_sum1 >= d.min_kept)) return 0.0;
+  return static_cast<double>(e * d.inv_sum);
+}
+
+// p(i) (and q(i) if q_out) after the node's rejections so far, by the reference's float64 steps
+// in order: point mass: p <- p with p(x) = 0, / rs; with q: p <- max(p - q, 0) / rs, then
+// q <- q with q(x) = 0, / qs. Point masses have q = 1.
+__device__ __forceinline__ double current_p(const VerifyParams& P, const NodeDist& d, int64_t i,
+                                            double* q_out = nullptr) {
+  double p = base_prob(P, d, i);
+  const bool load_q = d.q_row != nullptr && (q_out != nullptr || d.rejected > 0);
+  double q = load_q ? static_cast<double>(load_float(d.q_row, i, P.draft_type)) : 1.0;
+  for (int j = 0; j < d.rejected; ++j) {
+    const bool removed = i == d.rej_token[j];
+    const double rs = d.rej_rs[j];
+    if (d.q_row == nullptr) {
+      if (rs > 0.0) p = removed ? 0.0 : p / rs;
+    } else {
+      if (rs > 0.0) p = fmax(p - q, 0.0) / rs;
+      q = removed ? 0.0 : (d.rej_qs[j] > 0.0 ? q / d.rej_qs[j] : q);
+    }
+  }
+  if (q_out != nullptr) *q_out = q;
+  return p;
+}
+
+// Key of the k-th largest x = logits / temperature (1 <= k < V): a 4-bit radix descent from the
+// most significant digit, counting the elements under the current prefix per digit.
+__device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, int64_t k, VerifySmem& sm) {
+  uint32_t prefix = 0, mask = 0;
+  int64_t need = k;
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    int bins[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) bins[j] = 0;
+    for (int64_t i = threadIdx.x; i < P.V; i += blockDim.x) {
+      const uint32_t key = ordered_key(scaled_logit(P, row, i));
+      if ((key & mask) == prefix) {
+        const uint32_t d = (key >> shift) & 15u;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) bins[j] += d == static_cast<uint32_t>(j);
+      }
+    }
+    block_sum_bins(bins, sm.bins_i, sm.total_i);
+    int digit = 0;
+    for (int d = 15; d >= 0; --d) {
+      if (sm.total_i[d] >= need) {
+        digit = d;
+        break;
+      }
+      need -= sm.total_i[d];
+    }
+    prefix |= static_cast<uint32_t>(digit) << shift;
+    mask |= 15u << shift;
+  }
+  return prefix;
+}
+
+// The smallest probability top-p keeps: min{v present : mass of probabilities > v < top_p}
+// (logits_to_probs' rule: a sorted position is kept while the mass strictly before it is < top_p,
+// so ties are kept together). Radix descent on the float bits (probabilities are >= 0, so their
+// bit patterns sort like their values), carrying `above` = the mass of all larger buckets: in
+// each level the answer lies in the lowest non-empty bucket whose mass above is < top_p.
+__device__ float top_p_min_kept(const VerifyParams& P, const NodeDist& dist, VerifySmem& sm) {
+  uint32_t prefix = 0, mask = 0;
+  double above = 0.0;
+  for (int shift = 28; shift >= 0; shift -= 4) {
+    int count[16];
+    double mass[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      count[j] = 0;
+      mass[j] = 0.0;
+    }
+    for (int64_t i = threadIdx.x; i < P.V; i += blockDim.x) {
+      const float p = first_prob(P, dist, i);
+      const uint32_t key = __float_as_uint(p);
+      if ((key & mask) == prefix) {
+        const uint32_t d = (key >> shift) & 15u;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const bool hit = d == static_cast<uint32_t>(j);
+          count[j] += hit;
+          mass[j] += hit ? static_cast<double>(p) : 0.0;
+        }
+      }
+    }
+    block_sum_bins(count, sm.bins_i, sm.total_i);
+    block_sum_bins(mass, sm.bins_d, sm.total_d);
+    int digit = -1;
+    double run = above, digit_above = above;
+    for (int d = 15; d >= 0; --d) {
+      if (sm.total_i[d] > 0 && (run < P.top_p || digit < 0)) {
+        digit = d;  // the first non-empty bucket is always valid: its largest element has mass above < top_p
+        digit_above = run;
+      }
+      run += sm.total_d[d];
+    }
+    prefix |= static_cast<uint32_t>(digit < 0 ? 0 : digit) << shift;
+    mask |= 15u << shift;
+    above = digit_above;
+  }
+  return __uint_as_float(prefix);
+}
+
+// reference.sample_from_probs on the current p: the first index whose cumulative mass exceeds
+// u * total, the last index with positive mass if rounding leaves none. Tiles of
+// kItems * blockDim.x entries are scanned in order; the walk stops at the first tile that crosses.
+__device__ int64_t sample_current(const VerifyParams& P, const NodeDist& d, float u, VerifySmem& sm) {
+  constexpr int kItems = 4;
+  const int64_t V = P.V;
+  double local = 0.0;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) local += current_p(P, d, i);
+  const double threshold = static_cast<double>(u) * block_reduce(local, Sum(), sm.red_d);
+  const int64_t tile = static_cast<int64_t>(blockDim.x) * kItems;
+  double running = 0.0;
+  int64_t found = V;
+  for (int64_t start = 0; start < V; start += tile) {
+    const int64_t first = start + static_cast<int64_t>(threadIdx.x) * kItems;
+    double vals[kItems];
+    double thread_sum = 0.0;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      vals[k] = first + k < V ? current_p(P, d, first + k) : 0.0;
+      thread_sum += vals[k];
+    }
+    double tile_sum;
+    double cdf = running + block_exclusive_scan(thread_sum, sm.red_d, &tile_sum);
+    int64_t hit = V;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      cdf += vals[k];
+      if (hit == V && first + k < V && cdf > threshold && vals[k] > 0.0) hit = first + k;
+    }
+    hit = block_reduce(hit, Min(), sm.red_l);
+    if (hit < V) {
+      found = hit;
+      break;
+    }
+    running += tile_sum;
+  }
+  if (found >= V) {
+    int64_t last = -1;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
+      if (current_p(P, d, i) > 0.0) last = i;
+    last = block_reduce(last, Max(), sm.red_l);
+    found = last < 0 ? 0 : last;
+  }
+  return found;
+}
+
+__global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams P) {
+  __shared__ VerifySmem sm;
+  NodeDist& dist = sm.dist;
+  const int tid = threadIdx.x;
+  const int64_t b = blockIdx.x;
+  const int N = P.N;
+  const int64_t V = P.V;
+  for (int i = tid; i < N; i += blockDim.x) {
+    sm.parents[i] = P.parents[b * N + i];
+    sm.tokens[i] = P.tokens[b * N + i];
+    sm.uniform[i] = P.uniform[b * N + i];
+    P.accept_index[b * N + i] = -1;
+    P.output_token_ids[b * N + i] = -1;
+  }
+  __syncthreads();
+  if (tid == 0) {  // a row with a bad parent or token id is invalid: nothing is read out of bounds
+    bool ok = sm.parents[0] == -1;
+    for (int i = 1; i < N; ++i)
+      ok = ok && sm.parents[i] >= 0 && sm.parents[i] < i && sm.tokens[i] >= 0 && sm.tokens[i] < V;
+    sm.flag = ok;
+    sm.path[0] = 0;
+  }
+  __syncthreads();
+  if (!sm.flag) {
+    if (tid == 0) P.accept_len[b] = -1;
+    return;
+  }
+  const float kInf = __uint_as_float(0x7f800000u);
+  const int elsize = P.logits_type == kF32 ? 4 : 2;
+  const int q_elsize = P.draft_type == kF32 ? 4 : 2;
+  int node = 0, n_acc = 0, n_out = 0;
+  bool valid = true;
+  while (true) {
+    const void* row = static_cast<const char*>(P.logits) + (b * P.logits_s0 + node * P.logits_s1) * elsize;
+    // 1. validity, max and argmax
+    int flags = 0;  // bit 0: a NaN or +inf; bit 1: a value other than -inf
+    ArgMax best{-kInf, V};
+    for (int64_t i = tid; i < V; i += blockDim.x) {
+      const float v = load_float(row, i, P.logits_type);
+      if (isnan(v) || v == kInf) flags |= 1;
+      if (v != -kInf) flags |= 2;
+      if (v > best.value) best = ArgMax{v, i};
+    }
+    flags = block_reduce(flags, Or(), sm.red_i);
+    best = block_argmax(best, sm.red_am);
+    if ((flags & 1) || !(flags & 2)) {
+      valid = false;
+      break;
+    }
+    // 2. greedy
+    if (P.greedy) {
+      if (tid == 0) {
+        int next = -1;
+        for (int c = node + 1; c < N && next < 0; ++c)
+          if (sm.parents[c] == node && sm.tokens[c] == best.index) next = c;
+        sm.next = next;
+        sm.emitted[n_out] = best.index;
+        if (next >= 0) sm.path[n_acc + 1] = next;
+      }
+      __syncthreads();
+      const int next = sm.next;
+      ++n_out;
+      if (next < 0) break;
+      ++n_acc;
+      node = next;
+      continue;
+    }
+    // 3. sampling: p = logits_to_probs(row, temperature, top_k, top_p). Every thread holds the
+    // same node state; thread 0 publishes it to shared memory for the per-element functions.
+    const float x_max = best.value / P.temperature;  // division by t > 0 preserves the order
+    float kth = -kInf;
+    if (P.top_k > 0 && P.top_k < V) kth = key_to_float(kth_largest_key(P, row, P.top_k, sm));
+    double sum = 0.0;
+    for (int64_t i = tid; i < V; i += blockDim.x) {
+      const float x = scaled_logit(P, row, i);
+      if (x >= kth) sum += expf(x - x_max);
+    }
+    sum = block_reduce(sum, Sum(), sm.red_d);
+    const bool use_top_p = P.top_p < 1.0;
+    const void* q_row = nullptr;
+    if (P.draft_probs != nullptr)
+      q_row = static_cast<const char*>(P.draft_probs) + (b * P.draft_s0 + node * P.draft_s1) * q_elsize;
+    __syncthreads();  // every thread is done with the previous node's state
+    if (tid == 0) {
+      dist.row = row;
+      dist.q_row = q_row;
+      dist.x_max = x_max;
+      dist.kth = kth;
+      dist.inv_sum1 = 1.0f / static_cast<float>(sum);
+      dist.min_kept = 0.0f;
+      dist.inv_sum = dist.inv_sum1;
+      dist.top_p = false;
+      dist.rejected = 0;
+    }
+    __syncthreads();
+    if (use_top_p) {
+      const float min_kept = top_p_min_kept(P, dist, sm);
+      double kept = 0.0;
+      for (int64_t i = tid; i < V; i += blockDim.x) {
+        const float x = scaled_logit(P, row, i);
+        if (x >= kth) {
+          const float e = expf(x - x_max);
+          if (e * dist.inv_sum1 >= min_kept) kept += e;
+        }
+      }
+      kept = block_reduce(kept, Sum(), sm.red_d);
+      if (tid == 0) {
+        dist.min_kept = min_kept;
+        dist.inv_sum = 1.0f / static_cast<float>(kept);
+        dist.top_p = true;
+      }
+      __syncthreads();
+    }
+    if (tid == 0) {
+      int k = 0;
+      for (int c = node + 1; c < N; ++c)
+        if (sm.parents[c] == node) sm.children[k++] = c;
+      sm.num_children = k;
+    }
+    __syncthreads();
+    const int num_children = sm.num_children;
+    if (q_row != nullptr && num_children > 0) {  // q must be a distribution: finite and >= 0
+      int bad = 0;
+      for (int64_t i = tid; i < V; i += blockDim.x) {
+        const float q = load_float(q_row, i, P.draft_type);
+        if (!(q >= 0.0f && q < kInf)) bad = 1;
+      }
+      if (block_reduce(bad, Or(), sm.red_i)) {
+        valid = false;
+        break;
+      }
+    }
+    // Recursive rejection over the children in node order.
+    int next = -1;
+    for (int k = 0; k < num_children; ++k) {
+      const int c = sm.children[k];
+      const int64_t x = sm.tokens[c];
+      if (tid == 0) {
+        double qx;
+        const double px = current_p(P, dist, x, &qx);
+        sm.flag = static_cast<double>(sm.uniform[c]) * qx < px;
+      }
+      __syncthreads();
+      if (sm.flag) {
+        next = c;
+        break;
+      }
+      // Rejected: the residual mass (and the q mass left without x), for the history.
+      double rs = 0.0, qs = 0.0;
+      for (int64_t i = tid; i < V; i += blockDim.x) {
+        double q;
+        const double p = current_p(P, dist, i, &q);
+        if (q_row == nullptr) {
+          if (i != x) rs += p;
+        } else {
+          rs += fmax(p - q, 0.0);
+          if (i != x) qs += q;
+        }
+      }
+      rs = block_reduce(rs, Sum(), sm.red_d);
+      if (q_row != nullptr) qs = block_reduce(qs, Sum(), sm.red_d);
+      if (tid == 0) {
+        const int j = dist.rejected;
+        dist.rej_token[j] = x;
+        dist.rej_rs[j] = rs;
+        dist.rej_qs[j] = qs;
+        dist.rejected = j + 1;
+      }
+      __syncthreads();
+    }
+    if (next < 0) {  // no child accepted: the recovered (or bonus) token, drawn with uniform[b, 0]
+      const int64_t t = sample_current(P, dist, sm.uniform[0], sm);
+      if (tid == 0) sm.emitted[n_out] = t;
+      ++n_out;
+      break;
+    }
+    if (tid == 0) {
+      sm.emitted[n_out] = sm.tokens[next];
+      sm.path[n_acc + 1] = next;
+    }
+    ++n_out;
+    ++n_acc;
+    node = next;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    if (!valid) {
+      P.accept_len[b] = -1;
+    } else {
+      P.accept_len[b] = n_acc;
+      for (int j = 0; j <= n_acc; ++j) P.accept_index[b * N + j] = sm.path[j];
+      for (int j = 0; j < n_out; ++j) P.output_token_ids[b * N + j] = sm.emitted[j];
+    }
+  }
+}
+
+int float_type(const at::Tensor& t) {
+  return t.scalar_type() == c10::kFloat ? kF32 : t.scalar_type() == c10::kHalf ? kF16 : kBF16;
+}
+
+void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
+                 const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in, double temperature,
+                 int64_t top_k, double top_p, const at::Tensor& accept_len, const at::Tensor& accept_index,
+                 const at::Tensor& output_token_ids) {
+  const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
+                                         temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
+                                         TS_KERNEL_DEVICE);
+  if (d.B == 0) return;
+  TS_DEVICE_GUARD(target_logits_in);
+  // Inputs are used in place when they already have the layout the kernel reads (the usual case).
+  const at::Tensor logits = target_logits_in.stride(2) == 1 ? target_logits_in : target_logits_in.contiguous();
+  at::Tensor draft_probs;
+  if (draft_probs_in.has_value())
+    draft_probs = draft_probs_in->stride(2) == 1 ? *draft_probs_in : draft_probs_in->contiguous();
+  const at::Tensor parents = parents_in.contiguous();
+  const at::Tensor tokens = draft_token_ids_in.contiguous();
+  const at::Tensor uniform = uniform_in.contiguous();
+  VerifyParams P{};
+  P.logits = logits.data_ptr();
+  P.logits_s0 = logits.stride(0);
+  P.logits_s1 = logits.stride(1);
+  P.logits_type = float_type(logits);
+  P.draft_probs = draft_probs.defined() ? draft_probs.data_ptr() : nullptr;
+  P.draft_s0 = draft_probs.defined() ? draft_probs.stride(0) : 0;
+  P.draft_s1 = draft_probs.defined() ? draft_probs.stride(1) : 0;
+  P.draft_type = draft_probs.defined() ? float_type(draft_probs) : kF32;
+  P.parents = parents.data_ptr<int64_t>();
+  P.tokens = tokens.data_ptr<int64_t>();
+  P.uniform = uniform.data_ptr<float>();
+  P.accept_len = accept_len.data_ptr<int64_t>();
+  P.accept_index = accept_index.data_ptr<int64_t>();
+  P.output_token_ids = output_token_ids.data_ptr<int64_t>();
+  P.N = static_cast<int>(d.N);
+  P.V = d.V;
+  P.greedy = temperature == 0.0;
+  P.temperature = static_cast<float>(temperature);
+  P.top_k = top_k;
+  P.top_p = top_p;
+  TS_LAUNCH(verify_kernel, dim3(static_cast<unsigned>(d.B)), dim3(row_block_threads(d.V)), P);
+}
+
+}  // namespace
+}  // namespace gpu
+}  // namespace turbospec
+
+#ifndef TURBOSPEC_EMULATE
+TORCH_LIBRARY_IMPL(turbospec, CUDA, m) { m.impl("verify", &turbospec::gpu::verify_cuda); }
+#endif

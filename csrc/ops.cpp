@@ -1,0 +1,32 @@
+// The one place turbospec's op schemas are declared. Kernels register per device:
+// csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(turbospec, CPU, m), csrc/cuda/*.cu with
+// TORCH_LIBRARY_IMPL(turbospec, CUDA, m). Importing turbospec._C runs these static registrations;
+// the Python wrappers (turbospec/ops.py) call torch.ops.turbospec.<op>.default.
+//
+// Every op writes into caller-provided buffers (the Tensor(x!) arguments) and returns nothing, and
+// takes its randomness as a tensor (uniform), so a decode step built from them is CUDA-graph safe.
+#include <Python.h>
+
+#include <torch/library.h>
+
+// An empty Python module: loading it is what matters (the registrations below are static).
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
+                                   "turbospec kernels, registered as torch.ops.turbospec.*", -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(turbospec, m) {
+  // parents: int64 [B, N] (N <= 64) -> tree_mask: bool [B, N, N], tree_mask_packed: int64 [B, N],
+  // depth: int64 [B, N], retrieve_index: int64 [B, N, N].
+  m.def("build_tree(Tensor parents, Tensor(a!) tree_mask, Tensor(b!) tree_mask_packed, Tensor(c!) depth, "
+        "Tensor(d!) retrieve_index) -> ()");
+  // target_logits: float [B, N, V], parents / draft_token_ids: int64 [B, N], draft_probs: float [B, N, V]
+  // or None, uniform: float32 [B, N] -> accept_len: int64 [B], accept_index / output_token_ids: int64 [B, N].
+  m.def("verify(Tensor target_logits, Tensor parents, Tensor draft_token_ids, Tensor? draft_probs, "
+        "Tensor uniform, float temperature, int top_k, float top_p, Tensor(a!) accept_len, "
+        "Tensor(b!) accept_index, Tensor(c!) output_token_ids) -> ()");
+  // caches: L tensors [B, H, S, D] (every layer's K and V), prefix_len / accept_len: int64 [B],
+  // accept_index: int64 [B, N]; moves accepted entries in place.
+  m.def("compact_kv(Tensor(a!)[] caches, Tensor prefix_len, Tensor accept_index, Tensor accept_len) -> ()");
+}

@@ -1,0 +1,70 @@
+"""Build turbospec and its compiled ops, ``turbospec._C``.
+
+    pip install --no-build-isolation -e .        # or: python setup.py build_ext --inplace
+
+Install torch first and build with ``--no-build-isolation`` (otherwise pip may fetch another torch
+into an isolated build environment). The CUDA kernels (csrc/cuda/*.cu) are built when torch has
+CUDA and nvcc is found; ``TURBOSPEC_CUDA=0`` / ``=1`` forces them off / on. ``MAX_JOBS`` limits the
+parallel compile jobs, ``TORCH_CUDA_ARCH_LIST`` the GPU architectures (e.g. "8.0;9.0").
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:  # pragma: no cover
+    sys.exit("turbospec: install torch first, then build with `pip install --no-build-isolation -e .`")
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rel(paths: list[str]) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def _use_cuda() -> bool:
+    forced = os.environ.get("TURBOSPEC_CUDA", "").strip()
+    if forced == "1" and torch.version.cuda is None:
+        sys.exit(f"turbospec: TURBOSPEC_CUDA=1, but torch {torch.__version__} has no CUDA (install a CUDA build of torch)")
+    if forced in ("0", "1"):
+        return forced == "1"
+    has_nvcc = cpp_extension.CUDA_HOME is not None or shutil.which("nvcc") is not None
+    return torch.version.cuda is not None and has_nvcc
+
+
+def _extension():
+    cpu_sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    cxx_flags = ["-O3", "-fopenmp"]  # at::parallel_for runs on OpenMP, as in torch's own build
+    link_flags = ["-fopenmp"]
+    if _use_cuda():
+        cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+        nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+        print(f"turbospec: building CPU + CUDA kernels ({len(cuda_sources)} .cu files)")
+        return cpp_extension.CUDAExtension(
+            "turbospec._C", cpu_sources + cuda_sources,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags)
+    print("turbospec: building CPU kernels only (no CUDA torch / nvcc, or TURBOSPEC_CUDA=0)")
+    return cpp_extension.CppExtension("turbospec._C", cpu_sources, extra_compile_args={"cxx": cxx_flags},
+                                      extra_link_args=link_flags)
+
+
+setup(
+    name="turbospec",
+    version="0.1.0",
+    description="Exact speculative decoding for Hugging Face causal language models",
+    packages=["turbospec"],
+    package_data={"turbospec": ["*.json"]},
+    python_requires=">=3.10",
+    install_requires=["torch", "transformers", "gguf", "accelerate", "safetensors", "tqdm"],
+    entry_points={"console_scripts": ["turbospec=turbospec.cli:main"]},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    zip_safe=False,
+)

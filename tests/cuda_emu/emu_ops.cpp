@@ -1,0 +1,22 @@
+// turbospec's CUDA entry points (csrc/cuda/*.cu), compiled for the CPU emulator in emu.h and
+// exposed as a Python module for tests/test_cuda_emulated.py. The sources are included as they are;
+// TURBOSPEC_EMULATE switches their launch glue (csrc/cuda/launch.cuh) to emu::launch.
+#define TURBOSPEC_EMULATE 1
+#include "emu.h"
+
+#include <torch/extension.h>
+
+#include "../../csrc/cuda/build_tree.cu"
+#include "../../csrc/cuda/compact_kv.cu"
+#include "../../csrc/cuda/verify.cu"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("set_block_threads", [](int n) { emu::block_threads_override = n; },
+        "Threads per block for the row kernels (0: the real choice).");
+  m.def("build_tree", &turbospec::gpu::build_tree_cuda);
+  m.def("verify", &turbospec::gpu::verify_cuda);
+  m.def("compact_kv", [](std::vector<at::Tensor> caches, const at::Tensor& prefix_len, const at::Tensor& accept_index,
+                         const at::Tensor& accept_len) {
+    turbospec::gpu::compact_kv_cuda(caches, prefix_len, accept_index, accept_len);
+  });
+}

@@ -1,0 +1,160 @@
+"""The CUDA kernels' logic, run on the CPU: csrc/cuda/*.cu compiled against tests/cuda_emu/emu.h
+(one std::thread per CUDA thread, real barriers, emulated warp shuffles) and compared with
+``turbospec.reference`` like the kernels in test_ops.py.
+
+This is what runs the CUDA code paths (radix top-k / top-p selection, block scans, the chunked KV
+move, invalid-row marking) on a machine without a GPU; test_ops.py runs the real kernels when a GPU
+is present. Blocks are small here (32-96 threads) to keep the emulation fast; the kernels accept
+any multiple of 32. Building the emulator takes ~30 s; set TURBOSPEC_SKIP_CUDA_EMU=1 to skip.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_ops import SAMPLING, gen, make_verify_inputs, random_parents, random_paths
+from turbospec import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def emu():
+    if os.environ.get("TURBOSPEC_SKIP_CUDA_EMU") == "1":
+        pytest.skip("TURBOSPEC_SKIP_CUDA_EMU=1")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler to build the CUDA emulator")
+    from torch.utils.cpp_extension import load
+    # The name carries a hash of every file compiled in, so that an edit always rebuilds.
+    files = sorted([*ROOT.glob("csrc/cuda/*"), *ROOT.glob("tests/cuda_emu/*"), ROOT / "csrc" / "checks.h"])
+    digest = hashlib.sha1(b"".join(f.read_bytes() for f in files if f.is_file())).hexdigest()[:10]
+    return load(name=f"turbospec_cuda_emu_{digest}", sources=[str(ROOT / "tests" / "cuda_emu" / "emu_ops.cpp")],
+                extra_cflags=["-O1", "-std=c++20"], verbose=False)
+
+
+def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p):
+    bsz, n = parents.shape
+    outs = (torch.empty(bsz, dtype=torch.int64), torch.empty(bsz, n, dtype=torch.int64),
+            torch.empty(bsz, n, dtype=torch.int64))
+    emu.set_block_threads(threads)
+    emu.verify(logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p, *outs)
+    return outs
+
+
+def assert_same(out, ref, context=""):
+    for name, a, r in zip(("accept_len", "accept_index", "output_token_ids"), out, ref):
+        assert torch.equal(a, r), f"{name} differs {context}\nemulated  {a.tolist()}\nreference {r.tolist()}"
+
+
+@pytest.mark.parametrize("kind", ["random", "chain", "star"])
+def test_build_tree(emu, kind):
+    for bsz, n in [(1, 1), (3, 7), (2, 64)]:
+        parents = random_parents(bsz, n, kind, gen(n))
+        outs = (torch.empty(bsz, n, n, dtype=torch.bool), torch.empty(bsz, n, dtype=torch.int64),
+                torch.empty(bsz, n, dtype=torch.int64), torch.empty(bsz, n, n, dtype=torch.int64))
+        emu.build_tree(parents, *outs)
+        for a, r in zip(outs, reference.build_tree(parents)):
+            assert torch.equal(a, r)
+
+
+def test_build_tree_invalid_rows_marked(emu):
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 7], [5, 0, 0]])
+    mask, packed, depth, retrieve = (torch.empty(3, 3, 3, dtype=torch.bool), torch.empty(3, 3, dtype=torch.int64),
+                                     torch.empty(3, 3, dtype=torch.int64), torch.empty(3, 3, 3, dtype=torch.int64))
+    emu.build_tree(parents, mask, packed, depth, retrieve)
+    assert depth.tolist() == [[0, 1, 2], [-1, -1, -1], [-1, -1, -1]]
+    assert not mask[1:].any() and not packed[1:].any() and (retrieve[1:] == -1).all()
+
+
+@pytest.mark.parametrize("mode", list(SAMPLING))
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+def test_verify(emu, mode, with_q):
+    if mode == "greedy" and with_q:
+        pytest.skip("greedy ignores draft_probs")
+    temperature, top_k, top_p = SAMPLING[mode]
+    cases = [(1, 1, 17, "chain", 32), (2, 6, 50, "random", 64), (3, 12, 300, "wide", 32)]
+    for trial, (bsz, n, vocab, kind, threads) in enumerate(cases):
+        inputs = make_verify_inputs(bsz, n, vocab, kind, with_q, temperature, top_k, top_p, seed=40 + trial,
+                                    boost=2.0 if trial else None)
+        out = verify_emu(emu, threads, *inputs, temperature, top_k, top_p)
+        ref = reference.verify(*inputs, temperature, top_k, top_p)
+        assert_same(out, ref, f"(B={bsz}, N={n}, V={vocab}, {threads} threads)")
+
+
+@pytest.mark.parametrize("mode,with_q", [("top_k_top_p", True), ("top_p", False), ("sample", True)])
+def test_verify_many_tiles(emu, mode, with_q):
+    """V = 5000 with 96 threads: many scan tiles, deep radix descents."""
+    temperature, top_k, top_p = SAMPLING[mode]
+    inputs = make_verify_inputs(2, 4, 5000, "random", with_q, temperature, top_k, top_p, seed=5, boost=3.0)
+    out = verify_emu(emu, 96, *inputs, temperature, top_k, top_p)
+    assert_same(out, reference.verify(*inputs, temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify_non_finite_and_invalid_rows(emu, temperature):
+    bsz, n, vocab = 6, 4, 32
+    g = gen(5)
+    parents = random_parents(bsz, n, "chain", g)
+    logits = torch.randn(bsz, n, vocab, generator=g)
+    tokens = torch.zeros(bsz, n, dtype=torch.int64)
+    tokens[:, 1:] = logits.argmax(-1)[:, :-1]
+    logits[0, 0, 3] = float("nan")
+    logits[1, 0, 5] = float("inf")
+    logits[2, 0] = float("-inf")
+    logits[3, 2, 7] = float("nan")
+    logits[4, 0, :vocab - 1] = float("-inf")
+    uniform = torch.rand(bsz, n, generator=g) * 0.01
+    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, temperature, 0, 1.0)
+    assert_same(out, reference.verify(logits, parents, tokens, None, uniform, temperature, 0, 1.0))
+    assert out[0][:4].tolist() == [-1] * 4 and (out[0][4:] >= 0).all()
+    # Invalid parents or token ids: the CPU kernel raises; the CUDA kernel marks the row.
+    parents[1, 2] = 5
+    tokens[2, 3] = vocab
+    tokens[3, 1] = -1
+    out = verify_emu(emu, 32, torch.randn(bsz, n, vocab, generator=g), parents, tokens, None, uniform,
+                     temperature, 0, 1.0)
+    assert out[0][1:4].tolist() == [-1, -1, -1]
+    assert (out[1][1:4] == -1).all() and (out[2][1:4] == -1).all()
+    assert (out[0][[0, 4, 5]] >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("layers,heads,head_dim", [(1, 1, 1), (4, 2, 16), (3, 3, 5)])
+def test_compact_kv(emu, dtype, layers, heads, head_dim):
+    g = gen(layers * 100 + head_dim)
+    bsz, n, seq = 5, 8, 40
+    accept_len = [3, -1, 0, 7, 5]
+    prefix_len = torch.tensor([4, 9, 0, 30, 17])
+    accept_index = random_paths(accept_len, n, g)
+    accept_index[4, :6] = torch.tensor([0, 1, 2, 3, 5, 6])
+    caches = [torch.randn(bsz, heads, seq, head_dim, generator=g).to(dtype) for _ in range(layers)]
+    expected = [c.clone() for c in caches]
+    reference.compact_kv(expected, prefix_len, accept_index, torch.tensor(accept_len))
+    emu.compact_kv(caches, prefix_len, accept_index, torch.tensor(accept_len))
+    for a, e in zip(caches, expected):
+        assert torch.equal(a, e)
+
+
+def test_compact_kv_strided_unordered_and_out_of_range(emu):
+    accept_index = torch.tensor([[1, 0, 2], [0, 1, 2], [0, 9, -1]])
+    accept_len = torch.tensor([2, 2, 1])
+    prefix_len = torch.tensor([0, 1, 3])
+    caches = [torch.randn(3, 3, 12, 6) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    # row 0: a path that does not increase (moved step by step); row 2: index outside the cache (skipped)
+    reference.compact_kv(expected, prefix_len[:2], accept_index[:2], accept_len[:2])
+    emu.compact_kv(caches, prefix_len, accept_index, accept_len)
+    for a, e in zip(caches, expected):
+        assert torch.equal(a, e)
+    big = torch.randn(2, 2, 3, 12, 6)
+    views = [big[:, 0], big[:, 1]]   # row stride != H * S * D
+    expected = [v.clone() for v in views]
+    reference.compact_kv(expected, prefix_len[:2], accept_index[1:], accept_len[1:])
+    emu.compact_kv(views, prefix_len[:2], accept_index[1:], accept_len[1:])
+    for a, e in zip(views, expected):
+        assert torch.equal(a, e)
