@@ -296,7 +296,8 @@ def test_bf16_load_close_to_fp32(tiny):
     hf, fp32 = tiny
     bf16 = turbospec.load_model(hf, dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16
-    assert all(t.dtype == torch.bfloat16 for t in bf16.new_cache(8).tensors())
+    # On CPU the KV cache of a 16-bit model is float32 (faster CPU attention; same stored values).
+    assert all(t.dtype == torch.float32 for t in bf16.new_cache(8).tensors())
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
     a = full_forward(fp32, ids)
     b = full_forward(bf16, ids)
