@@ -4,7 +4,10 @@ Example (CPU, default model, both dtypes):
     python bench/bench_e2e.py --dtype float32 --layer-skip 8
     python bench/bench_e2e.py --dtype bfloat16 --layer-skip 8
 """
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from turbospec.benchmark import main
 

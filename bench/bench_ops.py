@@ -9,12 +9,15 @@ timed with fewer iterations.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-from turbospec import ops, reference
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+from turbospec import ops, reference  # noqa: E402
 
 
 def timeit(fn, device: str, iters: int, warmup: int = 3) -> float:

@@ -101,6 +101,20 @@ inline void check_output(const char* op, const char* name, const at::Tensor& t) 
 }
 
 // ---------------------------------------------------------------------------------------------
+// Host-side check of a parents array [B, N] (CPU kernels): node 0 is the root (parent -1) and every
+// other node's parent comes before it. Raises on the first bad entry in row-major order.
+inline void check_parents_host(const char* op, const int64_t* par, int64_t B, int64_t N) {
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(par[b * N] == -1, op, ": parents[", b, ", 0] = ", par[b * N],
+                ": node 0 is the root and its parent must be -1");
+    for (int64_t i = 1; i < N; ++i) {
+      const int64_t p = par[b * N + i];
+      TORCH_CHECK(p >= 0 && p < i, op, ": parents[", b, ", ", i, "] = ", p, ": the parent of node ", i,
+                  " must be in [0, ", i, ") (nodes in topological order)");
+    }
+  }
+}
+
 struct TreeDims {
   int64_t B, N;
 };

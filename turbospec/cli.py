@@ -18,6 +18,10 @@ def _generate(args) -> int:
     import torch
 
     import turbospec
+    from .sampling import SamplingParams
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,

@@ -19,15 +19,7 @@ void build_tree_cpu(const at::Tensor& parents_in, const at::Tensor& tree_mask, c
   const at::Tensor parents = parents_in.contiguous();
   const int64_t* par = parents.data_ptr<int64_t>();
   // Validate everything before writing anything, raising on the first bad entry in row-major order.
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(par[b * N] == -1, "build_tree: parents[", b, ", 0] = ", par[b * N],
-                ": node 0 is the root and its parent must be -1");
-    for (int64_t i = 1; i < N; ++i) {
-      const int64_t p = par[b * N + i];
-      TORCH_CHECK(p >= 0 && p < i, "build_tree: parents[", b, ", ", i, "] = ", p, ": the parent of node ", i,
-                  " must be in [0, ", i, ") (nodes in topological order)");
-    }
-  }
+  check_parents_host("build_tree", par, B, N);
   bool* mask = tree_mask.data_ptr<bool>();
   int64_t* packed = tree_mask_packed.data_ptr<int64_t>();
   int64_t* dep = depth.data_ptr<int64_t>();

@@ -1,0 +1,46 @@
+"""The `turbospec` command line: generate prints the completion and its stats; bad input exits 2
+with a message naming the parameter."""
+from __future__ import annotations
+
+import pytest
+
+from turbospec import cli
+
+
+def test_generate_prints_completion_and_stats(smollm2_dir, capsys):
+    rc = cli.main(["generate", "Repeat exactly: red green blue red green blue", "--model", smollm2_dir,
+                   "--max-new-tokens", "24", "--threads", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.strip(), "no completion printed"
+    assert "tok/s" in err and "tau" in err and "verify steps" in err
+
+
+def test_generate_matches_engine(smollm2_dir, smollm2, capsys):
+    import turbospec
+    target, tok = smollm2
+    ref = turbospec.Engine(target, drafter="none", tokenizer=tok).generate("Name three colours.",
+                                                                            max_new_tokens=20)
+    assert cli.main(["generate", "Name three colours.", "--model", smollm2_dir, "--drafter", "ngram",
+                     "--max-new-tokens", "20", "--threads", "1"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.rstrip("\n") == ref.text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+])
+def test_generate_bad_input_exits_2(smollm2_dir, capsys, args, needle):
+    rc = cli.main(["generate", "hello", "--model", smollm2_dir, *args])
+    _, err = capsys.readouterr()
+    assert rc == 2
+    assert needle in err
+
+
+def test_missing_model_exits_2(tmp_path, capsys):
+    rc = cli.main(["generate", "hello", "--model", str(tmp_path / "nope")])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "nope" in err
