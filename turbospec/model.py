@@ -116,6 +116,8 @@ class Linear:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below in float32
+        return F.rms_norm(x, weight.shape, weight, eps)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -198,13 +200,10 @@ class Transformer:
         else:
             allowed = tree_mask
         mask = None
-        if n > 1:
-            mdt = cache.k[0].dtype
-            new_part = torch.zeros(allowed.shape, dtype=mdt, device=self.device)
-            new_part.masked_fill_(~allowed, float("-inf"))
-            new_part = new_part.view(-1, n, n)  # [B or 1, n, n]
-            prefix = torch.zeros(new_part.shape[0], n, cache_len, dtype=mdt, device=self.device)
-            mask = torch.cat((prefix, new_part), dim=-1)[:, None, None]  # [B or 1, 1, 1, n, total]
+        if n > 1:  # [B or 1, 1, n, total]: the whole prefix, then the tree (or causal) mask
+            allowed = allowed.view(-1, 1, n, n)
+            prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=self.device)
+            mask = torch.cat((prefix, allowed), dim=-1)
         h_kv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         x = self.embed[input_ids]
         for li, layer in enumerate(self.layers):
@@ -217,15 +216,10 @@ class Transformer:
             kc[:, :, cache_len:total] = k
             vc[:, :, cache_len:total] = v
             keys, values = kc[:, :, :total], vc[:, :, :total]
-            # Grouped-query attention without repeating K/V: fold the group into the query rows.
-            qg = q.reshape(bsz, h_kv, g * n, d).to(kc.dtype)
-            scores = torch.matmul(qg, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, g*n, total]
-            if mask is not None:
-                scores = (scores.view(bsz, h_kv, g, n, total) + mask).view(
-                    bsz, h_kv, g * n, total)
-            probs = torch.softmax(scores.float(), dim=-1).to(kc.dtype)
-            attn = torch.matmul(probs, values).to(self.dtype).view(bsz, cfg.num_heads, n, d)
-            attn = attn.transpose(1, 2).reshape(bsz, n, self.q_size)
+            # K/V stay grouped (enable_gqa): no repeated copies of the cache.
+            attn = F.scaled_dot_product_attention(q.to(kc.dtype), keys, values, attn_mask=mask,
+                                                  scale=self.scale, enable_gqa=True)
+            attn = attn.to(self.dtype).transpose(1, 2).reshape(bsz, n, self.q_size)
             x = x + layer.o(attn)
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gu = layer.gate_up(h)
