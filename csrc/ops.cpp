@@ -29,4 +29,11 @@ TORCH_LIBRARY(turbospec, m) {
   // caches: L tensors [B, H, S, D] (every layer's K and V), prefix_len / accept_len: int64 [B],
   // accept_index: int64 [B, N]; moves accepted entries in place.
   m.def("compact_kv(Tensor(a!)[] caches, Tensor prefix_len, Tensor accept_index, Tensor accept_len) -> ()");
+  // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
+  // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], mask: bool [B or 1, 1, n, cache_len + n] or None,
+  // weights: per layer (attn_norm, qkv x2 packed, o x2, mlp_norm, gate_up x2, down x2[, qkv_bias]),
+  // k_cache / v_cache: one [B, H_kv, S, D] per layer (written at [cache_len, cache_len + n)) -> [B, n, hidden].
+  m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] weights, "
+        "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, "
+        "float eps, float scale, bool has_bias) -> Tensor");
 }

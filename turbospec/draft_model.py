@@ -37,6 +37,7 @@ def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
     from dataclasses import replace
     draft.cfg = replace(target.cfg, num_layers=num_layers)
     draft.layers = target.layers[:num_layers]
+    draft.flatten_layers()
     draft._rope_len, draft._cos, draft._sin = 0, None, None
     return draft
 

@@ -160,6 +160,8 @@ class Transformer:
         self._cos = self._sin = None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
+        self.flatten_layers()
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
         # On CPU, 16-bit models keep K/V in float32: the CPU's bf16 batched matmuls are about twice as
@@ -204,8 +206,27 @@ class Transformer:
             allowed = allowed.view(-1, 1, n, n)
             prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=self.device)
             mask = torch.cat((prefix, allowed), dim=-1)
-        h_kv, g, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         x = self.embed[input_ids]
+        if self.use_cpp_layers and self._flat is not None:
+            x = torch.ops.turbospec.llama_layers(x, cos, sin, mask, self._flat, cache.k, cache.v, cache_len,
+                                                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
+                                                 self.scale, cfg.qkv_bias)
+        else:
+            x = self._layers_python(x, cos, sin, mask, cache, cache_len)
+        if logits == "none":
+            return None
+        if logits == "last":
+            x = x[:, -1:]
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return self.lm_head(x).float()
+
+    def _layers_python(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
+                       cache_len: int) -> Tensor:
+        """The decoder layers; the specification of the C++ kernel ``turbospec::llama_layers``."""
+        cfg = self.cfg
+        bsz, n = x.shape[:2]
+        total = cache_len + n
+        h_kv, d = cfg.num_kv_heads, cfg.head_dim
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d)
@@ -225,9 +246,23 @@ class Transformer:
             gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        if logits == "none":
-            return None
-        if logits == "last":
-            x = x[:, -1:]
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return x
+
+    def flatten_layers(self) -> None:
+        """The per-layer tensors ``turbospec::llama_layers`` takes, or None when it cannot run
+        (unpacked weights, no C++ kernel)."""
+        from .ops import has_op
+        self._flat = None
+        if not (self.device.type == "cpu" and has_op("llama_layers")):
+            return
+        flat = []
+        for layer in self.layers:
+            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if any(lin.packed_row is None for lin in lins):
+                return
+            flat += [layer.attn_norm, layer.qkv.packed_row, layer.qkv.packed_rows, layer.o.packed_row,
+                     layer.o.packed_rows, layer.mlp_norm, layer.gate_up.packed_row, layer.gate_up.packed_rows,
+                     layer.down.packed_row, layer.down.packed_rows]
+            if self.cfg.qkv_bias:
+                flat.append(layer.qkv.bias)
+        self._flat = flat

@@ -41,6 +41,12 @@ _KERNELS = {dev: _EXTENSION and all(_has_kernel(op, key) for op in ("build_tree"
             for dev, key in (("cpu", "CPU"), ("cuda", "CUDA"))}
 
 
+def has_op(op: str, key: str = "CPU") -> bool:
+    """Whether the built extension registers ``turbospec::<op>`` for a dispatch key (an op registered
+    for every backend counts)."""
+    return _has_kernel(op, key) or _has_kernel(op, "CompositeExplicitAutograd")
+
+
 def kernels_available() -> dict[str, bool]:
     """Which devices run turbospec's compiled kernels: ``{"cpu": bool, "cuda": bool}``.
     A device mapped to False runs the pure-torch reference ops."""
