@@ -28,6 +28,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run turbospec draft_model with the target's first N layers as the draft")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH, help="Spec-Bench-format JSONL file")
     p.add_argument("--per-category", type=int, default=4, help="prompts per category")
+    p.add_argument("--categories", default=None,
+                   help="comma list of Spec-Bench groups to run (mt_bench, translation, summarization, qa, "
+                        "math_reasoning, rag); default: all")
     p.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (0: none)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -39,7 +42,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=os.path.join("bench", "out"), help="folder for JSON and markdown")
 
 
-def load_prompts(spec_bench: str, per_category: int, humaneval: int) -> list[dict]:
+def load_prompts(spec_bench: str, per_category: int, humaneval: int, categories: str | None = None
+                 ) -> list[dict]:
     """[{"id", "category", "text"}]: the first `per_category` prompts of each Spec-Bench group."""
     rows: list[dict] = []
     counts: dict[str, int] = defaultdict(int)
@@ -50,7 +54,7 @@ def load_prompts(spec_bench: str, per_category: int, humaneval: int) -> list[dic
             for line in f:
                 r = json.loads(line)
                 cat = r["category"] if r["category"] in SPEC_BENCH_GROUPS else "mt_bench"
-                if counts[cat] < per_category:
+                if counts[cat] < per_category and (not categories or cat in categories.split(",")):
                     counts[cat] += 1
                     rows.append({"id": f"{cat}-{r['question_id']}", "category": cat, "text": r["turns"][0]})
     if humaneval > 0:
@@ -100,7 +104,7 @@ def run(args) -> int:
     model_dir = resolve_model_dir(default_model_path() if args.model == "default" else args.model)
     draft_dir = resolve_model_dir(args.draft_model) if args.draft_model else None
     tok = load_tokenizer(model_dir)
-    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval)
+    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval, args.categories)
     if not prompts:
         raise ValueError("no prompts: check --spec-bench / --per-category / --humaneval")
 
@@ -172,7 +176,7 @@ def run(args) -> int:
 
     summary = summarize(results)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"e2e_{args.dtype}")
+    stem = os.path.join(args.out, f"e2e_{args.dtype}" + (f"_{args.categories.replace(',', '-')}" if args.categories else ""))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model_dir, "dtype": args.dtype,
             "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
             "num_draft": args.num_draft, "prompts": len(prompts), "torch": torch.__version__,
