@@ -111,9 +111,10 @@ def run(args) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
     target = turbospec.load_model(model_dir, dtype)
-    max_len = max(len(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
-                                              add_generation_prompt=True)) for p in prompts)
-    max_seq = max_len + args.max_new_tokens + 64  # characters bound tokens from above
+    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
+                                                  add_generation_prompt=True), add_special_tokens=False)
+               for p in prompts]
+    max_seq = max(map(len, encoded)) + args.max_new_tokens
 
     def ts_engine(drafter, **kw):
         return turbospec.Engine(target, drafter=drafter, tokenizer=tok, num_draft=args.num_draft,
@@ -137,9 +138,6 @@ def run(args) -> int:
     if "hf_plain" not in systems:
         raise ValueError("--systems must include hf_plain (the baseline of every speedup)")
 
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False)
-               for p in prompts]
     eos = tok.eos_token_id
 
     def run_one(kind, obj, ids):

@@ -7,6 +7,8 @@ keeps only for the accepted prefix.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .drafter import Draft, Drafter
@@ -34,7 +36,6 @@ def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
         raise ValueError(f"num_layers must be in [1, {target.cfg.num_layers}], got {num_layers}")
     draft = object.__new__(Transformer)
     draft.__dict__.update(target.__dict__)
-    from dataclasses import replace
     draft.cfg = replace(target.cfg, num_layers=num_layers)
     draft.layers = target.layers[:num_layers]
     draft.flatten_layers()

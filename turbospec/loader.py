@@ -10,6 +10,7 @@ import glob
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -68,7 +69,10 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    os.replace(tmp, out) if not out.exists() else None
+    if out.exists():  # another process converted it meanwhile
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
     return str(out)
 
 

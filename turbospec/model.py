@@ -131,8 +131,7 @@ def rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 class Layer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, Tensor], pack: bool):
-        self.cfg = cfg
+    def __init__(self, w: dict[str, Tensor], pack: bool):
         self.qkv = Linear(w["qkv"], w.get("qkv_bias"), pack)
         self.o = Linear(w["o"], None, pack)
         self.gate_up = Linear(w["gate_up"], None, pack)
@@ -149,13 +148,12 @@ class Transformer:
         self.cfg = cfg
         self.embed = weights["embed"]
         self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.layers = [Layer(cfg, {k.split(".", 2)[2]: v for k, v in weights.items()
+        self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items()
                                    if k.startswith(f"layers.{i}.")}, pack)
                        for i in range(cfg.num_layers)]
         self.norm = weights["norm"]
         self.lm_head = Linear(weights.get("lm_head", self.embed), None, pack)
-        inv = rope_inv_freq(cfg)
-        self._inv_freq = inv
+        self._inv_freq = rope_inv_freq(cfg)
         self._rope_len = 0
         self._cos = self._sin = None
         self.q_size = cfg.num_heads * cfg.head_dim
