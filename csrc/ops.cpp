@@ -32,8 +32,10 @@ TORCH_LIBRARY(turbospec, m) {
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
   // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], mask: bool [B or 1, 1, n, cache_len + n] or None,
   // weights: per layer (attn_norm, qkv x2 packed, o x2, mlp_norm, gate_up x2, down x2[, qkv_bias]),
-  // k_cache / v_cache: one [B, H_kv, S, D] per layer (written at [cache_len, cache_len + n)) -> [B, n, hidden].
+  // k_cache / v_cache: one [B, H_kv, S, D] per layer (written at [cache_len, cache_len + n)),
+  // capture: layer indices whose outputs (the residual stream after that layer) are also returned
+  // -> [x after the last layer [B, n, hidden], one [B, n, hidden] per capture entry].
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] weights, "
         "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, "
-        "float eps, float scale, bool has_bias) -> Tensor");
+        "float eps, float scale, bool has_bias, int[] capture) -> Tensor[]");
 }

@@ -182,11 +182,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
-                tree_mask: Tensor | None = None, logits: str = "all") -> Tensor | None:
+                tree_mask: Tensor | None = None, logits: str = "all", features=None):
         """Run ``input_ids [B, n]`` at ``position_ids [B, n]``; their K/V are written to cache
         slots [cache_len, cache_len + n). Each new token attends to the whole valid prefix
         [0, cache_len) and, among the new tokens, to those allowed by ``tree_mask`` (bool [B, n, n];
         None = causal). ``logits``: "all" -> [B, n, V] float32, "last" -> [B, 1, V], "none" -> None.
+
+        ``features`` (what draft heads read): None -> only the logits are returned; "final" ->
+        (logits, the final-normed hidden state [B, n, hidden], what the LM head reads: Medusa,
+        EAGLE-1/2); a tuple of layer indices -> (logits, [B, n, len * hidden], the residual streams
+        after those layers, concatenated: EAGLE-3).
         """
         cfg = self.cfg
         bsz, n = input_ids.shape
@@ -204,27 +209,38 @@ class Transformer:
             allowed = allowed.view(-1, 1, n, n)
             prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=self.device)
             mask = torch.cat((prefix, allowed), dim=-1)
+        capture = [] if features is None or features == "final" else [int(i) for i in features]
+        for i in capture:
+            if not 0 <= i < cfg.num_layers:
+                raise ValueError(f"features: layer {i} is outside [0, {cfg.num_layers})")
         x = self.embed[input_ids]
         if self.use_cpp_layers and self._flat is not None:
-            x = torch.ops.turbospec.llama_layers(x, cos, sin, mask, self._flat, cache.k, cache.v, cache_len,
-                                                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
-                                                 self.scale, cfg.qkv_bias)
+            x, *captured = torch.ops.turbospec.llama_layers(
+                x, cos, sin, mask, self._flat, cache.k, cache.v, cache_len, cfg.num_heads, cfg.num_kv_heads,
+                cfg.rms_norm_eps, self.scale, cfg.qkv_bias, capture)
         else:
-            x = self._layers_python(x, cos, sin, mask, cache, cache_len)
-        if logits == "none":
-            return None
-        if logits == "last":
+            x, captured = self._layers_python(x, cos, sin, mask, cache, cache_len, capture)
+        if logits == "none" and features != "final":
+            return None if features is None else (None, torch.cat(captured, dim=-1))
+        if logits == "last" and features is None:
             x = x[:, -1:]
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        if logits == "none":
+            out = None
+        else:
+            out = self.lm_head(x[:, -1:] if logits == "last" else x).float()
+        if features is None:
+            return out
+        return out, (x if features == "final" else torch.cat(captured, dim=-1))
 
     def _layers_python(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
-                       cache_len: int) -> Tensor:
+                       cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
         """The decoder layers; the specification of the C++ kernel ``turbospec::llama_layers``."""
         cfg = self.cfg
         bsz, n = x.shape[:2]
         total = cache_len + n
         h_kv, d = cfg.num_kv_heads, cfg.head_dim
+        captured: list = [None] * len(capture)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d)
@@ -244,7 +260,10 @@ class Transformer:
             gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return x
+            for j, c in enumerate(capture):
+                if c == li:
+                    captured[j] = x
+        return x, captured
 
     def flatten_layers(self) -> None:
         """The per-layer tensors ``turbospec::llama_layers`` takes, or None when it cannot run

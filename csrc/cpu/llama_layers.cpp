@@ -45,10 +45,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * h.to(x.scalar_type());
 }
 
-at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin_signed,
-                        const std::optional<at::Tensor>& mask, at::TensorList weights, at::TensorList k_cache,
-                        at::TensorList v_cache, int64_t cache_len, int64_t num_heads, int64_t num_kv_heads,
-                        double eps, double scale, bool has_bias) {
+std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin_signed,
+                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
+                                     at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
+                                     int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                                     bool has_bias, at::IntArrayRef capture) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   const int64_t per_layer = kPerLayer + (has_bias ? 1 : 0);
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
@@ -62,8 +63,11 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at:
   const int64_t d = cos.size(-1), total = cache_len + n;
   TORCH_CHECK(num_layers == 0 || total <= k_cache[0].size(2), "llama_layers: cache overflow: cache_len ",
               cache_len, " + ", n, " new tokens > max_seq_len ", k_cache[0].size(2));
+  for (int64_t c : capture)
+    TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
   const auto dtype = x_in.scalar_type();
   at::Tensor x = x_in;
+  std::vector<at::Tensor> out(1 + capture.size());
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + l * per_layer;
     std::optional<at::Tensor> bias;
@@ -88,8 +92,11 @@ at::Tensor llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at:
     at::Tensor gu = linear(h, w[6], w[7], std::nullopt);
     auto parts = gu.chunk(2, -1);
     x = x + linear(at::silu(parts[0]) * parts[1], w[8], w[9], std::nullopt);
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == l) out[1 + c] = x;
   }
-  return x;
+  out[0] = x;
+  return out;
 }
 
 }  // namespace
