@@ -9,6 +9,8 @@
 
 #include <torch/library.h>
 
+#include "cpu/gemv.h"
+
 // An empty Python module: loading it is what matters (the registrations below are static).
 PyMODINIT_FUNC PyInit__C(void) {
   static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C",
@@ -38,4 +40,9 @@ TORCH_LIBRARY(turbospec, m) {
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] weights, "
         "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, "
         "float eps, float scale, bool has_bias, int[] capture) -> Tensor[]");
+  // y = x @ weight^T (+ bias) for 1..64 rows of x [..., K], weight [N, K] float32/bfloat16 (CPU): a
+  // reduction order that does not depend on the number of rows (see csrc/cpu/gemv.cpp).
+  m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // Which instruction-set path small_linear uses (tests): 0 scalar, 1 AVX2, 2 AVX-512, -1 detect.
+  m.def("small_linear_isa(int isa) -> int", &turbospec::small_linear_set_isa);
 }

@@ -91,25 +91,44 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 class Linear:
-    """y = x @ W^T (+ b). On CPU the weight is pre-packed for oneDNN once, in two layouts: one tuned
-    for a single row (decode steps) and one for several rows (verify, prefill); elsewhere F.linear.
-    A packed Linear drops its reference to the plain weight."""
+    """y = x @ W^T (+ b).
+
+    On CPU with turbospec's kernels built, inputs of up to ``SMALL_ROWS`` rows (decode steps, short
+    verify passes) run ``turbospec::small_linear`` on the dense weight (one weight read for all rows,
+    faster than oneDNN's GEMV here); larger inputs run oneDNN on a copy of the weight pre-packed once
+    at load. Without the kernels: oneDNN with two packings (one tuned for a
+    single row, one for several), or F.linear off CPU."""
+
+    SMALL_ROWS = 4  # measured crossover with oneDNN's GEMM (see csrc/cpu/llama_layers.cpp)
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
+        from .ops import has_op
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
         self.packed_row = self.packed_rows = None
+        self.small = False
         if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
                 and weight.dtype in (torch.float32, torch.bfloat16):
-            self.packed_row = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.packed_rows = torch.ops.mkldnn._reorder_linear_weight(weight)
-            self.weight = None
+            if has_op("small_linear"):
+                self.small = True
+                self.weight = weight.contiguous()
+            else:
+                self.packed_row = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                self.weight = None
+
+    @property
+    def row_weight(self) -> Tensor:
+        """What ``turbospec::llama_layers`` takes for few-row inputs (dense or oneDNN-packed)."""
+        return self.weight if self.small else self.packed_row
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed_row is not None:
+        if self.packed_rows is not None:
             shape = x.shape
             x2 = x.reshape(-1, shape[-1])
-            w = self.packed_row if x2.shape[0] == 1 else self.packed_rows
+            if self.small and x2.shape[0] <= self.SMALL_ROWS:
+                return torch.ops.turbospec.small_linear(x, self.weight, self.bias)
+            w = self.packed_row if x2.shape[0] == 1 and self.packed_row is not None else self.packed_rows
             y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
             return y.view(*shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -275,11 +294,11 @@ class Transformer:
         flat = []
         for layer in self.layers:
             lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if any(lin.packed_row is None for lin in lins):
+            if any(lin.row_weight is None or lin.packed_rows is None for lin in lins):
                 return
-            flat += [layer.attn_norm, layer.qkv.packed_row, layer.qkv.packed_rows, layer.o.packed_row,
-                     layer.o.packed_rows, layer.mlp_norm, layer.gate_up.packed_row, layer.gate_up.packed_rows,
-                     layer.down.packed_row, layer.down.packed_rows]
+            flat += [layer.attn_norm, layer.qkv.row_weight, layer.qkv.packed_rows, layer.o.row_weight,
+                     layer.o.packed_rows, layer.mlp_norm, layer.gate_up.row_weight, layer.gate_up.packed_rows,
+                     layer.down.row_weight, layer.down.packed_rows]
             if self.cfg.qkv_bias:
                 flat.append(layer.qkv.bias)
         self._flat = flat

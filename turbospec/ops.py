@@ -135,6 +135,16 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
         reference.compact_kv(caches, prefix_len, accept_index, accept_len)
 
 
+def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """y = x @ weight^T (+ bias) for 1..64 rows of ``x [..., K]``, ``weight [N, K]`` float32 or
+    bfloat16 on CPU, accumulated in float32 in a fixed order that does not depend on the number of
+    rows, the thread split or the instruction set (see csrc/cpu/gemv.cpp). Reference:
+    ``reference.small_linear``."""
+    if _compiled(x.device) and has_op("small_linear"):
+        return torch.ops.turbospec.small_linear.default(x, weight, bias)
+    return reference.small_linear(x, weight, bias)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fake kernels: the ops only mutate their out-arguments, so tracing needs no output metadata.
 if _EXTENSION:
@@ -150,3 +160,8 @@ if _EXTENSION:
     @torch.library.register_fake("turbospec::compact_kv")
     def _compact_kv_fake(caches, prefix_len, accept_index, accept_len):
         return None
+
+    if has_op("small_linear"):
+        @torch.library.register_fake("turbospec::small_linear")
+        def _small_linear_fake(x, weight, bias):
+            return x.new_empty(*x.shape[:-1], weight.shape[0])

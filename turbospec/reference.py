@@ -257,3 +257,27 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
             if src != j:
                 for c in caches:
                     c[b, :, base + j] = c[b, :, base + src]
+
+
+def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Specification of ``turbospec::small_linear``: y[r, o] = sum_k x[r, k] * W[o, k] (+ b[o]) in
+    float32 with this order: lane j in 0..15 accumulates the terms k = j, j + 16, ... in increasing k
+    with fused multiply-adds (x and W widened to float32 exactly), the lanes are summed as
+    (j, j + 8), then + 4, + 2, + 1, then the bias is added; the result is cast to x's dtype."""
+    k = x.shape[-1]
+    xf = x.reshape(-1, k).double()
+    wf = weight.double()
+    pad = (-k) % 16
+    xf = torch.nn.functional.pad(xf, (0, pad)).view(xf.shape[0], -1, 16)
+    wf = torch.nn.functional.pad(wf, (0, pad)).view(wf.shape[0], -1, 16)
+    # One FMA per step in float64 then rounded to float32 is exactly float32's fused multiply-add.
+    acc = torch.zeros(xf.shape[0], wf.shape[0], 16, dtype=torch.float32)
+    for c in range(xf.shape[1]):
+        acc = (acc.double() + xf[:, None, c, :] * wf[None, :, c, :]).float()
+    while acc.shape[-1] > 1:
+        h = acc.shape[-1] // 2
+        acc = acc[..., :h] + acc[..., h:]
+    y = acc[..., 0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
