@@ -18,7 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .drafter import Draft, Drafter
 from .heads import MLP, Attention, HeadConfig, HeadKV, RMSNorm, Rotary
+from .sampling import SamplingParams
+from .tree_draft import DraftLMHead, Node, ancestor_closed_top, choose_children, to_draft
 
 
 class EagleLayer(nn.Module):
@@ -112,3 +115,135 @@ class EagleHead(nn.Module):
     def logits(self, out: Tensor) -> Tensor:
         """EAGLE-3 only: draft-vocab logits of the head's output (EAGLE-1/2 use the target's LM head)."""
         return self.lm_head(self.norm(out))
+
+
+# ---------------------------------------------------------------------------------------------
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic-tree drafting with an EAGLE-1/2 or EAGLE-3 head.
+
+    The head keeps its own KV cache: positions [0, _cached) hold the pairs of committed tokens,
+    computed from the target's true features; a proposal first feeds the pairs the last verify step
+    committed, then grows the tree in the slots after them (overwritten next step: that is the
+    rollback). Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
+    ``top_k`` children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens``
+    nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft).
+    """
+
+    name = "eagle"
+
+    def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int = 4,
+                 draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None):
+        from .checkpoints import check_head_compatible
+        check_head_compatible(head, target.cfg)
+        if depth < 1 or top_k < 1:
+            raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
+        self.target, self.depth, self.top_k = target, depth, top_k
+        dtype = draft_dtype or torch.float32
+        self.head = head.to(dtype).eval()
+        self.dtype = dtype
+        self.features = head.feature_spec
+        self.kv = HeadKV(head.cfg, max_seq_len + 2 * 64, dtype=dtype)
+        if head.eagle3:
+            self.lm = None
+            self.vocab_ids = head.draft_vocab_ids()
+        else:
+            self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
+            self.vocab_ids = draft_vocab
+        self._cached = 0
+        self._feats: Tensor | None = None
+
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
+        self._cached = 0
+        self._feats = features
+
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
+        self._feats = features
+
+    def _logits(self, out: Tensor) -> Tensor:
+        return self.head.logits(out).float() if self.lm is None else self.lm(out)
+
+    def _token(self, idx: Tensor) -> Tensor:
+        return idx if self.vocab_ids is None else self.vocab_ids[idx]
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        root_pos = len(tokens) - 1
+        m = root_pos - self._cached
+        feats = self._feats
+        self._feats = None
+        if m <= 0 or feats is None or feats.shape[0] != m:
+            raise RuntimeError(f"EagleDrafter: expected features for {m} new positions, got "
+                               f"{None if feats is None else tuple(feats.shape)}")
+        embed = self.target.embed
+        emb = embed[torch.tensor(tokens[self._cached + 1: root_pos + 1])].to(self.dtype)[None]
+        pos = torch.arange(self._cached, root_pos)[None]
+        out = self.head(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
+        self._cached = root_pos
+        if max_tokens <= 0:
+            return None
+        vocab = self.target.cfg.vocab_size
+        # Tree growth. Fed nodes get KV slots after the committed pairs.
+        nodes: list[Node] = []
+        slot_of: dict[int, int] = {}          # node -> KV slot (relative to _cached)
+        hidden: dict[int, Tensor] = {-1: out[0, -1]}
+        logits: dict[int, Tensor] = {-1: self._logits(out[0, -1:])[0]}
+        frontier = [-1]
+        root_q = None
+        k = self.top_k
+        greedy = params.greedy
+        for d in range(1, min(self.depth, max_tokens) + 1):
+            new = []
+            for f in frontier:
+                # Sampling keeps every drawn child, so a group's size is fixed before it is drawn:
+                # top_k, or what is left of the budget. Greedy draws top_k and re-ranks at the end.
+                kk = k if greedy else min(k, max_tokens - len(nodes))
+                if kk <= 0:
+                    break
+                idx, lq, q = choose_children(logits[f], kk, params, generator)
+                if f < 0:
+                    root_q = q
+                else:
+                    nodes[f].q = q
+                base = 0.0 if f < 0 else nodes[f].score
+                for t, l in zip(self._token(idx).tolist(), lq.tolist()):
+                    nodes.append(Node(token=t, parent=f, score=base + l, depth=d))
+                    if f >= 0:
+                        nodes[f].children.append(len(nodes) - 1)
+                    new.append(len(nodes) - 1)
+            if d == min(self.depth, max_tokens) or (not greedy and len(nodes) >= max_tokens) or not new:
+                break
+            # expand the best top_k of this round's children
+            expand = sorted(new, key=lambda i: (-nodes[i].score, i))[:k]
+            expand.sort()
+            n_new = len(expand)
+            start = len(slot_of)
+            for j, i in enumerate(expand):
+                slot_of[i] = start + j
+            mask = torch.zeros(n_new, self._cached + start + n_new, dtype=torch.bool)
+            mask[:, : self._cached] = True
+            for j, i in enumerate(expand):
+                a = i
+                while a >= 0:
+                    mask[j, self._cached + slot_of[a]] = True
+                    a = nodes[a].parent
+            h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
+            e_in = embed[torch.tensor([nodes[i].token for i in expand])].to(self.dtype)[None]
+            p_in = torch.full((1, n_new), root_pos - 1 + d)
+            o = self.head(h_in, e_in, p_in, self.kv, self._cached + start, mask[None], fused=True)
+            lg = self._logits(o[0])
+            for j, i in enumerate(expand):
+                hidden[i] = o[0, j]
+                logits[i] = lg[j]
+            frontier = expand
+        if not nodes:
+            return None
+        keep = ancestor_closed_top(nodes, max_tokens) if greedy else list(range(len(nodes)))
+        return to_draft(nodes, keep, root_q, self.lm or _IdsOnly(self.vocab_ids), vocab)
+
+
+class _IdsOnly:
+    """The draft-vocab mapping to_draft needs, for heads with their own LM head (EAGLE-3)."""
+
+    def __init__(self, ids: Tensor | None):
+        self.ids = ids

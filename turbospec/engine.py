@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-DRAFTERS = ("none", "ngram", "draft_model")
+DRAFTERS = ("none", "ngram", "draft_model", "eagle", "medusa")
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -73,11 +73,17 @@ class Engine:
         draft_model: the draft for ``drafter="draft_model"``: a path, transformers model or Transformer.
         max_seq_len: static KV-cache length; prompt + max_new_tokens must fit.
         adaptive: choose the draft length each step from measured acceptance and verify cost.
+        head: for drafter="eagle"/"medusa": a head checkpoint directory (turbospec, EAGLE, EAGLE-3 or
+            Medusa layout) or a loaded head module.
+        tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
+            {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose).
+        draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
+            never the output.
     """
 
     def __init__(self, target="default", drafter="ngram", num_draft: int = 8, *, tokenizer=None,
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
-                 draft_tokenizer=None):
+                 draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None):
         dtype = _dtype(dtype)
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 63:
             raise ValueError(f"num_draft must be an integer in [0, 63], got {num_draft!r}")
@@ -97,13 +103,17 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = eos
-        self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype)
+        self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype, head, tree or {},
+                                          _dtype(draft_dtype) if draft_dtype is not None else dtype)
 
-    def _make_drafter(self, drafter, draft_model, draft_tokenizer, dtype) -> Drafter | None:
+    def _make_drafter(self, drafter, draft_model, draft_tokenizer, dtype, head, tree, draft_dtype
+                      ) -> Drafter | None:
         if isinstance(drafter, Drafter):
             return drafter
         if drafter is None or drafter == "none":
             return None
+        if drafter in ("eagle", "medusa"):
+            return self._head_drafter(drafter, head, tree, draft_dtype)
         if drafter == "ngram":
             return NgramDrafter()
         if drafter == "draft_model":
@@ -117,6 +127,34 @@ class Engine:
             return DraftModelDrafter(dm, self.max_seq_len)
         raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                          f"turbospec.Drafter")
+
+    def _head_drafter(self, kind: str, head, tree: dict, draft_dtype) -> Drafter:
+        from .checkpoints import load_head
+        if head is None:
+            raise ValueError(f"drafter={kind!r} needs head= (a head checkpoint directory or a loaded head)")
+        if isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):
+            head = load_head(head, target_cfg=self.target.cfg)
+        method = getattr(getattr(head, "cfg", None), "method", None)
+        want = ("medusa",) if kind == "medusa" else ("eagle", "eagle3")
+        if method not in want:
+            raise ValueError(f"drafter={kind!r} needs a {' or '.join(want)} head, got a {method!r} head")
+        opts = dict(tree)
+        vocab = opts.pop("draft_vocab", None)
+        if vocab is None and getattr(head, "extra", {}).get("draft_vocab") is not None:
+            vocab = head.extra["draft_vocab"]
+        vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64)
+        if kind == "medusa":
+            from .medusa import MedusaDrafter
+            bad = set(opts) - {"choices", "num_nodes"}
+            if bad:
+                raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, draft_vocab)")
+            return MedusaDrafter(self.target, head, draft_vocab=vocab, draft_dtype=draft_dtype, **opts)
+        from .eagle import EagleDrafter
+        bad = set(opts) - {"depth", "top_k"}
+        if bad:
+            raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab)")
+        return EagleDrafter(self.target, head, self.max_seq_len, draft_vocab=vocab, draft_dtype=draft_dtype,
+                            **opts)
 
     # ------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
@@ -159,17 +197,29 @@ class Engine:
                              f"the Engine with a larger max_seq_len")
 
     # ------------------------------------------------------------------------------------------
-    def prefill(self, ids: list[int]) -> int:
-        """Write K/V for every prompt token but the last (the first root). Returns the cache length."""
+    def _feature_spec(self):
+        return None if self.drafter is None else getattr(self.drafter, "features", None)
+
+    def prefill(self, ids: list[int]) -> tuple[int, Tensor | None]:
+        """Write K/V for every prompt token but the last (the first root). Returns the cache length
+        and, when the drafter reads target features, those of the prefilled positions [n, F]."""
         n = len(ids) - 1
+        spec = self._feature_spec()
+        feats = None
         if n > 0:
             x = torch.tensor([ids[:-1]], dtype=torch.int64)
-            self.target.forward(x, torch.arange(n)[None], self.cache, 0, logits="none")
-        return n
+            out = self.target.forward(x, torch.arange(n)[None], self.cache, 0, logits="none", features=spec)
+            if spec is not None:
+                feats = out[1][0]
+        elif spec is not None:
+            feats = torch.zeros(0, 1)
+        return n, feats
 
     def speculative_step(self, tokens: list[int], cache_len: int, draft: Draft | None,
-                         params: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
-        """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts)."""
+                         params: SamplingParams, generator: torch.Generator | None
+                         ) -> tuple[list[int], int, Tensor | None]:
+        """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts, the
+        target features of the root and the accepted nodes [n + 1, F] when the drafter reads them)."""
         k = 0 if draft is None else len(draft)
         node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
         if draft is None or draft.parents is None:
@@ -179,7 +229,9 @@ class Engine:
             parents = torch.tensor([[-1] + draft.parents])
             tree_mask, _, depth, _ = ops.build_tree(parents)
             positions = cache_len + depth
-        logits = self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask)
+        spec = self._feature_spec()
+        out = self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask, features=spec)
+        logits, feats = (out, None) if spec is None else out
         if params.greedy:
             uniform = torch.zeros(1, k + 1)
         else:
@@ -195,7 +247,9 @@ class Engine:
         if tree_mask is not None:
             prefix = torch.tensor([cache_len])
             ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
-        return out[0, : n + 1].tolist(), n
+        if feats is not None:
+            feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1]
+        return out[0, : n + 1].tolist(), n, feats
 
     # ------------------------------------------------------------------------------------------
     def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
@@ -209,11 +263,15 @@ class Engine:
         budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive,
                              timed=params.greedy or seed is None)
         t0 = time.perf_counter()
-        cache_len = self.prefill(ids)
+        cache_len, feats = self.prefill(ids)
         t_prefill = time.perf_counter() - t0
         tokens = list(ids)
+        reads_features = self._feature_spec() is not None
         if self.drafter is not None:
-            self.drafter.begin(tokens)
+            if reads_features:
+                self.drafter.begin(tokens, features=feats)
+            else:
+                self.drafter.begin(tokens)
         steps = emitted_total = 0
         t_draft = t_verify = 0.0
         accepted_at = [0] * self.num_draft
@@ -228,7 +286,7 @@ class Engine:
             if draft is not None:
                 _check_draft(draft, k, self.target.cfg.vocab_size)
             t2 = time.perf_counter()
-            new, n_acc = self.speculative_step(tokens, cache_len, draft, params, generator)
+            new, n_acc, feats = self.speculative_step(tokens, cache_len, draft, params, generator)
             t3 = time.perf_counter()
             proposed = 0 if draft is None else len(draft)
             budget.record(proposed, n_acc, proposed + 1, t3 - t2, t2 - t1)
@@ -258,7 +316,10 @@ class Engine:
             if finish != "length":
                 break
             if self.drafter is not None:
-                self.drafter.observe(tokens, n_acc)
+                if reads_features:
+                    self.drafter.observe(tokens, n_acc, features=feats)
+                else:
+                    self.drafter.observe(tokens, n_acc)
         elapsed = time.perf_counter() - t0
         stats.update(
             new_tokens=emitted_total, verify_steps=steps, tau=emitted_total / max(steps, 1),

@@ -14,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .drafter import Draft, Drafter
 from .heads import HeadConfig
+from .sampling import SamplingParams
+from .tree_draft import DraftLMHead, Node, choose_children, to_draft
 
 
 class ResBlock(nn.Module):
@@ -84,3 +87,96 @@ def default_choices(num_heads: int, num_nodes: int, head_accuracy: list[list[flo
         chosen.append(best)
         frontier[best[0]] = best[1]
     return [list(p) for p, _ in chosen]
+
+
+# ---------------------------------------------------------------------------------------------
+class MedusaDrafter(Drafter):
+    """A static Medusa tree: ``choices`` (or ``default_choices`` from the heads' measured accuracy
+    when a trained checkpoint carries it) truncated to the step's budget. Greedy: node [.., r] at
+    depth d is the rank-r token of head d-1; sampling: the siblings of a node are the first draws,
+    without replacement, from head d-1's distribution (shared by all nodes of that depth; each node
+    is tested against it at most once per path), with that distribution kept for exact acceptance."""
+
+    name = "medusa"
+    features = "final"
+
+    def __init__(self, target, heads: MedusaHeads, choices: list[list[int]] | None = None,
+                 num_nodes: int = 32, draft_vocab: Tensor | None = None,
+                 draft_dtype: torch.dtype | None = None):
+        from .checkpoints import check_head_compatible
+        check_head_compatible(heads, target.cfg)
+        dtype = draft_dtype or torch.float32
+        self.heads = heads.to(dtype).eval()
+        self.target, self.dtype = target, dtype
+        k = heads.cfg.medusa_num_heads
+        if choices is None:
+            acc = getattr(heads, "extra", {}).get("head_accuracy")
+            choices = default_choices(k, num_nodes, acc)
+        self.choices = _check_choices(choices, k)
+        if heads.lm_heads is not None:
+            self.lms = [DraftLMHead(lm.weight, draft_vocab, dtype) for lm in heads.lm_heads]
+        else:
+            shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
+            self.lms = [shared] * k
+        self._f: Tensor | None = None
+
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
+        self._f = None if features is None or features.shape[0] == 0 else features[-1]
+
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
+        self._f = None if features is None else features[-1]
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        f, self._f = self._f, None
+        if f is None or max_tokens <= 0:
+            return None
+        choices = self.choices[:max_tokens]
+        depth = max(len(c) for c in choices)
+        ranks = [0] * depth
+        for c in choices:
+            ranks[len(c) - 1] = max(ranks[len(c) - 1], c[-1] + 1)
+        out = self.heads(f.to(self.dtype)[None])[:, 0]  # [K, H]
+        cand, qs = [], []
+        for d in range(depth):
+            idx, _, q = choose_children(self.lms[d](out[d:d + 1])[0], ranks[d], params, generator)
+            cand.append(self.lms[d].to_target(idx).tolist())
+            qs.append(q)
+        index = {(): -1}
+        nodes: list[Node] = []
+        for c in choices:
+            parent = index.get(tuple(c[:-1]))
+            if parent is None:
+                continue  # its parent was dropped (below)
+            # sampling: the r-th listed sibling takes the r-th draw (draws are an ordered sample)
+            r = c[-1] if params.greedy else sum(1 for n in nodes if n.parent == parent and n.depth == len(c))
+            if r >= len(cand[len(c) - 1]):
+                continue  # fewer tokens with q > 0 than the tree asks for: drop this node
+            nodes.append(Node(token=cand[len(c) - 1][r], parent=parent, score=0.0, depth=len(c),
+                              q=qs[len(c)] if len(c) < depth else None))
+            index[tuple(c)] = len(nodes) - 1
+            if parent >= 0:
+                nodes[parent].children.append(len(nodes) - 1)
+        if not nodes:
+            return None
+        return to_draft(nodes, list(range(len(nodes))), qs[0], self.lms[0], self.target.cfg.vocab_size)
+
+
+def _check_choices(choices, num_heads: int) -> list[list[int]]:
+    """Medusa choices, validated and sorted parents-first (by length, then ranks)."""
+    out = []
+    for c in choices:
+        if not isinstance(c, (list, tuple)) or not c or any(not isinstance(r, int) or r < 0 for r in c):
+            raise ValueError(f"medusa choices: each entry must be a non-empty list of ranks >= 0, got {c!r}")
+        if len(c) > num_heads:
+            raise ValueError(f"medusa choices: path {list(c)} is deeper than the {num_heads} heads")
+        out.append(list(c))
+    out.sort(key=lambda c: (len(c), c))
+    have = {tuple(c) for c in out}
+    for c in out:
+        if len(c) > 1 and tuple(c[:-1]) not in have:
+            raise ValueError(f"medusa choices: path {c} has no parent {c[:-1]} in the tree")
+    if len(out) > 63:
+        raise ValueError(f"medusa choices: {len(out)} nodes; at most 63 (64 with the root)")
+    return out

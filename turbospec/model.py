@@ -171,7 +171,8 @@ class Transformer:
                                    if k.startswith(f"layers.{i}.")}, pack)
                        for i in range(cfg.num_layers)]
         self.norm = weights["norm"]
-        self.lm_head = Linear(weights.get("lm_head", self.embed), None, pack)
+        self.lm_head_weight = weights.get("lm_head", self.embed)  # [V, H]; draft heads share it
+        self.lm_head = Linear(self.lm_head_weight, None, pack)
         self._inv_freq = rope_inv_freq(cfg)
         self._rope_len = 0
         self._cos = self._sin = None

@@ -1,0 +1,289 @@
+"""EAGLE (1/2, 3) and Medusa drafters in the Engine: greedy fp32 exactness against the plain engine
+and transformers, tree edge cases, the head's own KV rollback, exact sampling (a chi-square test of
+the first two emitted tokens against the target's distribution), and bad heads.
+
+Random heads are rarely right, so to exercise accepted paths (compact_kv, gathering the accepted
+nodes' features, rolling the head's KV back) the tests use a target whose greedy output cycles
+through a few tokens (attention zeroed: each token depends on the previous one only) and restrict
+the draft vocabulary to the tokens of that cycle, so a random head's top-k often holds the target's
+token; every such test asserts that drafts were actually accepted (tau > 1).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+import turbospec
+from turbospec import Engine
+from turbospec.checkpoints import build_head, save_head
+from turbospec.heads import HeadConfig, init_weights
+from turbospec.reference import logits_to_probs
+
+from conftest import make_tiny_model
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
+N_NEW = 40
+
+
+def hf_greedy(hf, prompt, n, eos_token_id=None):
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                      eos_token_id=eos_token_id, pad_token_id=0 if eos_token_id is None else eos_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def cyc(request):
+    """A 4-layer target whose greedy continuation cycles (attention outputs zeroed), its
+    transformers greedy reference, and the set of tokens the continuation uses."""
+    hf = make_tiny_model(request.param, seed=1, num_hidden_layers=4)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    target = turbospec.load_model(hf)
+    ref = hf_greedy(hf, PROMPT, N_NEW)
+    return hf, target, ref, sorted(set(ref))
+
+
+def make_head(method, target, seed=0, vocab=None, std=0.3, **kw):
+    torch.manual_seed(seed)
+    if method == "eagle3" and vocab is not None:
+        kw["draft_vocab_size"] = len(vocab)
+    head = build_head(HeadConfig.for_target(method, target.cfg, **kw))
+    init_weights(head, std)
+    if method == "eagle3" and vocab is not None:
+        head.set_draft_vocab(torch.tensor(vocab))
+    return head.eval()
+
+
+def engine(target, method, head, vocab=None, **kw):
+    tree = dict(kw.pop("tree", {}))
+    if vocab is not None and method != "eagle3":
+        tree["draft_vocab"] = vocab
+    return Engine(target, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree, **kw)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_exact_with_acceptance(cyc, method, adaptive):
+    hf, target, ref, vocab = cyc
+    plain = Engine(target, drafter="none").generate(PROMPT, N_NEW).token_ids
+    assert plain == ref  # the plain engine equals transformers
+    eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=12, adaptive=adaptive)
+    g = eng.generate(PROMPT, N_NEW)
+    assert g.token_ids == ref
+    if not adaptive:
+        assert g.stats["tau"] > 1.05, g.stats  # drafts were accepted: the tree paths were exercised
+    # the engine is reusable: a second prompt starts from a clean head state
+    g2 = eng.generate(PROMPT[5:], 17)
+    assert g2.token_ids == hf_greedy(hf, PROMPT[5:], 17)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_greedy_exact_random_head_full_vocab(cyc, method):
+    """A random head over the whole vocabulary: nearly everything is rejected; still exact."""
+    _, target, ref, _ = cyc
+    eng = engine(target, method, make_head(method, target, seed=5), num_draft=10, adaptive=False)
+    assert eng.generate(PROMPT, N_NEW).token_ids == ref
+
+
+@pytest.mark.parametrize("method,num_draft,tree", [
+    ("eagle", 1, {}),                               # a single draft node
+    ("eagle", 63, {"depth": 8, "top_k": 8}),        # 64 nodes with the root
+    ("medusa", 63, {"num_nodes": 63}),
+    ("medusa", 1, {}),
+    ("eagle3", 63, {"depth": 10, "top_k": 7}),
+])
+def test_tree_sizes(cyc, method, num_draft, tree):
+    _, target, ref, _ = cyc
+    kw = {"medusa_num_heads": 5} if method == "medusa" else {}
+    eng = engine(target, method, make_head(method, target, **kw), num_draft=num_draft, adaptive=False, tree=tree)
+    sizes = []
+    orig = eng.drafter.propose
+
+    def spy(*a, **k):
+        d = orig(*a, **k)
+        sizes.append(0 if d is None else len(d))
+        return d
+    eng.drafter.propose = spy
+    g = eng.generate(PROMPT, 100)  # long enough that the first steps may use all num_draft nodes
+    assert g.token_ids == Engine(target, drafter="none").generate(PROMPT, 100).token_ids
+    assert g.token_ids[:N_NEW] == ref
+    assert max(sizes) == num_draft and all(s <= num_draft for s in sizes)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_max_new_tokens_mid_path_and_eos_inside_path(cyc, method):
+    hf, target, ref, vocab = cyc
+    eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=12, adaptive=False)
+    for n in (1, 2, 5, 7):
+        assert eng.generate(PROMPT, n).token_ids == ref[:n]
+    # EOS: a token the greedy continuation reaches after a few steps
+    eos = ref[6]
+    eng.eos_token_ids = {eos}
+    g = eng.generate(PROMPT, N_NEW)
+    first = ref.index(eos)
+    assert g.token_ids == ref[: first + 1] and g.finish_reason == "eos"
+    assert g.token_ids == hf_greedy(hf, PROMPT, N_NEW, eos_token_id=eos)
+
+
+def test_head_kv_is_rolled_back(cyc):
+    """The head's committed KV equals what a fresh head computes from the target's true features
+    for the committed tokens: the tree slots of rejected drafts leave no trace."""
+    _, target, _, vocab = cyc
+    head = make_head("eagle", target, vocab=vocab)
+    eng = engine(target, "eagle", head, vocab, num_draft=12, adaptive=False)
+    g = eng.generate(PROMPT, 25)
+    assert g.stats["tau"] > 1.05
+    dr = eng.drafter
+    n = dr._cached
+    toks = PROMPT + g.token_ids
+    cache = target.new_cache(128)
+    _, feats = target.forward(torch.tensor([toks[:n]]), torch.arange(n)[None], cache, 0, logits="none",
+                              features="final")
+    with torch.inference_mode():
+        out = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None])
+        from turbospec.heads import HeadKV
+        kv = HeadKV(head.cfg, 128)
+        out2 = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None], kv, 0)
+    torch.testing.assert_close(out, out2)
+    torch.testing.assert_close(dr.kv.k[:, :, :n], kv.k[:, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dr.kv.v[:, :, :n], kv.v[:, :, :n], rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling: the first two emitted tokens follow the target exactly
+# ------------------------------------------------------------------------------------------------
+SMALL_V = 12
+
+
+@pytest.fixture(scope="module")
+def small():
+    hf = make_tiny_model("llama", seed=2, num_hidden_layers=2, vocab_size=SMALL_V)
+    return turbospec.load_model(hf)
+
+
+def _target_joint(target, prompt, t, top_p):
+    """P(x1, x2 | prompt) under the target's filtered sampling distribution, [V, V]."""
+    cache = target.new_cache(64)
+    n = len(prompt)
+    lg = target.forward(torch.tensor([prompt]), torch.arange(n)[None], cache, 0)[0, -1]
+    p1 = logits_to_probs(lg, t, 0, top_p).double()
+    joint = torch.zeros(SMALL_V, SMALL_V, dtype=torch.float64)
+    for a in range(SMALL_V):
+        if p1[a] == 0:
+            continue
+        c = target.new_cache(64)
+        lg2 = target.forward(torch.tensor([prompt + [a]]), torch.arange(n + 1)[None], c, 0)[0, -1]
+        joint[a] = p1[a] * logits_to_probs(lg2, t, 0, top_p).double()
+    return joint
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    n = counts.sum()
+    exp = probs.flatten() * n
+    obs = counts.flatten().double()
+    assert obs[exp == 0].sum() == 0, "a sequence of target probability 0 was emitted"
+    order = torch.argsort(exp)
+    # pool the smallest cells until each pooled cell expects >= 5
+    cells_o, cells_e, acc_o, acc_e = [], [], 0.0, 0.0
+    for i in order.tolist():
+        if exp[i] == 0:
+            continue
+        acc_o += float(obs[i])
+        acc_e += float(exp[i])
+        if acc_e >= 5:
+            cells_o.append(acc_o)
+            cells_e.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:
+        cells_o[-1] += acc_o
+        cells_e[-1] += acc_e
+    o, e = torch.tensor(cells_o), torch.tensor(cells_e)
+    stat = float(((o - e) ** 2 / e).sum())
+    return float(chi2.sf(stat, len(cells_o) - 1))
+
+
+def _sample_counts(eng, prompt, t, top_p, n=2000):
+    counts = torch.zeros(SMALL_V, SMALL_V)
+    accepted = 0
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(n):
+        g = eng.generate(prompt, 3, temperature=t, top_p=top_p, seed=int(torch.randint(0, 2**31, (1,), generator=gen)))
+        counts[g.token_ids[0], g.token_ids[1]] += 1
+        accepted += g.stats["verify_steps"] < 3
+    return counts, accepted
+
+
+@pytest.mark.parametrize("method,t,top_p", [("eagle", 0.7, 0.9), ("eagle", 1.0, 1.0), ("eagle3", 1.0, 0.8),
+                                            ("medusa", 0.7, 0.9), ("medusa", 1.0, 1.0)])
+def test_sampling_first_two_tokens_follow_target(small, method, t, top_p):
+    """2,000 generations of three tokens (at most two drafts per step) with the head drafting a tree; the (x1, x2) counts against
+    the exact target joint: chi-square p > 1e-5 (pooled cells, expected >= 5 each). A drafter
+    that ignored q (treated drafts as point masses) is shown to fail the same test on its own
+    data in tests/test_sampling_stats.py; here the head's q comes from a random head at a
+    different temperature than the target's, so acceptance and residual sampling both occur."""
+    target = small
+    prompt = [1, 5, 7, 2, 9, 4]
+    joint = _target_joint(target, prompt, t, top_p)
+    # a small init keeps the head's q spread out, so it is often accepted and often rejected
+    head = make_head(method, target, seed=11, std=0.05, **({"medusa_num_heads": 3} if method == "medusa" else {}))
+    eng = engine(target, method, head, num_draft=8, adaptive=False,
+                 tree={"depth": 3, "top_k": 3} if method != "medusa" else {"num_nodes": 8})
+    counts, accepted = _sample_counts(eng, prompt, t, top_p)
+    p = _chi2_pvalue(counts, joint)
+    assert p > 1e-5, p
+    assert accepted > 50  # both tokens came from one verify step often enough: acceptance was exercised
+
+
+def test_sampling_negative_control_drafts_not_drawn_from_q(small, monkeypatch):
+    """Power of the test above: a drafter that reports q but picks its children as the top-k of q
+    instead of drawing them from q (the reported q is then not the distribution the drafts came
+    from) is biased, and the same test must reject it."""
+    import turbospec.eagle as eagle_mod
+    from turbospec.sampling import SamplingParams
+    target = small
+    prompt = [1, 5, 7, 2, 9, 4]
+    joint = _target_joint(target, prompt, 1.0, 1.0)
+    real = eagle_mod.choose_children
+
+    def topk_but_report_q(logits, k, params, generator):
+        idx, lq, q = real(logits, k, params, generator)
+        gidx, _, _ = real(logits, k, SamplingParams(), None)  # greedy top-k
+        return gidx, torch.log(q[gidx]), q
+    monkeypatch.setattr(eagle_mod, "choose_children", topk_but_report_q)
+    eng = engine(target, "eagle", make_head("eagle", target, seed=11, std=0.05), num_draft=8, adaptive=False,
+                 tree={"depth": 3, "top_k": 3})
+    counts, _ = _sample_counts(eng, prompt, 1.0, 1.0)
+    assert _chi2_pvalue(counts, joint) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad heads
+# ------------------------------------------------------------------------------------------------
+def test_mismatched_head_refused(cyc, tmp_path):
+    _, target, _, _ = cyc
+    bad_hidden = HeadConfig.for_target("eagle", target.cfg, hidden_size=32, num_heads=2, num_kv_heads=1,
+                                       head_dim=16)
+    save_head(build_head(bad_hidden), str(tmp_path / "h"))
+    with pytest.raises(ValueError, match="hidden_size 32"):
+        Engine(target, drafter="eagle", head=str(tmp_path / "h"))
+    bad_vocab = HeadConfig.for_target("medusa", target.cfg, vocab_size=999)
+    with pytest.raises(ValueError, match="vocab"):
+        Engine(target, drafter="medusa", head=build_head(bad_vocab))
+    with pytest.raises(ValueError, match="needs head="):
+        Engine(target, drafter="eagle")
+    with pytest.raises(ValueError, match="needs a eagle or eagle3 head"):
+        Engine(target, drafter="eagle", head=build_head(HeadConfig.for_target("medusa", target.cfg)))
+    with pytest.raises(ValueError, match="not eagle options"):
+        Engine(target, drafter="eagle", head=build_head(HeadConfig.for_target("eagle", target.cfg)),
+               tree={"choices": [[0]]})
+    with pytest.raises(ValueError, match="has no parent"):
+        Engine(target, drafter="medusa", head=build_head(HeadConfig.for_target("medusa", target.cfg)),
+               tree={"choices": [[0], [1, 0]]})
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text('{"turbospec_head": {"method": "eagle"}}')
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises((ValueError, TypeError)):
+        Engine(target, drafter="eagle", head=str(tmp_path / "corrupt"))

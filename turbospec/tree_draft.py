@@ -1,0 +1,112 @@
+"""Shared pieces of the tree drafters (EAGLE, Medusa): the draft LM head, choosing children, and
+turning a list of nodes into a ``Draft``.
+
+Greedy decoding: children are the top-k tokens of the draft distribution (any tree is exact under
+greedy verification). Sampling (T > 0): children are drawn *without replacement* from the draft
+distribution q (Gumbel top-k, which yields the same ordered sample as drawing one at a time), and q
+is kept per node, so ``verify``'s recursive rejection sampling is exactly lossless. Which children a
+node gets may depend on anything drawn before them, never on the children themselves; so in
+sampling mode a node's children are kept all-or-none (no pruning of sibling groups by their own
+scores).
+
+How this differs from the EAGLE / Medusa reference code, which treats q as 1 when sampling: taking a
+drafted token x as a point mass (accept with probability p(x), on rejection renormalise p without x)
+is also lossless, because x was drawn independently of the target's coins; but it accepts x with
+probability p(x) instead of min(1, p(x) / q(x)), i.e. less often whenever q(x) < 1. turbospec keeps
+q (``Draft.draft_probs``) and gets the higher acceptance. What is never allowed is a q that is not
+the distribution the drafts were drawn from (tests/test_heads.py shows that such a drafter fails
+the distribution test). Medusa's "typical acceptance" is lossy and is not implemented.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .drafter import Draft
+from .model import Linear
+from .reference import logits_to_probs
+from .sampling import SamplingParams
+
+
+class DraftLMHead:
+    """logits over a draft vocabulary: rows ``ids`` of the target's LM head (all rows when None),
+    in ``dtype`` (the draft's precision does not affect exactness, only acceptance)."""
+
+    def __init__(self, weight: Tensor, ids: Tensor | None = None, dtype: torch.dtype | None = None):
+        w = weight if ids is None else weight[ids]
+        self.ids = ids
+        self.dtype = dtype or weight.dtype
+        self.linear = Linear(w.to(self.dtype).contiguous(), None, pack=True)
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return self.linear(h.to(self.dtype)).float()
+
+    def to_target(self, idx: Tensor) -> Tensor:
+        return idx if self.ids is None else self.ids[idx]
+
+
+def choose_children(logits: Tensor, k: int, params: SamplingParams, generator: torch.Generator | None
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Up to ``k`` children from draft logits [dv]: (indices [m], log q of each [m], q [dv] or None).
+    Greedy: top-k of log_softmax. Sampling: an ordered sample without replacement from
+    q = logits_to_probs(logits, params) (Gumbel top-k), only among tokens with q > 0."""
+    if params.greedy:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        val, idx = torch.topk(lp, min(k, lp.numel()))
+        return idx, val, None
+    q = logits_to_probs(logits.float(), params.temperature, params.top_k, params.top_p)
+    m = min(k, int((q > 0).sum()))
+    u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    keys = torch.log(q.double()) - torch.log(-torch.log(u))
+    idx = torch.topk(keys, m).indices
+    return idx, torch.log(q[idx]), q
+
+
+@dataclass
+class Node:
+    token: int            # target vocabulary id
+    parent: int           # index into the node list (-1: child of the root)
+    score: float          # cumulative draft log-probability
+    depth: int            # 1 for children of the root
+    q: Tensor | None = None  # draft distribution over the draft vocab at this node (sampling)
+    children: list[int] = field(default_factory=list)
+
+
+def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, lm: DraftLMHead, vocab: int
+             ) -> Draft:
+    """A ``Draft`` of the nodes ``keep`` (an ancestor-closed subset of ``nodes``), ordered by depth
+    and then by their order in ``nodes`` (siblings stay in the order they were drawn)."""
+    keep = sorted(set(keep), key=lambda i: (nodes[i].depth, i))
+    pos = {i: j + 1 for j, i in enumerate(keep)}  # node index -> draft node number (root = 0)
+    parents = [0 if nodes[i].parent < 0 else pos[nodes[i].parent] for i in keep]
+    probs = None
+    if root_q is not None:
+        probs = torch.zeros(len(keep) + 1, vocab)
+        rows = [(0, root_q)] + [(pos[i], nodes[i].q) for i in keep
+                                if nodes[i].q is not None and any(c in pos for c in nodes[i].children)]
+        for r, q in rows:
+            if lm.ids is None:
+                probs[r] = q
+            else:
+                probs[r, lm.ids] = q
+    return Draft(token_ids=[nodes[i].token for i in keep], parents=parents, draft_probs=probs)
+
+
+def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
+    """The ``n`` best nodes by score (ties: earlier first) plus whatever ancestors they need,
+    trimmed back to ``n`` by dropping the worst leaves."""
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, i))
+    chosen: set[int] = set()
+    for i in order:
+        if len(chosen) >= n:
+            break
+        path = []
+        j = i
+        while j >= 0 and j not in chosen:
+            path.append(j)
+            j = nodes[j].parent
+        if len(chosen) + len(path) <= n:
+            chosen.update(path)
+    return sorted(chosen)
