@@ -60,7 +60,7 @@ setup(
     version="0.1.0",
     description="Exact speculative decoding for Hugging Face causal language models",
     packages=["turbospec"],
-    package_data={"turbospec": ["*.json"]},
+    package_data={"turbospec": ["*.json", "heads_data/*/*.json", "heads_data/*/*.safetensors"]},
     python_requires=">=3.10",
     install_requires=["torch", "transformers", "gguf", "accelerate", "safetensors", "tqdm"],
     entry_points={"console_scripts": ["turbospec=turbospec.cli:main"]},

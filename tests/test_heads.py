@@ -287,3 +287,56 @@ def test_mismatched_head_refused(cyc, tmp_path):
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises((ValueError, TypeError)):
         Engine(target, drafter="eagle", head=str(tmp_path / "corrupt"))
+
+
+# ------------------------------------------------------------------------------------------------
+# SmolLM2-135M with random heads (fp32 greedy exactness on the real model) and the CLI
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_smollm2_random_heads_exact(smollm2, method):
+    smollm2, tok = smollm2
+    plain = Engine(smollm2, drafter="none", tokenizer=tok, max_seq_len=256)
+    ids = plain.encode("Write a haiku about a lighthouse.")
+    ref = plain.generate(ids, 24).token_ids
+    kw = {"draft_vocab_size": 2048} if method == "eagle3" else {}
+    head = build_head(HeadConfig.for_target(method, smollm2.cfg, **kw))
+    init_weights(head, 0.02)
+    tree = {} if method == "eagle3" else {"draft_vocab": list(range(2048))}
+    eng = Engine(smollm2, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree,
+                 num_draft=10, adaptive=False, max_seq_len=256)
+    assert eng.generate(ids, 24).token_ids == ref
+
+
+def test_cli_generate_with_head(smollm2_dir, smollm2, tmp_path, capsys):
+    from turbospec.cli import main
+    head = build_head(HeadConfig.for_target("medusa", smollm2[0].cfg))
+    head.init_identity()
+    save_head(head, str(tmp_path / "medusa"))
+    args = ["generate", "Say hello.", "--model", smollm2_dir, "--max-new-tokens", "12", "--drafter", "medusa",
+            "--head", str(tmp_path / "medusa"), "--num-draft", "6"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "drafter medusa" in out.err and "tok/s" in out.err
+    assert main(["generate", "Say hello.", "--model", smollm2_dir, "--max-new-tokens", "12", "--drafter", "none"]) == 0
+    plain = capsys.readouterr()
+    assert out.out == plain.out  # greedy: the same text with and without the head
+    assert main(["generate", "Say hello.", "--model", smollm2_dir, "--drafter", "eagle"]) == 2
+    assert "needs head=" in capsys.readouterr().err
+
+
+def test_bench_summary_acceptance_table_and_plots(tmp_path):
+    from turbospec.benchmark import acceptance_markdown, plots, summarize
+    rows = lambda secs, acc: [{"id": f"p{i}", "category": c, "new_tokens": 10, "seconds": secs, "steps": 5,
+                               "token_ids": [1] * 10, "peak_rss_mb": 100.0, "accept_per_position": acc}
+                              for i, c in enumerate(["qa", "rag", "qa"])]
+    results = {"hf_plain": rows(1.0, None), "ts_eagle": rows(0.25, [0.8, 0.5, None])}
+    summary = summarize(results)
+    assert summary["ts_eagle"]["overall"]["speedup"] == pytest.approx(4.0)
+    assert summary["ts_eagle"]["overall"]["accept_by_position"] == pytest.approx([0.8, 0.5])
+    md = acceptance_markdown(summary)
+    assert "| ts_eagle | 0.80 | 0.50 | – |" in md
+    pngs = plots(summary, str(tmp_path / "e2e"), {"dtype": "float32", "prompts": 3})
+    assert len(pngs) == 2
+    for p in pngs:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"

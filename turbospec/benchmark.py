@@ -38,6 +38,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=None,
                    help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_draft_model,"
                         "ts_layer_skip (default: all that apply)")
+    p.add_argument("--head", action="append", default=[],
+                   help="a draft-head checkpoint (EAGLE / EAGLE-3 / Medusa, any layout load_head reads); "
+                        "repeat for several; each runs as ts_<method>. Default: the heads shipped for the "
+                        "default model")
+    p.add_argument("--head-draft", type=int, default=None,
+                   help="most draft nodes per step for the head drafters (default: their own default)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=os.path.join("bench", "out"), help="folder for JSON and markdown")
 
@@ -116,8 +122,8 @@ def run(args) -> int:
                for p in prompts]
     max_seq = max(map(len, encoded)) + args.max_new_tokens
 
-    def ts_engine(drafter, **kw):
-        return turbospec.Engine(target, drafter=drafter, tokenizer=tok, num_draft=args.num_draft,
+    def ts_engine(drafter, num_draft=None, **kw):
+        return turbospec.Engine(target, drafter=drafter, tokenizer=tok, num_draft=num_draft or args.num_draft,
                                 max_seq_len=max_seq, **kw)
 
     systems = {}
@@ -129,6 +135,8 @@ def run(args) -> int:
     systems["ts_ngram"] = ("ts", ts_engine("ngram"))
     if draft_dir is not None:
         systems["ts_draft_model"] = ("ts", ts_engine("draft_model", draft_model=draft_dir))
+    for name, (path, opts) in head_systems(args, target).items():
+        systems[name] = ("ts", ts_engine(opts.pop("drafter"), head=path, **opts))
     if args.layer_skip:
         systems[f"ts_layer_skip{args.layer_skip}"] = ("ts", ts_engine(
             "draft_model", draft_model=layer_skip_draft(target, args.layer_skip)))
@@ -181,11 +189,102 @@ def run(args) -> int:
             "kernels": turbospec.kernels_available()}
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "summary": summary, "results": results}, f, indent=1)
-    md = markdown(summary, meta)
+    md = markdown(summary, meta) + acceptance_markdown(summary)
     with open(stem + ".md", "w") as f:
         f.write(md)
     print(md)
+    for png in plots(summary, stem, meta):
+        print("wrote", png)
     return 0
+
+
+def head_systems(args, target) -> dict:
+    """ts_<method> -> (head path, Engine options) for --head (or the shipped heads by default)."""
+    from .checkpoints import load_head
+    from .shipped import shipped_heads
+    paths = list(args.head) or (list(shipped_heads().values()) if args.model == "default" else [])
+    out = {}
+    for path in paths:
+        head = load_head(path, target_cfg=target.cfg)
+        method = head.cfg.method
+        opts = dict(getattr(head, "extra", {}).get("engine", {}))
+        opts["drafter"] = "medusa" if method == "medusa" else "eagle"
+        if args.head_draft:
+            opts["num_draft"] = args.head_draft
+        name = f"ts_{method}"
+        while name in out:
+            name += "_"
+        out[name] = (head, opts)
+    return out
+
+
+def _mean_acceptance(rows: list[dict]) -> list[float]:
+    """Per draft position: accepted / proposed, pooled over the rows' steps."""
+    acc: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        for i, a in enumerate(r.get("accept_per_position") or []):
+            if a is not None:
+                acc[i].append(a)
+    return [sum(v) / len(v) for _, v in sorted(acc.items())]
+
+
+def acceptance_markdown(summary: dict) -> str:
+    lines = ["", "Acceptance by draft position (overall; per-step acceptance rate of the node at depth i on "
+             "the accepted path, mean over prompts):", "", "| system | " +
+             " | ".join(f"pos {i + 1}" for i in range(8)) + " |", "|---" * 9 + "|"]
+    any_row = False
+    for name, per in summary.items():
+        acc = per["overall"].get("accept_by_position") or []
+        if not acc:
+            continue
+        any_row = True
+        cells = [f"{acc[i]:.2f}" if i < len(acc) else "–" for i in range(8)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if any_row else ""
+
+
+def plots(summary: dict, stem: str, meta: dict) -> list[str]:
+    """PNG plots: acceptance by position per turbospec system, speedup by category per system."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is in requirements.txt
+        return []
+    out = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = False
+    for name, per in summary.items():
+        acc = per["overall"].get("accept_by_position") or []
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=name)
+            drawn = True
+    if drawn:
+        ax.set_xlabel("draft position (depth on the accepted path)")
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"acceptance by position ({meta['dtype']})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(stem + "_acceptance.png", dpi=120)
+        out.append(stem + "_acceptance.png")
+    plt.close(fig)
+    cats = [c for c in next(iter(summary.values())).keys()]
+    names = [n for n in summary if n != "hf_plain"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats)), 4))
+    w = 0.8 / max(1, len(names))
+    for j, name in enumerate(names):
+        ax.bar([i + j * w for i in range(len(cats))], [summary[name][c]["speedup"] for c in cats], w, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + w * (len(names) - 1) / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup vs HF generate (plain)")
+    ax.set_title(f"speedup by category ({meta['dtype']}, {meta['prompts']} prompts)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(stem + "_speedup.png", dpi=120)
+    plt.close(fig)
+    out.append(stem + "_speedup.png")
+    return out
 
 
 def summarize(results: dict[str, list[dict]]) -> dict:
@@ -208,6 +307,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
                 "match_hf_plain": sum(r["token_ids"] == b["token_ids"] for r, b in zip(sel, bsel)) / len(sel),
                 "common_prefix": sum(common_prefix(r["token_ids"], b["token_ids"]) for r, b in zip(sel, bsel))
                 / max(1, sum(len(b["token_ids"]) for b in bsel)),
+                "accept_by_position": _mean_acceptance(sel),
             }
     return out
 

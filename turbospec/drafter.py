@@ -29,8 +29,13 @@ class Drafter:
     """Base class. ``tokens`` is always the whole committed sequence (prompt + generated), whose
     last element is the root."""
 
-    #: whether the draft probabilities are given (sampled drafts) or drafts are point masses
     name = "drafter"
+    #: target features the drafter reads (``Transformer.forward(features=...)``): None (none),
+    #: "final" (the final-normed hidden state: Medusa, EAGLE-1/2) or a tuple of layer indices
+    #: (EAGLE-3). When set, ``begin`` and ``observe`` also receive ``features=``: in ``begin`` the
+    #: features of the prefilled prompt positions [len(prompt) - 1, F]; in ``observe`` those of the
+    #: root and the accepted nodes of the step, in path order [num_accepted + 1, F].
+    features = None
 
     def begin(self, prompt_ids: list[int]) -> None:
         """Called once per generation before the first proposal."""

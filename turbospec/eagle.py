@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .drafter import Draft, Drafter
 from .heads import MLP, Attention, HeadConfig, HeadKV, RMSNorm, Rotary
 from .sampling import SamplingParams
-from .tree_draft import DraftLMHead, Node, ancestor_closed_top, choose_children, to_draft
+from .tree_draft import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
 
 
 class EagleLayer(nn.Module):
@@ -139,7 +139,7 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.target, self.depth, self.top_k = target, depth, top_k
         dtype = draft_dtype or torch.float32
-        self.head = head.to(dtype).eval()
+        self.head = inference_copy(head, dtype)
         self.dtype = dtype
         self.features = head.feature_spec
         self.kv = HeadKV(head.cfg, max_seq_len + 2 * 64, dtype=dtype)

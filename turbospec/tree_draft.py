@@ -110,3 +110,18 @@ def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
         if len(chosen) + len(path) <= n:
             chosen.update(path)
     return sorted(chosen)
+
+
+def inference_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of a head for drafting: in ``dtype``, eval mode, every ``nn.Linear`` running on
+    turbospec's ``Linear`` (small_linear / pre-packed oneDNN on CPU) instead of F.linear. The
+    caller's module is left untouched (it may still be trained)."""
+    import copy
+    m = copy.deepcopy(module).to(dtype).eval()
+    if next(m.parameters()).device.type != "cpu":
+        return m
+    for sub in m.modules():
+        if isinstance(sub, torch.nn.Linear):
+            fast = Linear(sub.weight.detach().contiguous(), None if sub.bias is None else sub.bias.detach(), pack=True)
+            sub.forward = fast.__call__
+    return m
