@@ -340,3 +340,21 @@ def test_bench_summary_acceptance_table_and_plots(tmp_path):
     for p in pngs:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_steps_without_a_proposal_keep_the_head_in_sync(cyc, monkeypatch):
+    """When the budget chooses plain decoding for some steps, the committed tokens' features queue
+    up and the next proposal feeds them all (regression: they were dropped)."""
+    from turbospec import budget
+    _, target, ref, vocab = cyc
+    calls = {"n": 0}
+
+    def alternate(self):
+        calls["n"] += 1
+        return 0 if calls["n"] % 3 else self.max_draft
+    monkeypatch.setattr(budget.DraftBudget, "choose", alternate)
+    for method in ("eagle", "eagle3", "medusa"):
+        eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=8)
+        g = eng.generate(PROMPT, N_NEW)
+        assert g.token_ids == ref
+        assert g.stats["verify_steps"] < N_NEW  # some proposals were accepted

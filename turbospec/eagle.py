@@ -157,7 +157,11 @@ class EagleDrafter(Drafter):
         self._feats = features
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
-        self._feats = features
+        # Steps without a proposal (the budget chose plain decoding) still commit tokens: their
+        # features queue up until the next proposal feeds them all.
+        if features is not None:
+            self._feats = features if self._feats is None or self._feats.shape[0] == 0 else \
+                torch.cat((self._feats, features))
 
     def _logits(self, out: Tensor) -> Tensor:
         return self.head.logits(out).float() if self.lm is None else self.lm(out)

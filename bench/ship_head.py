@@ -1,0 +1,62 @@
+"""Package a trained head for the default model: copy it into turbospec/heads_data/<name>/ with the
+draft vocabulary (the most frequent tokens of the self-distilled responses, for EAGLE-1/2 and
+Medusa heads that share the target's LM head) and the Engine options it was tuned for, recorded in
+its config.json ``turbospec_extra`` next to the training provenance.
+
+    python bench/ship_head.py --head /work/train/eagle --samples WORK/gen-*/samples.jsonl \\
+        --name smollm2-eagle --draft-vocab 8192 --engine '{"num_draft": 12, "draft_dtype": "bfloat16",
+        "tree": {"depth": 4, "top_k": 4}}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from turbospec.heads import draft_vocab_from_counts  # noqa: E402
+from turbospec.shipped import HEADS_DIR  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head", required=True, help="trained head directory (turbospec format)")
+    p.add_argument("--samples", required=True, help="the distillation samples.jsonl the head was trained on")
+    p.add_argument("--name", required=True, help="folder name under turbospec/heads_data/")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
+    p.add_argument("--engine", default="{}", help="JSON: Engine options (num_draft, draft_dtype, tree)")
+    args = p.parse_args()
+    with open(os.path.join(args.head, "config.json")) as f:
+        cfg = json.load(f)
+    head_cfg = cfg["turbospec_head"]
+    extra = cfg.setdefault("turbospec_extra", {})
+    if args.draft_vocab and head_cfg["method"] != "eagle3":
+        counts = torch.zeros(head_cfg["vocab_size"], dtype=torch.int64)
+        total = 0
+        with open(args.samples) as f:
+            for line in f:
+                ids = torch.tensor(json.loads(line)["response_ids"], dtype=torch.int64)
+                counts += torch.bincount(ids, minlength=counts.numel())
+                total += ids.numel()
+        vocab = draft_vocab_from_counts(counts, args.draft_vocab)
+        extra["draft_vocab"] = vocab.tolist()
+        extra["draft_vocab_coverage"] = float(counts[vocab].sum()) / max(total, 1)
+    extra["engine"] = json.loads(args.engine)
+    out = os.path.join(HEADS_DIR, args.name)
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(args.head, "model.safetensors"), os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    print(f"wrote {out} ({os.path.getsize(os.path.join(out, 'model.safetensors')) / 2**20:.1f} MB weights)"
+          + (f", draft vocab {len(extra['draft_vocab'])} ids covering {extra['draft_vocab_coverage']:.1%} "
+             f"of response tokens" if "draft_vocab" in extra else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

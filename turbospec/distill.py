@@ -1,0 +1,546 @@
+"""Self-distillation data for draft heads (stages 1 and 2 of ``turbospec train``).
+
+Stage 1, ``generate``: training prompts (JSONL) get the target's chat template (``Engine.encode``)
+and the TARGET answers them greedily, in batches (left-padded prompts, one attention mask per row,
+the model's own layer loop), so a head learns the target's own distribution. Stored in
+``<work>/gen-<key>/samples.jsonl`` (one ``{"index", "prompt_ids", "response_ids", "finish"}`` per
+line) with ``meta.json``; ``<key>`` hashes every setting that changes the result (data file contents,
+target weights, dtype, prompt count and limits, seed), so a matching run re-uses the file and an
+interrupted one resumes where it stopped.
+
+Stage 2, ``collect_features``: one fresh target pass per sample over prompt + response records what
+heads read and what they must predict, in safetensors shards ``<work>/feat-<key>/``:
+  features [tokens, F]   what the target's ``forward(features=...)`` returns ("final": F = hidden;
+                         a layer tuple: F = len * hidden), stored in bfloat16 by default
+  ids      [tokens]      int32, the sequence (prompt + response)
+  argmax   [tokens]      int32, the target's greedy next token at each position (argmax of its logits)
+  offsets  [S + 1]       int64, sample s is rows offsets[s]:offsets[s + 1]
+  prompt_len [S]         int64
+The last ``eval_samples`` samples (the order is already a seeded shuffle) go to ``eval.safetensors``,
+the held-out split; ``manifest.json`` lists finished shards, so this stage resumes too.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .model import Transformer, rms_norm
+
+PROMPT_KEYS = ("prompt", "text", "instruction", "question")
+EVAL_DATA_NAMES = ("specbench", "spec_bench", "spec-bench", "humaneval", "human_eval", "human-eval")
+
+
+# progress bars: redraw often on a terminal, every 5 s in a log file
+BAR = dict(dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 5.0)
+
+
+def _log(msg: str) -> None:
+    print(f"[turbospec train] {msg}", file=sys.stderr, flush=True)
+
+
+def _sha1(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def file_sha1(path: str) -> str:
+    h = hashlib.sha1()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def target_fingerprint(target: Transformer) -> str:
+    """Identifies the target's weights cheaply (config + a few embedding rows + final norm)."""
+    h = hashlib.sha1(repr(sorted(vars(target.cfg).items())).encode())
+    for t in (target.embed[:8], target.embed[-8:], target.norm):
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def stage_lock(folder: str):
+    """Exclusive use of a stage folder: a second run sharing --work-dir waits here, then re-uses
+    what the first one stored (POSIX file lock; no locking where fcntl is missing)."""
+    os.makedirs(folder, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(os.path.join(folder, ".lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            _log(f"waiting for another run using {folder} ...")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+def prompt_of(rec):
+    """A record's prompt: a string (one user turn) or a list of {"role", "content"} messages ending
+    with a user turn; None when the record has none. Accepted: "prompt" / "text" / "instruction" /
+    "question" (a string, or a message list), "turns" (list of strings: the first turn, as Spec-Bench /
+    MT-bench store them), "messages" / "conversations" (chat messages; ShareGPT's {"from", "value"}
+    too; trailing assistant turns are dropped: the target writes its own answer)."""
+    if isinstance(rec, str):
+        return rec or None
+    if not isinstance(rec, dict):
+        return None
+    for key in PROMPT_KEYS:
+        v = rec.get(key)
+        if isinstance(v, str) and v.strip():
+            return v
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return _messages(v)
+    turns = rec.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip():
+        return turns[0]
+    for key in ("messages", "conversations"):
+        v = rec.get(key)
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return _messages(v)
+    return None
+
+
+def _messages(msgs: list[dict]):
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "system": "system", "model": "assistant"}
+    out = []
+    for m in msgs:
+        role = roles.get(str(m.get("role", m.get("from", ""))).lower())
+        content = m.get("content", m.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        out.append({"role": role, "content": content})
+    while out and out[-1]["role"] == "assistant":
+        out.pop()
+    return out if out and out[-1]["role"] == "user" else None
+
+
+def read_prompts(path: str) -> list:
+    """All prompts of a JSONL file (see ``prompt_of``). Errors name --data and the file."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data {path!r} does not exist (expected a JSONL file with one "
+                                f"{{\"prompt\": ...}} per line)")
+    base = os.path.basename(path).lower()
+    if any(n in base for n in EVAL_DATA_NAMES):
+        raise ValueError(f"--data {path!r} looks like evaluation data (Spec-Bench / HumanEval); "
+                         f"keep evaluation prompts out of head training")
+    prompts, lines = [], 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            lines += 1
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--data {path!r} line {lineno} is not JSON: {e}") from None
+            p = prompt_of(rec)
+            if p is not None:
+                prompts.append(p)
+    if lines == 0:
+        raise ValueError(f"--data {path!r} is empty: expected one JSON object per line with a "
+                         f"'prompt' (or 'text', 'turns', 'messages') field")
+    if not prompts:
+        raise ValueError(f"--data {path!r}: none of its {lines} records has a usable 'prompt', 'text', "
+                         f"'instruction', 'question', 'turns' or 'messages' field")
+    return prompts
+
+
+def select_prompts(prompts: list, encode, num_prompts: int, max_prompt_tokens: int, seed: int,
+                   truncate: bool) -> tuple[list[list[int]], int]:
+    """Encode prompts in a seeded random order until ``num_prompts`` (0: all) fit
+    ``max_prompt_tokens``; longer ones are skipped, or with ``truncate`` keep their last tokens
+    (the end of the template, where the answer starts). Returns (token id lists, skipped count)."""
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    want = num_prompts or len(prompts)
+    out, skipped = [], 0
+    for i in order:
+        if len(out) >= want:
+            break
+        try:
+            ids = encode(prompts[i])
+        except ValueError:
+            skipped += 1
+            continue
+        if len(ids) > max_prompt_tokens:
+            if not truncate:
+                skipped += 1
+                continue
+            ids = ids[-max_prompt_tokens:]
+        out.append(ids)
+    if not out:
+        raise ValueError(f"no prompt fits --max-prompt-tokens {max_prompt_tokens} ({skipped} skipped); "
+                         f"raise it or pass --truncate-long-prompts")
+    return out, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: batched greedy generation by the target
+def _masked_forward(target: Transformer, ids: Tensor, pos: Tensor, cache, cache_len: int,
+                    mask: Tensor) -> Tensor:
+    """The target's forward with a full attention mask [B, 1, n, cache_len + n] (rows of different
+    lengths share cache slots: left padding is masked per row); logits of the last position [B, V].
+    Uses the model's reference layer loop, which takes any such mask."""
+    cos, sin = target._rope(pos)
+    x = target.embed[ids]
+    x, _ = target._layers_python(x, cos, sin, mask, cache, cache_len)
+    x = rms_norm(x[:, -1], target.norm, target.cfg.rms_norm_eps)
+    return target.lm_head(x).float()
+
+
+@torch.inference_mode()
+def greedy_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_ids: set[int]) -> list[tuple[list[int], str]]:
+    """Greedy continuations of several prompts at once: [(response ids, "eos" | "length")].
+    The EOS token, when produced, ends (and is kept in) the response. Same tokens as
+    ``Engine(drafter="none").generate`` up to floating-point near-ties."""
+    dev = target.device
+    bsz = len(prompts)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    L = int(lens.max())
+    pad = L - lens                                              # [B] left padding per row
+    ids = torch.zeros(bsz, L, dtype=torch.int64, device=dev)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = torch.tensor(p, dtype=torch.int64, device=dev)
+    ar = torch.arange(L, device=dev)
+    pos = (ar[None] - pad[:, None]).clamp_min(0)                # [B, L]
+    key_ok = ar[None] >= pad[:, None]                            # [B, L] real (non-pad) slots
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril_()
+    eye = torch.eye(L, dtype=torch.bool, device=dev)
+    mask = (causal[None] & key_ok[:, None, :]) | eye[None]     # pad rows see themselves: no empty row
+    cache = target.new_cache(L + max_new_tokens, bsz)
+    logits = _masked_forward(target, ids, pos, cache, 0, mask[:, None])
+    rows = list(range(bsz))                                      # original row of each live row
+    out: list[list[int]] = [[] for _ in range(bsz)]
+    finish = ["length"] * bsz
+    for t in range(max_new_tokens):
+        nxt = logits.argmax(-1).tolist()
+        keep = []
+        for j, tok in enumerate(nxt):
+            out[rows[j]].append(tok)
+            if tok in eos_token_ids:
+                finish[rows[j]] = "eos"
+            else:
+                keep.append(j)
+        if t == max_new_tokens - 1 or not keep:
+            break
+        if len(keep) < len(rows):  # drop finished rows from the batch and the cache
+            idx = torch.tensor(keep, device=dev)
+            cache.k = [k.index_select(0, idx) for k in cache.k]
+            cache.v = [v.index_select(0, idx) for v in cache.v]
+            key_ok, lens = key_ok[idx], lens[idx]
+            rows = [rows[j] for j in keep]
+            nxt = [nxt[j] for j in keep]
+        x = torch.tensor(nxt, dtype=torch.int64, device=dev)[:, None]
+        key_ok = torch.cat((key_ok, torch.ones(len(rows), 1, dtype=torch.bool, device=dev)), dim=1)
+        logits = _masked_forward(target, x, (lens + t)[:, None], cache, L + t, key_ok[:, None, None, :])
+    return list(zip(out, finish))
+
+
+def read_samples(path: str) -> list[dict]:
+    """The samples of a samples.jsonl (a torn last line from an interrupted run is ignored)."""
+    out = []
+    if not os.path.isfile(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out
+
+
+def generate(target: Transformer, engine, prompts: list, work_dir: str, *, data_sha1: str,
+             num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int, truncate: bool,
+             batch_size: int, dtype: str) -> tuple[str, list[dict], dict]:
+    """Stage 1. Returns (the generation folder, its samples sorted by index, info) where info says
+    how many samples this call generated (0 when the stored file was re-used)."""
+    settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
+                    num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+                    max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
+    gen_dir = os.path.join(work_dir, f"gen-{_sha1(settings)}")
+    with stage_lock(gen_dir):
+        return _generate(target, engine, prompts, gen_dir, settings, batch_size)
+
+
+def _generate(target, engine, prompts, gen_dir, settings, batch_size):
+    from tqdm import tqdm
+    num_prompts, max_new_tokens = settings["num_prompts"], settings["max_new_tokens"]
+    max_prompt_tokens, seed, truncate = settings["max_prompt_tokens"], settings["seed"], settings["truncate"]
+    meta_path, samples_path = os.path.join(gen_dir, "meta.json"), os.path.join(gen_dir, "samples.jsonl")
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if meta.get("complete") and meta.get("settings") == settings:
+            samples = sorted(read_samples(samples_path), key=lambda s: s["index"])
+            if len(samples) == meta["num_samples"]:
+                _log(f"generation: re-using {len(samples)} samples in {gen_dir}")
+                return gen_dir, samples, {"generated": 0, "reused": len(samples), **meta["info"]}
+    os.makedirs(gen_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    encoded, skipped = select_prompts(prompts, engine.encode, num_prompts, max_prompt_tokens, seed, truncate)
+    if num_prompts and len(encoded) < num_prompts:
+        _log(f"generation: only {len(encoded)} of --num-prompts {num_prompts} prompts fit "
+             f"--max-prompt-tokens {max_prompt_tokens}")
+    done = {s["index"]: s for s in read_samples(samples_path)}
+    if any(i >= len(encoded) or s["prompt_ids"] != encoded[i] for i, s in done.items()):
+        done = {}  # not ours: start over
+    with open(samples_path, "w") as f:  # rewrite what is valid (drops a torn last line)
+        for i in sorted(done):
+            f.write(json.dumps(done[i]) + "\n")
+    # batches of similar prompt lengths (little padding), run in a random order (an honest ETA)
+    todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
+    batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
+    random.Random(seed).shuffle(batches)
+    mean_len = sum(map(len, encoded)) / len(encoded)
+    _log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
+         f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}"
+         + (f"; resuming, {len(done)} already done" if done else ""))
+    new_tokens = 0
+    with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
+                                             desc="generate", **BAR) as bar:
+        for idx in batches:
+            results = greedy_batch(target, [encoded[i] for i in idx], max_new_tokens, engine.eos_token_ids)
+            for i, (resp, fin) in zip(idx, results):
+                rec = {"index": i, "prompt_ids": encoded[i], "response_ids": resp, "finish": fin}
+                done[i] = rec
+                f.write(json.dumps(rec) + "\n")
+                new_tokens += len(resp)
+            f.flush()
+            bar.update(len(idx))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+    samples = [done[i] for i in range(len(encoded))]
+    info = {"prompts": len(encoded), "skipped_prompts": skipped,
+            "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples),
+            "response_tokens": sum(len(s["response_ids"]) for s in samples),
+            "finished_by_eos": sum(s["finish"] == "eos" for s in samples),
+            "seconds": round(time.perf_counter() - t0, 1)}
+    _write_json(meta_path, {"settings": settings, "complete": True, "num_samples": len(samples),
+                            "info": info})
+    _log(f"generation: {info['response_tokens']} response tokens in {info['seconds']} s -> {gen_dir}")
+    return gen_dir, samples, {"generated": len(todo), "reused": len(encoded) - len(todo), **info}
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: features
+FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _split(samples: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
+    n_eval = min(eval_samples, len(samples) - 1) if len(samples) > 1 else 0
+    return samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
+
+
+@torch.inference_mode()
+def _sample_tensors(target: Transformer, sample: dict, spec, cache, fdtype: torch.dtype) -> dict:
+    ids = sample["prompt_ids"] + sample["response_ids"]
+    n = len(ids)
+    x = torch.tensor([ids], dtype=torch.int64, device=target.device)
+    logits, feats = target.forward(x, torch.arange(n, device=target.device)[None], cache, 0,
+                                   logits="all", features=spec)
+    return {"features": feats[0].to(fdtype).cpu(), "ids": torch.tensor(ids, dtype=torch.int32),
+            "argmax": logits[0].argmax(-1).to(torch.int32).cpu()}
+
+
+def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
+    lens = [r["ids"].numel() for r in rows]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lens).cumsum(0)
+    return {"features": torch.cat([r["features"] for r in rows]).contiguous(),
+            "ids": torch.cat([r["ids"] for r in rows]), "argmax": torch.cat([r["argmax"] for r in rows]),
+            "offsets": offsets,
+            "prompt_len": torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int64)}
+
+
+def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
+                     eval_samples: int, shard_tokens: int, feature_dtype: str) -> tuple[str, dict]:
+    """Stage 2. Returns (the feature folder, its manifest)."""
+    spec_key = "final" if spec == "final" else [int(i) for i in spec]
+    settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
+                    shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
+    feat_dir = os.path.join(work_dir, f"feat-{_sha1(settings)}")
+    with stage_lock(feat_dir):
+        return _collect(target, samples, feat_dir, settings, spec)
+
+
+def _collect(target, samples, feat_dir, settings, spec):
+    from tqdm import tqdm
+    eval_samples, shard_tokens, feature_dtype = (settings["eval_samples"], settings["shard_tokens"],
+                                                 settings["feature_dtype"])
+    man_path = os.path.join(feat_dir, "manifest.json")
+    manifest = None
+    if os.path.isfile(man_path):
+        with open(man_path) as f:
+            manifest = json.load(f)
+        if manifest.get("settings") != settings:
+            manifest = None
+        elif manifest.get("complete"):
+            _log(f"features: re-using {manifest['train_samples']} + {manifest['eval_samples']} samples "
+                 f"in {feat_dir}")
+            return feat_dir, manifest
+    os.makedirs(feat_dir, exist_ok=True)
+    fdtype = FEATURE_DTYPES[feature_dtype]
+    train, held = _split(samples, eval_samples)
+    if manifest is None:
+        manifest = {"settings": settings, "complete": False, "shards": [], "eval": None,
+                    "train_samples": len(train), "eval_samples": len(held), "sumsq": 0.0, "numel": 0,
+                    "agree": 0, "agree_n": 0}
+    max_len = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    cache = target.new_cache(max_len)
+    start = manifest["shards"][-1]["end"] if manifest["shards"] else 0
+    total_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+    width = target.cfg.hidden_size * (1 if spec == "final" else len(spec))
+    mib = total_tokens * width * fdtype.itemsize / 2**20
+    _log(f"features: {len(train)} train + {len(held)} eval samples, {total_tokens} tokens, "
+         f"{width} {feature_dtype} values per token (~{mib:.0f} MiB)"
+         + (f"; resuming at sample {start}" if start else ""))
+    t0 = time.perf_counter()
+    done_tokens = 0
+
+    def record(rows, group):
+        for r, s in zip(rows, group):
+            f = r["features"].float()
+            manifest["sumsq"] += float(f.pow(2).sum())
+            manifest["numel"] += f.numel()
+            p, n = len(s["prompt_ids"]), r["ids"].numel()
+            manifest["agree"] += int((r["argmax"][p - 1:n - 1] == r["ids"][p:]).sum())
+            manifest["agree_n"] += n - p
+
+    def write(name, rows, group):
+        path = os.path.join(feat_dir, name)
+        save_file(_pack(rows, group), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    with tqdm(total=total_tokens, unit="tok", desc="features", unit_scale=True, **BAR) as bar:
+        if manifest["eval"] is None and held:
+            rows = [_sample_tensors(target, s, spec, cache, fdtype) for s in held]
+            record(rows, held)
+            write("eval.safetensors", rows, held)
+            manifest["eval"] = {"file": "eval.safetensors", "lengths": [r["ids"].numel() for r in rows],
+                                "prompt_lens": [len(s["prompt_ids"]) for s in held]}
+            _write_json(man_path, manifest)
+        skip = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in held + train[:start])
+        bar.update(skip)
+        rows, group = [], []
+        i = start
+        while i < len(train):
+            s = train[i]
+            rows.append(_sample_tensors(target, s, spec, cache, fdtype))
+            group.append(s)
+            n = rows[-1]["ids"].numel()
+            done_tokens += n
+            bar.update(n)
+            bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}")
+            i += 1
+            if sum(r["ids"].numel() for r in rows) >= shard_tokens or i == len(train):
+                k = len(manifest["shards"])
+                record(rows, group)
+                write(f"train-{k:05d}.safetensors", rows, group)
+                manifest["shards"].append({"file": f"train-{k:05d}.safetensors", "start": i - len(rows),
+                                           "end": i, "lengths": [r["ids"].numel() for r in rows],
+                                           "prompt_lens": [len(g["prompt_ids"]) for g in group]})
+                _write_json(man_path, manifest)
+                rows, group = [], []
+    manifest["complete"] = True
+    manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
+    manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
+    manifest["seconds"] = round(time.perf_counter() - t0, 1)
+    _write_json(man_path, manifest)
+    _log(f"features: done in {manifest['seconds']} s; the target's argmax equals the generated token at "
+         f"{100 * manifest['argmax_agreement']:.2f}% of response positions -> {feat_dir}")
+    return feat_dir, manifest
+
+
+class FeatureStore:
+    """Reads a feature folder: batch plans from the manifest alone, one train shard in memory at a
+    time (memory stays bounded by --shard-tokens), the eval split loaded once."""
+
+    def __init__(self, feat_dir: str, manifest: dict):
+        self.dir, self.manifest = feat_dir, manifest
+        self.shards = manifest["shards"]
+        self._cached: tuple[int, dict] | None = None
+
+    def num_train_samples(self) -> int:
+        return sum(len(s["lengths"]) for s in self.shards)
+
+    def load(self, shard: int) -> dict[str, Tensor]:
+        if self._cached is None or self._cached[0] != shard:
+            self._cached = None
+            self._cached = (shard, load_file(os.path.join(self.dir, self.shards[shard]["file"])))
+        return self._cached[1]
+
+    def plan(self, batch_size: int, seed: int, epoch: int) -> list[tuple[int, list[int]]]:
+        """One epoch's batches [(shard, sample indices)], deterministic in (seed, epoch): shards in a
+        random order; inside a shard samples shuffled, grouped by similar length (less padding)
+        in windows of 8 batches, the batches shuffled."""
+        rng = random.Random(seed * 1_000_003 + epoch)
+        out = []
+        order = list(range(len(self.shards)))
+        rng.shuffle(order)
+        for sh in order:
+            lengths = self.shards[sh]["lengths"]
+            idx = list(range(len(lengths)))
+            rng.shuffle(idx)
+            batches = []
+            win = batch_size * 8
+            for w in range(0, len(idx), win):
+                chunk = sorted(idx[w:w + win], key=lambda i: lengths[i])
+                batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+            rng.shuffle(batches)
+            out += [(sh, b) for b in batches]
+        return out
+
+    def eval_batches(self, batch_size: int) -> list[dict]:
+        ev = self.manifest.get("eval")
+        if not ev:
+            return []
+        t = load_file(os.path.join(self.dir, ev["file"]))
+        n = len(ev["lengths"])
+        order = sorted(range(n), key=lambda i: ev["lengths"][i])
+        return [collate(t, order[b:b + batch_size]) for b in range(0, n, batch_size)]
+
+
+def collate(t: dict[str, Tensor], idx: list[int]) -> dict[str, Tensor]:
+    """Samples ``idx`` of a shard as a right-padded batch:
+    features [B, n, F] (stored dtype), ids [B, n] int64 (pad 0), argmax [B, n] int64 (pad -100),
+    prompt_len [B], length [B]."""
+    off = t["offsets"]
+    lens = [int(off[i + 1] - off[i]) for i in idx]
+    n, bsz = max(lens), len(idx)
+    feats = torch.zeros(bsz, n, t["features"].shape[1], dtype=t["features"].dtype)
+    ids = torch.zeros(bsz, n, dtype=torch.int64)
+    am = torch.full((bsz, n), -100, dtype=torch.int64)
+    for b, i in enumerate(idx):
+        s, e = int(off[i]), int(off[i + 1])
+        feats[b, :e - s] = t["features"][s:e]
+        ids[b, :e - s] = t["ids"][s:e]
+        am[b, :e - s] = t["argmax"][s:e]
+    return {"features": feats, "ids": ids, "argmax": am, "prompt_len": t["prompt_len"][idx].clone(),
+            "length": torch.tensor(lens, dtype=torch.int64)}
