@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,6 +29,12 @@ def main() -> int:
     p.add_argument("--name", required=True, help="folder name under turbospec/heads_data/")
     p.add_argument("--draft-vocab", type=int, default=8192, help="0: the full vocabulary")
     p.add_argument("--engine", default="{}", help="JSON: Engine options (num_draft, draft_dtype, tree)")
+    p.add_argument("--use-by-default", action="store_true",
+                   help="let Engine(drafter='auto') pick this head for the default model (only when the "
+                        "benchmark shows it beating n-gram lookup)")
+    p.add_argument("--store-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="dtype of the shipped floating-point weights (bfloat16 halves the package; a head "
+                        "that drafts in bfloat16 computes exactly the same either way)")
     args = p.parse_args()
     with open(os.path.join(args.head, "config.json")) as f:
         cfg = json.load(f)
@@ -47,9 +52,14 @@ def main() -> int:
         extra["draft_vocab"] = vocab.tolist()
         extra["draft_vocab_coverage"] = float(counts[vocab].sum()) / max(total, 1)
     extra["engine"] = json.loads(args.engine)
+    extra["use_by_default"] = bool(args.use_by_default)
     out = os.path.join(HEADS_DIR, args.name)
     os.makedirs(out, exist_ok=True)
-    shutil.copy(os.path.join(args.head, "model.safetensors"), os.path.join(out, "model.safetensors"))
+    from safetensors.torch import load_file, save_file
+    state = load_file(os.path.join(args.head, "model.safetensors"))
+    dt = getattr(torch, args.store_dtype)
+    save_file({k: v.to(dt) if v.is_floating_point() else v for k, v in state.items()},
+              os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     print(f"wrote {out} ({os.path.getsize(os.path.join(out, 'model.safetensors')) / 2**20:.1f} MB weights)"

@@ -62,6 +62,17 @@ def _check_draft(draft: Draft, max_tokens: int, vocab: int) -> None:
                          f"expected ({k + 1}, {vocab})")
 
 
+def _draft_depth(draft: Draft | None) -> int:
+    if draft is None:
+        return 0
+    if draft.parents is None:
+        return len(draft)
+    depth = [0]
+    for p in draft.parents:
+        depth.append(depth[p] + 1)
+    return max(depth)
+
+
 class Engine:
     """Speculative decoding engine (batch 1).
 
@@ -97,7 +108,8 @@ class Engine:
             raise ValueError(f"num_draft must be an integer in [0, 63], got {num_draft!r}")
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
-        if isinstance(target, str) and target == "default":
+        self._default_target = isinstance(target, str) and target == "default"
+        if self._default_target:
             target = default_model_path()
         self.target = target if isinstance(target, Transformer) else load_model(target, dtype)
         if tokenizer is None and not isinstance(target, Transformer):
@@ -141,7 +153,7 @@ class Engine:
         """drafter="auto": the default model gets its best shipped head with the options it was
         tuned for (explicit arguments win); anything else gets n-gram lookup."""
         from .shipped import best_shipped_head
-        best = best_shipped_head() if isinstance(target, str) and target == "default" else None
+        best = best_shipped_head(default_only=True) if isinstance(target, str) and target == "default" else None
         if best is None:
             return "ngram", head, tree, num_draft, draft_dtype
         from .checkpoints import load_head
@@ -155,6 +167,13 @@ class Engine:
 
     def _head_drafter(self, kind: str, head, tree: dict, draft_dtype) -> Drafter:
         from .checkpoints import load_head
+        if head is None and self._default_target:
+            from .shipped import shipped_heads
+            heads = shipped_heads()
+            head = next((heads[m] for m in (("medusa",) if kind == "medusa" else ("eagle3", "eagle")) if m in heads),
+                        None)
+            if head is not None and not tree:
+                tree = dict(load_head(head).extra.get("engine", {}).get("tree", {}))
         if head is None:
             raise ValueError(f"drafter={kind!r} needs head= (a head checkpoint directory or a loaded head)")
         if isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):
@@ -318,7 +337,8 @@ class Engine:
             t_draft += t2 - t1
             t_verify += t3 - t2
             steps += 1
-            for i in range(proposed):
+            # per position = per depth on the accepted path (a tree of k nodes may be shallower)
+            for i in range(_draft_depth(draft)):
                 proposed_at[i] += 1
                 accepted_at[i] += i < n_acc
             cache_len += n_acc + 1

@@ -30,10 +30,16 @@ def shipped_heads() -> dict[str, str]:
     return out
 
 
-def best_shipped_head() -> tuple[str, str] | None:
-    """(method, directory) of the preferred shipped head, or None when none is shipped."""
+def best_shipped_head(default_only: bool = False) -> tuple[str, str] | None:
+    """(method, directory) of the preferred shipped head, or None when none is shipped. With
+    ``default_only``, only heads whose config marks them ``"use_by_default": true`` (set when the
+    benchmark shows the head beating n-gram lookup on the default model) count."""
     heads = shipped_heads()
     for m in PREFERENCE:
         if m in heads:
+            if default_only:
+                with open(os.path.join(heads[m], "config.json")) as f:
+                    if not json.load(f).get("turbospec_extra", {}).get("use_by_default", False):
+                        continue
             return m, heads[m]
     return None
