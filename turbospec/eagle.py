@@ -243,11 +243,4 @@ class EagleDrafter(Drafter):
         if not nodes:
             return None
         keep = ancestor_closed_top(nodes, max_tokens) if greedy else list(range(len(nodes)))
-        return to_draft(nodes, keep, root_q, self.lm or _IdsOnly(self.vocab_ids), vocab)
-
-
-class _IdsOnly:
-    """The draft-vocab mapping to_draft needs, for heads with their own LM head (EAGLE-3)."""
-
-    def __init__(self, ids: Tensor | None):
-        self.ids = ids
+        return to_draft(nodes, keep, root_q, self.vocab_ids, vocab)

@@ -172,8 +172,9 @@ class Engine:
             heads = shipped_heads()
             head = next((heads[m] for m in (("medusa",) if kind == "medusa" else ("eagle3", "eagle")) if m in heads),
                         None)
-            if head is not None and not tree:
-                tree = dict(load_head(head).extra.get("engine", {}).get("tree", {}))
+            if head is not None:
+                head = load_head(head, target_cfg=self.target.cfg)
+                tree = tree or dict(head.extra.get("engine", {}).get("tree", {}))
         if head is None:
             raise ValueError(f"drafter={kind!r} needs head= (a head checkpoint directory or a loaded head)")
         if isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):

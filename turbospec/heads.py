@@ -9,7 +9,6 @@ names follow the public checkpoint layouts (EAGLE: ``fc`` + ``layers.0.*``; EAGL
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -194,7 +193,3 @@ def draft_vocab_from_counts(counts: Tensor, size: int) -> Tensor:
     size = min(size, counts.numel())
     order = torch.sort(-counts.double(), stable=True).indices[:size]
     return torch.sort(order).values
-
-
-def uniform_std(fan_in: int) -> float:
-    return 1.0 / math.sqrt(fan_in)

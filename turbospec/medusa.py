@@ -160,7 +160,7 @@ class MedusaDrafter(Drafter):
                 nodes[parent].children.append(len(nodes) - 1)
         if not nodes:
             return None
-        return to_draft(nodes, list(range(len(nodes))), qs[0], self.lms[0], self.target.cfg.vocab_size)
+        return to_draft(nodes, list(range(len(nodes))), qs[0], self.lms[0].ids, self.target.cfg.vocab_size)
 
 
 def _check_choices(choices, num_heads: int) -> list[list[int]]:

@@ -74,10 +74,11 @@ class Node:
     children: list[int] = field(default_factory=list)
 
 
-def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, lm: DraftLMHead, vocab: int
+def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, vocab_ids: Tensor | None, vocab: int
              ) -> Draft:
     """A ``Draft`` of the nodes ``keep`` (an ancestor-closed subset of ``nodes``), ordered by depth
-    and then by their order in ``nodes`` (siblings stay in the order they were drawn)."""
+    and then by their order in ``nodes`` (siblings stay in the order they were drawn). ``vocab_ids``:
+    the target id of each draft-vocabulary entry q is over (None: q is over the whole vocabulary)."""
     keep = sorted(set(keep), key=lambda i: (nodes[i].depth, i))
     pos = {i: j + 1 for j, i in enumerate(keep)}  # node index -> draft node number (root = 0)
     parents = [0 if nodes[i].parent < 0 else pos[nodes[i].parent] for i in keep]
@@ -87,10 +88,10 @@ def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, lm: Draf
         rows = [(0, root_q)] + [(pos[i], nodes[i].q) for i in keep
                                 if nodes[i].q is not None and any(c in pos for c in nodes[i].children)]
         for r, q in rows:
-            if lm.ids is None:
+            if vocab_ids is None:
                 probs[r] = q
             else:
-                probs[r, lm.ids] = q
+                probs[r, vocab_ids] = q
     return Draft(token_ids=[nodes[i].token for i in keep], parents=parents, draft_probs=probs)
 
 
