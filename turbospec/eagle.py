@@ -94,7 +94,7 @@ class EagleHead(nn.Module):
         """EAGLE-3: target id of each draft-vocab row; None for EAGLE-1/2 (the drafter decides)."""
         if not self.eagle3:
             return None
-        return torch.arange(self.d2t.numel()) + self.d2t
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
     def forward(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, kv: HeadKV | None = None,
                 cache_len: int = 0, mask: Tensor | None = None, fused: bool = False) -> Tensor:
@@ -139,14 +139,16 @@ class EagleDrafter(Drafter):
             raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.target, self.depth, self.top_k = target, depth, top_k
         dtype = draft_dtype or torch.float32
-        self.head = inference_copy(head, dtype)
+        dev = self.device = target.device  # the head drafts where the target runs
+        self.head = inference_copy(head, dtype, dev)
         self.dtype = dtype
         self.features = head.feature_spec
-        self.kv = HeadKV(head.cfg, max_seq_len + 2 * 64, dtype=dtype)
+        self.kv = HeadKV(head.cfg, max_seq_len + 2 * 64, dtype=dtype, device=dev)
         if head.eagle3:
             self.lm = None
-            self.vocab_ids = head.draft_vocab_ids()
+            self.vocab_ids = self.head.draft_vocab_ids()
         else:
+            draft_vocab = None if draft_vocab is None else draft_vocab.to(dev)
             self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
             self.vocab_ids = draft_vocab
         self._cached = 0
@@ -180,8 +182,9 @@ class EagleDrafter(Drafter):
             raise RuntimeError(f"EagleDrafter: expected features for {m} new positions, got "
                                f"{None if feats is None else tuple(feats.shape)}")
         embed = self.target.embed
-        emb = embed[torch.tensor(tokens[self._cached + 1: root_pos + 1])].to(self.dtype)[None]
-        pos = torch.arange(self._cached, root_pos)[None]
+        dev = self.device
+        emb = embed[torch.tensor(tokens[self._cached + 1: root_pos + 1], device=dev)].to(self.dtype)[None]
+        pos = torch.arange(self._cached, root_pos, device=dev)[None]
         out = self.head(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
         self._cached = root_pos
         if max_tokens <= 0:
@@ -232,9 +235,9 @@ class EagleDrafter(Drafter):
                     mask[j, self._cached + slot_of[a]] = True
                     a = nodes[a].parent
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
-            e_in = embed[torch.tensor([nodes[i].token for i in expand])].to(self.dtype)[None]
-            p_in = torch.full((1, n_new), root_pos - 1 + d)
-            o = self.head(h_in, e_in, p_in, self.kv, self._cached + start, mask[None], fused=True)
+            e_in = embed[torch.tensor([nodes[i].token for i in expand], device=dev)].to(self.dtype)[None]
+            p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
+            o = self.head(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None], fused=True)
             lg = self._logits(o[0])
             for j, i in enumerate(expand):
                 hidden[i] = o[0, j]

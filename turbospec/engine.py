@@ -15,13 +15,14 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import ops
+from . import nvtx, ops
 from .budget import DraftBudget
 from .draft_model import DraftModelDrafter, check_compatible
 from .drafter import Draft, Drafter
 from .loader import default_model_path, load_model, load_tokenizer
 from .model import Transformer
 from .ngram import NgramDrafter
+from .runner import TargetRunner
 from .sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -93,12 +94,24 @@ class Engine:
             {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose).
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
+        device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";
+            default: the target's device when it is a loaded Transformer, else "cpu").
+        cuda_graphs: capture the target's verify forward in CUDA graphs, one per token-count bucket
+            (default: on with a CUDA device; must be off elsewhere). Off: the same fixed-shape
+            forward runs eagerly.
+        static_shapes: run the verify forward with fixed token-count buckets and a device-side
+            prefix length (what CUDA graphs capture; default: on off CPU). On CPU it is slower than
+            the default path and exists to test that path without a GPU.
     """
 
     def __init__(self, target="default", drafter="auto", num_draft: int | None = None, *, tokenizer=None,
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
-                 draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None):
+                 draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
+                 device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None):
         dtype = _dtype(dtype)
+        device = self._device(target, device)
+        if cuda_graphs and device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs device='cuda', got device={str(device)!r}")
         if drafter == "auto":
             drafter, head, tree, num_draft, draft_dtype = self._auto_drafter(target, head, tree, num_draft,
                                                                              draft_dtype)
@@ -111,12 +124,11 @@ class Engine:
         self._default_target = isinstance(target, str) and target == "default"
         if self._default_target:
             target = default_model_path()
-        self.target = target if isinstance(target, Transformer) else load_model(target, dtype)
+        self.target = target if isinstance(target, Transformer) else load_model(target, dtype, device=device)
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
-        self.cache = self.target.new_cache(max_seq_len)
         self.num_draft = num_draft
         self.adaptive = adaptive
         eos = set(self.target.cfg.eos_token_ids)
@@ -125,6 +137,32 @@ class Engine:
         self.eos_token_ids = eos
         self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype, head, tree or {},
                                           _dtype(draft_dtype) if draft_dtype is not None else dtype)
+        # The fixed-shape path pads a step to its bucket: the cache keeps one bucket of slack.
+        static = device.type != "cpu" if static_shapes is None else bool(static_shapes)
+        if cuda_graphs and not static:
+            raise ValueError("cuda_graphs=True needs static_shapes (the graphs capture the fixed-shape forward)")
+        self.cache = self.target.new_cache(max_seq_len + (64 if static else 0))
+        self.runner = TargetRunner(self.target, self.cache, self._feature_spec(), static=static,
+                                   graphs=cuda_graphs if static else False)
+
+    @staticmethod
+    def _device(target, device) -> torch.device:
+        if isinstance(target, Transformer):
+            if device is not None and torch.device(device) != target.device:
+                raise ValueError(f"device={str(device)!r}, but the target Transformer is on {target.device}; "
+                                 f"load it there or leave device unset")
+            return target.device
+        try:
+            dev = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0')") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device!r} is not supported; choose 'cpu' or 'cuda[:N]'")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
 
     def _make_drafter(self, drafter, draft_model, draft_tokenizer, dtype, head, tree, draft_dtype
                       ) -> Drafter | None:
@@ -140,7 +178,8 @@ class Engine:
             if draft_model is None:
                 raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
                                  "turbospec Transformer)")
-            dm = draft_model if isinstance(draft_model, Transformer) else load_model(draft_model, dtype)
+            dm = draft_model if isinstance(draft_model, Transformer) else \
+                load_model(draft_model, dtype, device=self.target.device)
             if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)
@@ -251,9 +290,11 @@ class Engine:
         n = len(ids) - 1
         spec = self._feature_spec()
         feats = None
+        dev = self.target.device
         if n > 0:
-            x = torch.tensor([ids[:-1]], dtype=torch.int64)
-            out = self.target.forward(x, torch.arange(n)[None], self.cache, 0, logits="none", features=spec)
+            x = torch.tensor([ids[:-1]], dtype=torch.int64).to(dev)
+            pos = torch.arange(n, device=dev)[None]
+            out = self.target.forward(x, pos, self.cache, 0, logits="none", features=spec)
             if spec is not None:
                 feats = out[1][0]
         elif spec is not None:
@@ -266,35 +307,46 @@ class Engine:
         """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts, the
         target features of the root and the accepted nodes [n + 1, F] when the drafter reads them)."""
         k = 0 if draft is None else len(draft)
+        dev = self.target.device
+        # The step's inputs are built on the host (drafts come from there) and copied over once.
         node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
         if draft is None or draft.parents is None:
             parents = torch.arange(-1, k)[None]
-            tree_mask, positions = None, torch.arange(cache_len, cache_len + k + 1)[None]
+            tree_mask = packed = None
+            positions = torch.arange(cache_len, cache_len + k + 1)[None]
         else:
             parents = torch.tensor([[-1] + draft.parents])
-            tree_mask, _, depth, _ = ops.build_tree(parents)
+            tree_mask, packed, depth, _ = ops.build_tree(parents)
             positions = cache_len + depth
-        spec = self._feature_spec()
-        out = self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask, features=spec)
-        logits, feats = (out, None) if spec is None else out
         if params.greedy:
             uniform = torch.zeros(1, k + 1)
         else:
             uniform = torch.rand(1, k + 1, generator=generator)
-        probs = None if draft is None else draft.draft_probs
-        accept_len, accept_index, out = ops.verify(
-            logits, parents, node_ids, None if probs is None else probs[None], uniform,
-            params.temperature, params.top_k, params.top_p)
-        n = int(accept_len[0])  # the one host read per step
+        probs = None if draft is None or draft.draft_probs is None else draft.draft_probs[None]
+        if dev.type != "cpu":
+            node_ids, positions, parents, uniform = (t.to(dev, non_blocking=True)
+                                                     for t in (node_ids, positions, parents, uniform))
+            packed = None if packed is None else packed.to(dev, non_blocking=True)
+            probs = None if probs is None else probs.to(dev, non_blocking=True)
+        with nvtx.range("verify"):
+            out = self.runner.forward(node_ids, positions, cache_len, packed, tree_mask)
+        logits, feats = (out, None) if self._feature_spec() is None else out
+        with nvtx.range("accept"):
+            accept_len, accept_index, out = ops.verify(
+                logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
+            # The one host read per step: accept_len and the emitted tokens in one copy.
+            host = torch.cat((accept_len, out[0])).tolist()
+        n = host[0]
         if n < 0:
             raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) at position "
                                        f"{cache_len}; no token was emitted from them")
         if tree_mask is not None:
-            prefix = torch.tensor([cache_len])
-            ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
+            with nvtx.range("compact"):
+                prefix = torch.full((1,), cache_len, dtype=torch.int64, device=dev)
+                ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
         if feats is not None:
             feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1]
-        return out[0, : n + 1].tolist(), n, feats
+        return host[1: n + 2], n, feats
 
     # ------------------------------------------------------------------------------------------
     def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
@@ -327,7 +379,8 @@ class Engine:
             remaining = max_new_tokens - emitted_total
             k = min(budget.choose(), remaining - 1) if self.drafter is not None else 0
             t1 = time.perf_counter()
-            draft = self.drafter.propose(tokens, k, params, generator) if k > 0 else None
+            with nvtx.range("draft"):
+                draft = self.drafter.propose(tokens, k, params, generator) if k > 0 else None
             if draft is not None:
                 _check_draft(draft, k, self.target.cfg.vocab_size)
             t2 = time.perf_counter()

@@ -106,15 +106,16 @@ class MedusaDrafter(Drafter):
         from .checkpoints import check_head_compatible
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
-        self.heads = inference_copy(heads, dtype)
+        self.heads = inference_copy(heads, dtype, target.device)  # the heads draft where the target runs
         self.target, self.dtype = target, dtype
+        draft_vocab = None if draft_vocab is None else draft_vocab.to(target.device)
         k = heads.cfg.medusa_num_heads
         if choices is None:
             acc = getattr(heads, "extra", {}).get("head_accuracy")
             choices = default_choices(k, num_nodes, acc)
         self.choices = _check_choices(choices, k)
         if heads.lm_heads is not None:
-            self.lms = [DraftLMHead(lm.weight.detach(), draft_vocab, dtype) for lm in heads.lm_heads]
+            self.lms = [DraftLMHead(lm.weight.detach(), draft_vocab, dtype) for lm in self.heads.lm_heads]
         else:
             shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
             self.lms = [shared] * k

@@ -196,7 +196,7 @@ class Transformer:
             emb = torch.cat((freqs, freqs), dim=-1)
             sin = emb.sin()
             sin[:, : sin.shape[1] // 2].neg_()
-            self._cos, self._sin = emb.cos().to(self.dtype), sin.to(self.dtype)
+            self._cos, self._sin = emb.cos().to(self.device, self.dtype), sin.to(self.device, self.dtype)
             self._rope_len = n
         return self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)  # [B, n, 1, D]
 
@@ -229,10 +229,7 @@ class Transformer:
             allowed = allowed.view(-1, 1, n, n)
             prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=self.device)
             mask = torch.cat((prefix, allowed), dim=-1)
-        capture = [] if features is None or features == "final" else [int(i) for i in features]
-        for i in capture:
-            if not 0 <= i < cfg.num_layers:
-                raise ValueError(f"features: layer {i} is outside [0, {cfg.num_layers})")
+        capture = self._capture_layers(features)
         x = self.embed[input_ids]
         if self.use_cpp_layers and self._flat is not None:
             x, *captured = torch.ops.turbospec.llama_layers(
@@ -256,26 +253,33 @@ class Transformer:
     def _layers_python(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
                        cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
         """The decoder layers; the specification of the C++ kernel ``turbospec::llama_layers``."""
+        n = x.shape[1]
+        total = cache_len + n
+
+        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.k[li], cache.v[li]
+            kc[:, :, cache_len:total] = k.transpose(1, 2)
+            vc[:, :, cache_len:total] = v.transpose(1, 2)
+            # K/V stay grouped (enable_gqa): no repeated copies of the cache.
+            out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total], vc[:, :, :total],
+                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2)
+
+        return self._decoder(x, cos, sin, attend, capture)
+
+    def _decoder(self, x: Tensor, cos: Tensor, sin: Tensor, attend, capture=()) -> tuple[Tensor, list[Tensor]]:
+        """The layer loop around ``attend(layer, q, k, v)`` (q [B, n, H, D], k / v [B, n, H_kv, D],
+        rotated; it stores k / v in the cache and returns the attention output [B, n, H, D])."""
         cfg = self.cfg
         bsz, n = x.shape[:2]
-        total = cache_len + n
         h_kv, d = cfg.num_kv_heads, cfg.head_dim
         captured: list = [None] * len(capture)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d)
             qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], cos, sin)  # q and k heads in one pass
-            q, k = qk[:, :, : cfg.num_heads].transpose(1, 2), qk[:, :, cfg.num_heads:].transpose(1, 2)
-            v = qkv[:, :, cfg.num_heads + h_kv:].transpose(1, 2)
-            kc, vc = cache.k[li], cache.v[li]
-            kc[:, :, cache_len:total] = k
-            vc[:, :, cache_len:total] = v
-            keys, values = kc[:, :, :total], vc[:, :, :total]
-            # K/V stay grouped (enable_gqa): no repeated copies of the cache.
-            attn = F.scaled_dot_product_attention(q.to(kc.dtype), keys, values, attn_mask=mask,
-                                                  scale=self.scale, enable_gqa=True)
-            attn = attn.to(self.dtype).transpose(1, 2).reshape(bsz, n, self.q_size)
-            x = x + layer.o(attn)
+            attn = attend(li, qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:], qkv[:, :, cfg.num_heads + h_kv:])
+            x = x + layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size))
             h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
             gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
@@ -284,6 +288,55 @@ class Transformer:
                 if c == li:
                     captured[j] = x
         return x, captured
+
+    # ------------------------------------------------------------------------------------------
+    # The static-shape path: what a CUDA graph captures (turbospec.runner).
+    def ensure_rope(self, length: int) -> None:
+        """Make the rotary table cover positions [0, length), so that the static path never grows it."""
+        if length > self._rope_len:
+            self._rope(torch.tensor([[length - 1]]))
+
+    @torch.inference_mode()
+    def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
+                       tree_mask_packed: Tensor, features=None):
+        """``forward`` with fixed shapes and no host reads, so that it can be captured in a CUDA graph
+        and replayed for any prefix length.
+
+        ``cache_len``: int64 [B] on the model's device (the prefix each row attends to; the n new
+        tokens' K/V are written at slots cache_len + j). ``tree_mask_packed``: int64 [B, n], bit j of
+        row i set iff new token i attends new token j (``ops.build_tree``'s packed mask; a chain is
+        bits 0..i). Rows may be padding: a row that attends only itself changes nothing for the
+        others. Positions must be inside the rotary table (``ensure_rope``). Returns logits
+        [B, n, V] float32, with ``features`` as in ``forward``.
+        """
+        from . import ops
+        cfg = self.cfg
+        bsz, n = input_ids.shape
+        cos, sin = self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)
+        slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
+        capture = self._capture_layers(features)
+
+        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.k[li], cache.v[li]
+            for b in range(bsz):
+                kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
+                vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
+            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, cache_len, tree_mask_packed, self.scale)
+            return out
+
+        x, captured = self._decoder(self.embed[input_ids], cos, sin, attend, capture)
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        logits = self.lm_head(x).float()
+        if features is None:
+            return logits
+        return logits, (x if features == "final" else torch.cat(captured, dim=-1))
+
+    def _capture_layers(self, features) -> list[int]:
+        capture = [] if features is None or features == "final" else [int(i) for i in features]
+        for i in capture:
+            if not 0 <= i < self.cfg.num_layers:
+                raise ValueError(f"features: layer {i} is outside [0, {self.cfg.num_layers})")
+        return capture
 
     def flatten_layers(self) -> None:
         """The per-layer tensors ``turbospec::llama_layers`` takes, or None when it cannot run

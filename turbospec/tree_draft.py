@@ -58,7 +58,7 @@ def choose_children(logits: Tensor, k: int, params: SamplingParams, generator: t
         return idx, val, None
     q = logits_to_probs(logits.float(), params.temperature, params.top_k, params.top_p)
     m = min(k, int((q > 0).sum()))
-    u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300)
+    u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300).to(q.device)
     keys = torch.log(q.double()) - torch.log(-torch.log(u))
     idx = torch.topk(keys, m).indices
     return idx, torch.log(q[idx]), q
@@ -84,7 +84,7 @@ def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, vocab_id
     parents = [0 if nodes[i].parent < 0 else pos[nodes[i].parent] for i in keep]
     probs = None
     if root_q is not None:
-        probs = torch.zeros(len(keep) + 1, vocab)
+        probs = torch.zeros(len(keep) + 1, vocab, device=root_q.device)
         rows = [(0, root_q)] + [(pos[i], nodes[i].q) for i in keep
                                 if nodes[i].q is not None and any(c in pos for c in nodes[i].children)]
         for r, q in rows:
@@ -113,12 +113,14 @@ def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
     return sorted(chosen)
 
 
-def inference_copy(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of a head for drafting: in ``dtype``, eval mode, every ``nn.Linear`` running on
-    turbospec's ``Linear`` (small_linear / pre-packed oneDNN on CPU) instead of F.linear. The
-    caller's module is left untouched (it may still be trained)."""
+def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None) -> torch.nn.Module:
+    """A copy of a head for drafting: in ``dtype`` (on ``device``: default, where it is), eval mode,
+    every ``nn.Linear`` running on turbospec's ``Linear`` (small_linear / pre-packed oneDNN on CPU)
+    instead of F.linear. The caller's module is left untouched (it may still be trained)."""
     import copy
     m = copy.deepcopy(module).to(dtype).eval()
+    if device is not None:
+        m = m.to(device)
     if next(m.parameters()).device.type != "cpu":
         return m
     for sub in m.modules():
