@@ -4,7 +4,7 @@
     python bench/bench_ops.py --device cuda    # CUDA events, median of many
 
 Times are medians over --iters runs after warm-up. The reference verify is a Python loop, so it is
-timed with fewer iterations.
+timed with fewer iterations. Rows "(vs SDPA)" compare tree_attention with torch's SDPA instead.
 """
 from __future__ import annotations
 
@@ -44,6 +44,42 @@ def chain_parents(n: int) -> torch.Tensor:
     return torch.arange(-1, n - 1)[None]
 
 
+def bench_tree_attention(dev: str, iters: int, g: torch.Generator) -> list[tuple[str, float, float]]:
+    """tree_attention over a chain of n new tokens after a prefix, in a static cache of S = the longest
+    prefix + 128 positions: vs the reference, and (CPU) vs torch SDPA with an explicit boolean mask
+    over [0, prefix + n), the call it may replace in the verify pass."""
+    if dev == "cuda":
+        dtype, hq, hkv, d, prefixes = torch.bfloat16, 32, 8, 128, (512, 2048, 8192)
+    else:
+        dtype, hq, hkv, d, prefixes = torch.float32, 9, 3, 64, (512, 2048)  # SmolLM2-135M's attention
+    seq = max(prefixes) + 128
+    kc = torch.randn(1, hkv, seq, d, generator=g).to(dtype).to(dev)
+    vc = torch.randn(1, hkv, seq, d, generator=g).to(dtype).to(dev)
+    scale = d ** -0.5
+    name = str(dtype).removeprefix("torch.")
+    rows = []
+    for prefix in prefixes:
+        for n in (1, 16, 64):
+            q = torch.randn(1, n, hq, d, generator=g).to(dtype).to(dev)
+            cache_len = torch.tensor([prefix], device=dev)
+            packed = ops.build_tree(chain_parents(n).to(dev))[1]
+            out = torch.empty_like(q)
+            label = f"tree_attention {name} Hq={hq} Hkv={hkv} D={d} prefix={prefix} n={n}"
+            kern = timeit(lambda: ops.tree_attention(q, kc, vc, cache_len, packed, scale, out=out), dev, iters)
+            ref = timeit(lambda: reference.tree_attention(q, kc, vc, cache_len, packed, scale), dev,
+                         max(3, iters // 10))
+            rows.append((label, kern, ref))
+            if dev == "cpu":
+                total = prefix + n
+                mask = torch.ones(1, 1, n, total, dtype=torch.bool)
+                mask[0, 0, :, prefix:] = torch.ones(n, n, dtype=torch.bool).tril()
+                qt, keys, values = q.transpose(1, 2), kc[:, :, :total], vc[:, :, :total]
+                sdpa = timeit(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, keys, values, attn_mask=mask, scale=scale, enable_gqa=True), dev, iters)
+                rows.append((f"{label} (vs SDPA)", kern, sdpa))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
@@ -76,6 +112,7 @@ def main() -> int:
     ref = timeit(lambda: reference.compact_kv(caches, prefix.cpu(), idx.cpu(), alen.cpu()) if dev == "cpu"
                  else None, dev, args.iters)
     rows.append(("compact_kv 60 tensors [1,3,2048,64], 3 accepted", kern, ref))
+    rows += bench_tree_attention(dev, args.iters, g)
     print(f"\n| op | kernel µs | reference µs | speedup |\n|---|---|---|---|")
     for name, k, r in rows:
         print(f"| {name} | {k * 1e6:.1f} | {r * 1e6:.1f} | {r / k:.1f}× |")

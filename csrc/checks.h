@@ -229,4 +229,61 @@ inline CacheDims check_compact_kv_args(at::TensorList caches, const at::Tensor& 
   return d;
 }
 
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kMaxHeadDim = 256;
+
+struct AttnDims {
+  int64_t B, n, Hq, Hkv, S, D;
+};
+
+// tree_attention: q [B, n, Hq, D] (n <= 64, D <= 256, last dim contiguous), k_cache / v_cache
+// [B, Hkv, S, D] of q's dtype (last dim contiguous, Hq % Hkv == 0), cache_len int64 [B],
+// tree_mask_packed int64 [B, n], out [B, n, Hq, D] of q's dtype and lse float32 [B, Hq, n] (both
+// contiguous), all on q's device. The values of cache_len are checked by the kernels.
+inline AttnDims check_tree_attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                          const at::Tensor& cache_len, const at::Tensor& tree_mask_packed,
+                                          double scale, const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                          c10::DeviceType type) {
+  const char* op = "tree_attention";
+  TORCH_CHECK(q.dim() == 4 && is_float_dtype(q.scalar_type()), op,
+              ": q must be float32, bfloat16 or float16 [B, n, Hq, D], got ", describe(q));
+  const int64_t B = q.size(0), n = q.size(1), Hq = q.size(2), D = q.size(3);
+  TORCH_CHECK(n >= 1 && n <= kMaxTreeNodes, op, ": q must have n in [1, ", kMaxTreeNodes,
+              "] new tokens, got n = ", n, " (", describe(q), ")");
+  TORCH_CHECK(Hq >= 1, op, ": q must have Hq >= 1 heads, got ", describe(q));
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, op, ": q must have a head dim D in [1, ", kMaxHeadDim, "], got D = ", D,
+              " (", describe(q), ")");
+  check_kernel_device(op, "q", q, type);
+  TORCH_CHECK(q.stride(3) == 1 || D == 1, op, ": q must be contiguous in its last dim (D), got strides ",
+              shape_str(q.strides()));
+  const std::string dt = dtype_name(q.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == q.scalar_type() && k_cache.size(0) == B &&
+                  k_cache.size(3) == D,
+              op, ": k_cache must be ", dt, " [B, Hkv, S, D] with B = ", B, " and D = ", D,
+              " (the dtype and sizes of q), got ", describe(k_cache));
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, op, ": the query heads Hq = ", Hq,
+              " must be a multiple of the kv heads Hkv = ", Hkv, " (GQA), got q ", describe(q), " and k_cache ",
+              describe(k_cache));
+  check_tensor(op, "v_cache", v_cache, {q.scalar_type()}, {{"B", B}, {"Hkv", Hkv}, {"S", S}, {"D", D}});
+  check_tensor(op, "cache_len", cache_len, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "tree_mask_packed", tree_mask_packed, {c10::kLong}, {{"B", B}, {"n", n}});
+  check_tensor(op, "out", out, {q.scalar_type()}, {{"B", B}, {"n", n}, {"Hq", Hq}, {"D", D}});
+  if (lse.has_value()) check_tensor(op, "lse", *lse, {c10::kFloat}, {{"B", B}, {"Hq", Hq}, {"n", n}});
+  const std::pair<const char*, const at::Tensor*> ins[] = {
+      {"k_cache", &k_cache}, {"v_cache", &v_cache}, {"cache_len", &cache_len},
+      {"tree_mask_packed", &tree_mask_packed}, {"out", &out}};
+  for (const auto& i : ins) check_device(op, i.first, *i.second, q, "q");
+  for (const auto& c : {std::make_pair("k_cache", &k_cache), std::make_pair("v_cache", &v_cache)})
+    TORCH_CHECK(c.second->stride(3) == 1 || D == 1, op, ": ", c.first,
+                " must be contiguous in its last dim (D), got strides ", shape_str(c.second->strides()));
+  check_output(op, "out", out);
+  if (lse.has_value()) {
+    check_device(op, "lse", *lse, q, "q");
+    check_output(op, "lse", *lse);
+  }
+  TORCH_CHECK(std::isfinite(scale), op, ": scale must be a finite number (e.g. 1 / sqrt(D)), got ", scale);
+  return {B, n, Hq, Hkv, S, D};
+}
+
 }  // namespace turbospec

@@ -31,6 +31,14 @@ TORCH_LIBRARY(turbospec, m) {
   // caches: L tensors [B, H, S, D] (every layer's K and V), prefix_len / accept_len: int64 [B],
   // accept_index: int64 [B, N]; moves accepted entries in place.
   m.def("compact_kv(Tensor(a!)[] caches, Tensor prefix_len, Tensor accept_index, Tensor accept_len) -> ()");
+  // The attention of the target's verify pass over one layer's static cache (reference.tree_attention).
+  // q: [B, n, Hq, D] (n <= 64, D <= 256), k_cache / v_cache: [B, Hkv, S, D] (Hq % Hkv == 0),
+  // cache_len: int64 [B] on q's device (keys [0, cache_len) are the prefix; the n new tokens' K/V sit
+  // at cache_len + j), tree_mask_packed: int64 [B, n] (from build_tree) -> out: [B, n, Hq, D] (q's
+  // dtype), lse: float32 [B, Hq, n] or None. include_prefix = false attends the tree keys only (to be
+  // merged with a separately computed prefix part by log-sum-exp).
+  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor tree_mask_packed, "
+        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse) -> ()");
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
   // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], mask: bool [B or 1, 1, n, cache_len + n] or None,
   // weights: per layer (attn_norm, qkv x2 packed, o x2, mlp_norm, gate_up x2, down x2[, qkv_bias]),

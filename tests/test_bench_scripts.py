@@ -114,9 +114,7 @@ def test_tiny_run_numbers_are_finite(tiny_run):
 
 
 def test_tiny_run_step_times(tiny_run):
-    missing = missing_engine_api()
-    if missing:
-        pytest.skip(f"engine API not in this checkout yet: {', '.join(missing)}")
+    assert not missing_engine_api()
     _, _, data, _ = tiny_run
     for name in bench_gpu.MODELS:
         steps = data["models"][name]["steps"]
@@ -138,35 +136,25 @@ def test_tiny_run_step_times(tiny_run):
 
 def test_tiny_run_end_to_end(tiny_run):
     _, md, data, _ = tiny_run
-    missing = missing_engine_api()
+    assert not missing_engine_api()
     for name in bench_gpu.MODELS:
         e2e = data["models"][name]["e2e"]
         systems = e2e["systems"]
         assert list(systems)[0] == "hf_plain"
         assert systems["hf_static_compile"]["status"].startswith("skipped")
-        for sys_name in ("hf_plain", "hf_static") + (() if missing else ("ts_graphs", "ts_eager")):
+        for sys_name in ("hf_plain", "hf_static", "ts_graphs", "ts_eager"):
             r = systems[sys_name]
             assert r["status"] == "ok", (name, sys_name, r["status"])
             assert r["new_tokens"] == e2e["max_new_tokens"] == 24
             assert r["tok_s"] > 0 and 0.0 <= r["match_hf_plain"] <= 1.0 and r["speedup_vs_hf_plain"] > 0
             assert "token_ids" not in r  # counts in the JSON, not the tokens
         assert systems["hf_plain"]["match_hf_plain"] == 1.0
-        if not missing:
-            assert systems["ts_eager"]["tau"] == 1.0 and systems["ts_eager"]["graphs"] is False
-    if missing:
-        pytest.skip(f"turbospec systems not checked; engine API missing: {', '.join(missing)}")
+        assert systems["ts_eager"]["tau"] == 1.0 and systems["ts_eager"]["graphs"] is False
 
 
 def test_tiny_static_shapes_path(tmp_path):
     """The fixed-bucket path CUDA graphs capture, run eagerly on CPU (Engine(static_shapes=True))."""
-    import turbospec
-    missing = missing_engine_api()
-    if missing:
-        pytest.skip(f"engine API not in this checkout yet: {', '.join(missing)}")
-    if "static_shapes" not in inspect.signature(turbospec.Engine.__init__).parameters:
-        pytest.skip("Engine(static_shapes=) is not in this checkout yet")
-    if not hasattr(turbospec.ops, "tree_attention"):
-        pytest.skip("turbospec.ops.tree_attention (used by the static path) is not in this checkout yet")
+    assert not missing_engine_api()
     _, md, data, _ = run_bench(tmp_path, "--static-shapes", "on", "--sections", "steps,e2e", "--models",
                                "smollm2_135m", "--systems", "hf_plain,ts_eager")
     m = data["models"]["smollm2_135m"]

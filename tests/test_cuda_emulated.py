@@ -3,7 +3,8 @@
 ``turbospec.reference`` like the kernels in test_ops.py.
 
 This is what runs the CUDA code paths (radix top-k / top-p selection, block scans, the chunked KV
-move, invalid-row marking) on a machine without a GPU; test_ops.py runs the real kernels when a GPU
+move, invalid-row marking, tree attention's tensor-core fragments and split-K merge) on a machine
+without a GPU; test_ops.py runs the real kernels when a GPU
 is present. Blocks are small here (32-96 threads) to keep the emulation fast; the kernels accept
 any multiple of 32. Building the emulator takes ~30 s; set TURBOSPEC_SKIP_CUDA_EMU=1 to skip.
 """
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from test_ops import SAMPLING, gen, make_verify_inputs, random_parents, random_paths
+from test_tree_attention import assert_close, make_inputs
 from turbospec import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,3 +160,76 @@ def test_compact_kv_strided_unordered_and_out_of_range(emu):
     emu.compact_kv(views, prefix_len[:2], accept_index[1:], accept_len[1:])
     for a, e in zip(views, expected):
         assert torch.equal(a, e)
+
+
+# ----------------------------------------------------------------------------------------------
+# tree_attention: mma.sync is emulated lane by lane in the fragment layout of m16n8k16 (see
+# attn_mma), cp.async is a plain copy. Splits and the minimum chunk are forced small so that a few
+# dozen keys already span several blocks and the merge kernel.
+# ----------------------------------------------------------------------------------------------
+def attn_emu(emu, q, k, v, cache_len, packed, scale, include_prefix=True, sms=4, splits=0, min_chunk=0):
+    bsz, n, hq, _ = q.shape
+    out = torch.full(q.shape, 7.0, dtype=q.dtype)    # garbage: every entry must be written
+    lse = torch.full((bsz, hq, n), 7.0)
+    emu.set_tree_attention_splits(sms, splits, min_chunk)
+    try:
+        emu.tree_attention(q, k, v, cache_len, packed, scale, include_prefix, out, lse)
+    finally:
+        emu.set_tree_attention_splits(4, 0, 0)
+    return out, lse
+
+
+ATTN_CASES = [  # (B, n, Hq, Hkv, S, D, cache_len, kind, splits)
+    (3, 5, 4, 2, 80, 40, [37, 3, 0], "random", 3),     # GQA 2, D padded to 64, 3 splits
+    (2, 1, 4, 1, 50, 32, [49, 0], "chain", 2),         # n = 1, GQA 4
+    (1, 20, 8, 2, 90, 16, [50], "random", 2),          # 80 rows: two row groups
+    (2, 9, 2, 2, 70, 64, [61, 12], "wide", 1),         # one split: written directly
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case,include_prefix", [(0, True), (0, False), (1, True), (2, True), (2, False), (3, True)])
+def test_tree_attention(emu, dtype, case, include_prefix):
+    bsz, n, hq, hkv, seq, d, cache_len, kind, splits = ATTN_CASES[case]
+    inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=case)
+    scale = 1 / d ** 0.5
+    out, lse = attn_emu(emu, *inputs, scale, include_prefix, splits=splits, min_chunk=32)
+    assert_close(out, lse, *reference.tree_attention(*inputs, scale, include_prefix), dtype, f"case {case}")
+
+
+def test_tree_attention_float16_d128_and_split_heuristic(emu):
+    """float16 with D = 128; the split count chosen by the real heuristic (4 SMs: 5 chunks of 64)."""
+    inputs = make_inputs(1, 4, 2, 1, 300, 128, [255], "random", torch.float16, seed=7)
+    out, lse = attn_emu(emu, *inputs, 0.09)
+    assert_close(out, lse, *reference.tree_attention(*inputs, 0.09), torch.float16)
+
+
+def test_tree_attention_head_dim_256(emu):
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = make_inputs(1, 3, 2, 2, 40, 256, [30], "chain", dtype, seed=8)
+        out, lse = attn_emu(emu, *inputs, 0.06, splits=2, min_chunk=32)
+        assert_close(out, lse, *reference.tree_attention(*inputs, 0.06), dtype)
+
+
+def test_tree_attention_unaligned_views(emu):
+    """Caches whose rows are not 16-byte aligned (element-wise staging) and a misaligned q (copied)."""
+    g = gen(9)
+    big_q = torch.randn(2 * 3 * 4 * 16 + 1, generator=g)
+    q = big_q[1:].view(2, 3, 4, 16)
+    big_k, big_v = torch.randn(2, 2, 40, 17, generator=g), torch.randn(2, 2, 40, 17, generator=g)
+    k, v = big_k[..., 1:], big_v[..., :16]     # row stride 17: not 16-byte aligned
+    cache_len = torch.tensor([20, 37])
+    packed = reference.build_tree(random_parents(2, 3, "random", g))[1]
+    out, lse = attn_emu(emu, q, k, v, cache_len, packed, 0.25, splits=2, min_chunk=32)
+    assert_close(out, lse, *reference.tree_attention(q, k, v, cache_len, packed, 0.25), torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tree_attention_out_of_range_rows_attend_nothing(emu, splits):
+    """cache_len < 0 or cache_len + n > S: no raise (no host sync), nothing read; out 0, lse -inf."""
+    q, k, v, _, packed = make_inputs(4, 3, 2, 1, 12, 16, [0] * 4, "chain", seed=10)
+    cache_len = torch.tensor([-1, 10, 9, 0])
+    out, lse = attn_emu(emu, q, k, v, cache_len, packed, 0.25, splits=splits, min_chunk=32)
+    assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
+    assert_close(out[2:], lse[2:], *reference.tree_attention(q[2:], k[2:], v[2:], cache_len[2:], packed[2:], 0.25),
+                 torch.float32)

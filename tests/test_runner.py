@@ -45,7 +45,7 @@ def test_forward_static_equals_forward(n):
     runner = TargetRunner(target, cache_b, static=True)
     out = runner.forward(ids, 40 + depth, 40, packed)
     assert out.shape == ref.shape
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)  # another attention kernel: last bits differ
     assert (out.argmax(-1) == ref.argmax(-1)).all()
     for ka, kb in zip(cache_a.tensors(), cache_b.tensors()):
         torch.testing.assert_close(kb[:, :, : 40 + n], ka[:, :, : 40 + n], rtol=1e-5, atol=1e-5)
@@ -63,7 +63,7 @@ def test_features_through_static_path():
     for spec in ("final", (0, 2)):
         ref_logits, ref_f = target.forward(ids, pos, cache_a, 0, features=spec)
         logits, f = TargetRunner(target, cache_b, features=spec, static=True).forward(ids, pos, 0)
-        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(f, ref_f, rtol=1e-4, atol=1e-4)  # un-normed residual streams
 
 

@@ -135,6 +135,49 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
         reference.compact_kv(caches, prefix_len, accept_index, accept_len)
 
 
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
+                   scale: float, include_prefix: bool = True, out: Tensor | None = None,
+                   lse: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """The attention of the target's verify pass over one layer's static KV cache; see
+    ``reference.tree_attention``.
+
+    q: [B, n, Hq, D] (n <= 64); k_cache, v_cache: [B, Hkv, S, D] holding the prefix at
+    ``[0, cache_len)`` and the n new tokens at ``cache_len + j``; cache_len: int64 [B] on q's device;
+    tree_mask_packed: int64 [B, n] (``build_tree``). Writes ``out`` [B, n, Hq, D] (q's dtype,
+    allocated when None) and, when given, ``lse`` float32 [B, Hq, n]; returns ``(out, lse)``.
+    ``include_prefix=False`` attends the tree keys only: merge with a prefix part by
+    ``merge_attention``. Never reads device values on the host (CUDA-graph safe); the CPU kernel
+    raises when ``cache_len + n > S``, the CUDA kernel makes such a row attend nothing (out 0,
+    lse -inf).
+    """
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_len", cache_len),
+                    ("tree_mask_packed", tree_mask_packed), ("out", out), ("lse", lse)):
+        # A tensor on another device would send the call to that device's kernel (a meta tensor:
+        # to the fake kernel, which checks nothing).
+        if t is not None and t.device != q.device:
+            raise ValueError(f"tree_attention: {name} must be on {q.device} (the device of q), got {t.device}")
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    key = "CUDA" if q.device.type == "cuda" else "CPU"
+    if _compiled(q.device) and has_op("tree_attention", key):
+        torch.ops.turbospec.tree_attention.default(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
+                                                   bool(include_prefix), out, lse)
+    else:
+        o, l = reference.tree_attention(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
+                                        bool(include_prefix))
+        out.copy_(o)
+        if lse is not None:
+            lse.copy_(l)
+    return out, lse
+
+
+def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-sum-exp merge of two partial attentions over disjoint key sets (e.g. a prefix part from
+    flash attention and ``tree_attention(..., include_prefix=False)``); see
+    ``reference.merge_attention``. o: [B, n, Hq, D], lse: float32 [B, Hq, n]."""
+    return reference.merge_attention(o1, lse1, o2, lse2)
+
+
 def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """y = x @ weight^T (+ bias) for 1..64 rows of ``x [..., K]``, ``weight [N, K]`` float32 or
     bfloat16 on CPU, accumulated in float32 in a fixed order that does not depend on the number of
@@ -160,6 +203,11 @@ if _EXTENSION:
     @torch.library.register_fake("turbospec::compact_kv")
     def _compact_kv_fake(caches, prefix_len, accept_index, accept_len):
         return None
+
+    if hasattr(torch.ops.turbospec, "tree_attention"):  # an older build may lack the op
+        @torch.library.register_fake("turbospec::tree_attention")
+        def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse):
+            return None
 
     if has_op("small_linear"):
         @torch.library.register_fake("turbospec::small_linear")

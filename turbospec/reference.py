@@ -281,3 +281,88 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# tree_attention
+# ----------------------------------------------------------------------------------------------
+def unpack_tree_mask(tree_mask_packed: Tensor, n: int) -> Tensor:
+    """bool [B, n, n] from ``tree_mask_packed`` int64 [B, n]: entry [b, i, j] is bit j of row i
+    (bit 63 is the sign bit; bits >= n are ignored)."""
+    shifts = torch.arange(n, device=tree_mask_packed.device)
+    return ((tree_mask_packed[:, :, None] >> shifts) & 1).bool()
+
+
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
+                   scale: float, include_prefix: bool = True) -> tuple[Tensor, Tensor]:
+    """The attention of the target's verify pass: n new tokens (a chain or a draft tree) attend a
+    static KV cache that already holds their own keys and values.
+
+    Args:
+        q: [B, n, Hq, D] float (n <= 64), the new tokens' queries.
+        k_cache, v_cache: [B, Hkv, S, D], q's dtype, one layer's cache; Hq % Hkv == 0 and query head h
+            reads kv head ``h // (Hq // Hkv)`` (GQA). Positions ``[0, cache_len[b])`` are the
+            committed prefix; the new token j sits at ``cache_len[b] + j``; ``cache_len[b] + n <= S``.
+        cache_len: int64 [B].
+        tree_mask_packed: int64 [B, n]; bit j of row i is set iff query i may attend new token j
+            (``build_tree``'s output; a causal chain is bits 0..i). Bits >= n are ignored.
+        scale: softmax scale (e.g. ``1 / sqrt(D)``).
+        include_prefix: True: query i attends the prefix keys and its allowed new keys; False: only
+            its allowed new keys (to be merged with a prefix part by ``merge_attention``).
+    Returns:
+        out: [B, n, Hq, D] in q's dtype, ``softmax(scale * q k^T) v`` over the attended keys
+            (float32 math); a row that attends no key is 0.
+        lse: float32 [B, Hq, n], the natural log of ``sum exp(scale * q k)`` over the attended keys
+            (-inf when there are none).
+    """
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"tree_attention: q must be [B, n, Hq, D] and k_cache, v_cache [B, Hkv, S, D], got "
+                         f"{list(q.shape)}, {list(k_cache.shape)}, {list(v_cache.shape)}")
+    bsz, n, hq, d = q.shape
+    hkv, seq = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape[0] != bsz or k_cache.shape[3] != d or hq % hkv != 0:
+        raise ValueError(f"tree_attention: k_cache {list(k_cache.shape)} does not fit q {list(q.shape)} "
+                         f"(same B and D, Hq a multiple of Hkv)")
+    if not 1 <= n <= MAX_TREE_NODES:
+        raise ValueError(f"tree_attention: n must be in [1, {MAX_TREE_NODES}], got {n}")
+    group = hq // hkv
+    dev = q.device
+    out = torch.zeros(bsz, n, hq, d, dtype=torch.float32, device=dev)
+    lse = torch.full((bsz, hq, n), float("-inf"), dtype=torch.float32, device=dev)
+    tree = unpack_tree_mask(tree_mask_packed.to(dev), n)
+    for b in range(bsz):
+        length = int(cache_len[b])
+        if length < 0 or length + n > seq:
+            raise ValueError(f"tree_attention: cache_len[{b}] = {length} with n = {n} new tokens: needs "
+                             f"0 <= cache_len and cache_len + n <= S = {seq}")
+        lo = 0 if include_prefix else length
+        keys = k_cache[b, :, lo:length + n].float().repeat_interleave(group, 0)      # [Hq, K, D]
+        values = v_cache[b, :, lo:length + n].float().repeat_interleave(group, 0)
+        allowed = torch.cat([torch.ones(n, length - lo, dtype=torch.bool, device=dev), tree[b]], 1)  # [n, K]
+        scores = torch.einsum("ihd,hkd->hik", q[b].float(), keys) * scale              # [Hq, n, K]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        row_lse = torch.logsumexp(scores, -1)                                           # [Hq, n]
+        p = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+        out[b] = torch.einsum("hik,hkd->ihd", p, values)
+        lse[b] = row_lse
+    return out.to(q.dtype), lse
+
+
+def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partial attentions over disjoint key sets by log-sum-exp.
+
+    o1, o2: [B, n, Hq, D]; lse1, lse2: float32 [B, Hq, n] (-inf: that part attended no key).
+    Returns (o [B, n, Hq, D] in o1's dtype, lse float32 [B, Hq, n]): the attention over the union of
+    the key sets, ``o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2)`` computed stably; a row with
+    both parts -inf is 0 with lse -inf.
+    """
+    lse1, lse2 = lse1.float(), lse2.float()
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(torch.isneginf(m), 0.0, m)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    total = w1 + w2
+    lse = torch.where(total > 0, m + torch.log(total), float("-inf"))
+    inv = torch.where(total > 0, 1.0 / total, 0.0)
+    w1 = (w1 * inv).transpose(1, 2)[..., None]   # [B, n, Hq, 1]
+    w2 = (w2 * inv).transpose(1, 2)[..., None]
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse

@@ -30,6 +30,12 @@ struct uint2 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
 
 namespace emu {
 
@@ -123,6 +129,8 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
 #define gridDim (::emu::g_grid_dim)
 
 inline void __syncthreads() { emu::syncthreads(); }
+// A barrier over the calling thread's warp (all 32 lanes must reach it).
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::g_state->warps[emu::t_thread.x / 32]->arrive_and_wait(); }
 inline int __syncthreads_or(int pred) { return emu::syncthreads_or(pred); }
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int mask) {

@@ -8,6 +8,7 @@
 
 #include "../../csrc/cuda/build_tree.cu"
 #include "../../csrc/cuda/compact_kv.cu"
+#include "../../csrc/cuda/tree_attention.cu"
 #include "../../csrc/cuda/verify.cu"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -19,4 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          const at::Tensor& accept_len) {
     turbospec::gpu::compact_kv_cuda(caches, prefix_len, accept_index, accept_len);
   });
+  m.def("tree_attention", &turbospec::gpu::tree_attention_cuda);
+  m.def("set_tree_attention_splits", [](int sms, int splits, int min_chunk) {
+    turbospec::gpu::attn_emu_sms = sms;
+    turbospec::gpu::attn_emu_splits = splits;
+    turbospec::gpu::attn_emu_min_chunk = min_chunk;
+  }, "tree_attention: the SM count the split heuristic sees; forced splits and minimum chunk (0: the real choice).");
 }

@@ -1,0 +1,317 @@
+// tree_attention, CPU: the attention of the target's verify pass over one layer's static KV cache
+// (spec: reference.tree_attention; CUDA twin: csrc/cuda/tree_attention.cu).
+//
+// Work items are (batch row b, kv head, block of query rows) and run in parallel (rows are split only
+// when there are fewer (b, kv head) pairs than threads). An item's rows are the (query i, head of
+// the GQA group) pairs that read the same kv head, row = i * G + head, so every key tile is read and
+// widened to float32 once for all of them. Per tile of kTile keys an item runs one flash-attention
+// step in float32, in base 2 (q is pre-scaled by scale * log2(e)):
+//   S = Q K^T; keys past the end or outside the row's tree mask -> -inf;
+//   m' = max(m, rowmax S); P = 2^(S - m'); l = l 2^(m - m') + rowsum P; O = O 2^(m - m') + P V.
+// Both products are small GEMMs run by one register-blocked 4 x 16 micro-kernel written with GCC
+// vector types (GCC's auto-vectoriser turns the plain loop nest into shuffles); it, the exp2 (a
+// polynomial the compiler vectorises, relative error ~1e-7) and the widening loops are compiled for
+// AVX-512, AVX2+FMA and the baseline ISA, picked at run time. cache_len is validated before anything
+// runs: 0 <= cache_len[b] and cache_len[b] + n <= S, else the op raises.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "../checks.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define TS_ATTN_X86 1
+#endif
+#define TS_INLINE inline __attribute__((always_inline))
+#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vector types only reach the AVX-512 path
+
+namespace turbospec {
+namespace {
+
+constexpr int64_t kTile = 64;  // keys per tile
+constexpr int64_t kMr = 4;     // micro-kernel rows
+constexpr int64_t kNr = 16;    // micro-kernel columns
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+typedef float VecF4 __attribute__((vector_size(16)));
+typedef float VecF8 __attribute__((vector_size(32)));
+typedef float VecF16 __attribute__((vector_size(64)));
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename V>
+TS_INLINE V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+TS_INLINE void store_vec(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// C[4 x 16] (row stride ldc) += A[4 x K] (row stride lda) * B[K x 16] (row stride ldb); V is the
+// vector type of the ISA (16 / lanes vectors per row of C, all in registers).
+template <typename V>
+TS_INLINE void micro_4x16(const float* __restrict A, int64_t lda, const float* __restrict B, int64_t ldb, int64_t K,
+                          float* __restrict C, int64_t ldc) {
+  constexpr int W = sizeof(V) / sizeof(float), NV = kNr / W;
+  V c[kMr][NV];
+#pragma GCC unroll 4
+  for (int i = 0; i < kMr; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) c[i][v] = load_vec<V>(C + i * ldc + v * W);
+  for (int64_t k = 0; k < K; ++k) {
+    V b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = load_vec<V>(B + k * ldb + v * W);
+#pragma GCC unroll 4
+    for (int i = 0; i < kMr; ++i) {
+      const float a = A[i * lda + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[i][v] += a * b[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < kMr; ++i)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) store_vec<V>(C + i * ldc + v * W, c[i][v]);
+}
+
+// 2^x for x <= 0 (-inf -> 0; below -127 -> 0): x = k + f with k integer, |f| <= 1/2, and 2^f by its
+// degree-7 Taylor polynomial (error < 1e-8). Branch-free, so that loops over it vectorise.
+TS_INLINE float exp2_neg(float x) {
+  x = x < -127.0f ? -127.0f : x;
+  const float k = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer (1.5 * 2^23 trick)
+  const float f = x - k;
+  float p = 1.525273380405984e-05f;
+  p = p * f + 1.5403530393381606e-04f;
+  p = p * f + 1.3333558146428443e-03f;
+  p = p * f + 9.618129107628477e-03f;
+  p = p * f + 5.550410866482158e-02f;
+  p = p * f + 2.402265069591007e-01f;
+  p = p * f + 6.931471805599453e-01f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k; k = -127 gives +0
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+struct Args {
+  const void* q;  // [B, n, Hq, D], last dim contiguous
+  int64_t qs0, qs1, qs2;
+  const void* k;  // [B, Hkv, S, D], last dim contiguous
+  const void* v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  const int64_t* cache_len;  // [B]
+  const int64_t* mask;       // [B, n]
+  void* out;                 // [B, n, Hq, D] contiguous
+  float* lse;                // [B, Hq, n] contiguous, or nullptr
+  int64_t n, Hq, G, D, Dp;
+  float scale_log2;
+  bool include_prefix;
+};
+
+// Per-item buffers (float32): Q and O [rows, Dp], S / P [rows, kTile], the key tile transposed
+// [Dp, kTile], the value tile [kTile, Dp], running max and sum [rows].
+struct Scratch {
+  std::vector<float> q, o, s, kt, v, m, l;
+  void reset(int64_t rows, int64_t Dp) {
+    q.assign(rows * Dp, 0.f);
+    o.assign(rows * Dp, 0.f);
+    s.assign(rows * kTile, 0.f);
+    kt.assign(Dp * kTile, 0.f);
+    v.assign(kTile * Dp, 0.f);
+    m.assign(rows, kNegInf);
+    l.assign(rows, 0.f);
+  }
+};
+
+// Rows [r0, r1) of kv head hk of batch row b. sc is sized for round_up(r1 - r0, kMr) rows.
+template <typename T, typename V>
+TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
+  const int64_t rows = r1 - r0, Rp = round_up(rows, kMr), D = a.D, Dp = a.Dp, G = a.G, n = a.n;
+  float *q = sc.q.data(), *o = sc.o.data(), *s = sc.s.data(), *kt = sc.kt.data(), *vt = sc.v.data();
+  float *m = sc.m.data(), *l = sc.l.data();
+  const T* qb = static_cast<const T*>(a.q) + b * a.qs0;
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    const int64_t r = r0 + rr;
+    const T* src = qb + (r / G) * a.qs1 + (hk * G + r % G) * a.qs2;
+    for (int64_t d = 0; d < D; ++d) q[rr * Dp + d] = static_cast<float>(src[d]) * a.scale_log2;
+  }
+  const int64_t L = a.cache_len[b];
+  const int64_t start = a.include_prefix ? 0 : L, end = L + n;
+  const T* kb = static_cast<const T*>(a.k) + b * a.ks0 + hk * a.ks1;
+  const T* vb = static_cast<const T*>(a.v) + b * a.vs0 + hk * a.vs1;
+  const int64_t* mask = a.mask + b * n;
+  for (int64_t p0 = start; p0 < end; p0 += kTile) {
+    const int64_t nk = std::min(kTile, end - p0), nkp = round_up(nk, kNr);
+    // Widen the tile; columns >= nk of kt keep finite stale values (their scores are never used).
+    for (int64_t t = 0; t < nk; ++t) {
+      const T* kr = kb + (p0 + t) * a.ks2;
+      const T* vr = vb + (p0 + t) * a.vs2;
+      for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
+      for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
+    }
+    // S = Q K^T (log2 units)
+    std::fill(s, s + Rp * kTile, 0.f);
+    for (int64_t rb = 0; rb < Rp; rb += kMr)
+      for (int64_t c = 0; c < nkp; c += kNr)
+        micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
+    // Mask, online softmax: S row -> P row.
+    const bool tree_part = p0 + nk > L;
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* srow = s + rr * kTile;
+      if (tree_part) {
+        const uint64_t bits = static_cast<uint64_t>(mask[(r0 + rr) / G]);
+        for (int64_t t = std::max<int64_t>(0, L - p0); t < nk; ++t)
+          if (!((bits >> (p0 + t - L)) & 1)) srow[t] = kNegInf;
+      }
+      float tile_max = kNegInf;
+      for (int64_t t = 0; t < nk; ++t) tile_max = std::max(tile_max, srow[t]);
+      const float m_new = std::max(m[rr], tile_max);
+      if (m_new == kNegInf) {  // nothing attended so far
+        std::fill(srow, srow + nk, 0.f);
+        continue;
+      }
+      const float alpha = exp2_neg(m[rr] - m_new);
+      for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - m_new);
+      float sum = 0.f;
+      for (int64_t t = 0; t < nk; ++t) sum += srow[t];
+      l[rr] = l[rr] * alpha + sum;
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < D; ++d) o[rr * Dp + d] *= alpha;
+      m[rr] = m_new;
+    }
+    // O += P V (padding rows of S hold finite scores of zero queries: their O rows are not written)
+    for (int64_t rb = 0; rb < Rp; rb += kMr)
+      for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vt + c, Dp, nk, o + rb * Dp + c, Dp);
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
+    const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+    T* dst = out + ((b * n + i) * a.Hq + h) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[rr * Dp + d] * inv);
+    if (a.lse != nullptr)
+      a.lse[(b * a.Hq + h) * n + i] = l[rr] > 0.f ? (m[rr] + std::log2(l[rr])) * kLn2 : kNegInf;
+  }
+}
+
+using AttendFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, Scratch&);
+
+template <typename T>
+void attend_base(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
+  attend_rows<T, VecF4>(a, b, hk, r0, r1, sc);
+}
+
+#ifdef TS_ATTN_X86
+template <typename T>
+__attribute__((target("avx2,fma"))) void attend_avx2(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1,
+                                                     Scratch& sc) {
+  attend_rows<T, VecF8>(a, b, hk, r0, r1, sc);
+}
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void attend_avx512(
+    const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
+  attend_rows<T, VecF16>(a, b, hk, r0, r1, sc);
+}
+#endif
+
+template <typename T>
+AttendFn pick_attend() {
+#ifdef TS_ATTN_X86
+  static const int isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+  }();
+  if (isa == 2) return &attend_avx512<T>;
+  if (isa == 1) return &attend_avx2<T>;
+#endif
+  return &attend_base<T>;
+}
+
+void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
+                        bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+  const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
+                                               c10::DeviceType::CPU);
+  if (d.B == 0) return;
+  const at::Tensor cache_len = cache_len_in.contiguous();
+  const at::Tensor tree_mask = tree_mask_in.contiguous();
+  const int64_t* len = cache_len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < d.B; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + d.n <= d.S, "tree_attention: cache_len[", b, "] = ", len[b], " with n = ", d.n,
+                " new tokens: needs 0 <= cache_len and cache_len + n <= S = ", d.S);
+  const at::Tensor q = d.D == 1 ? q_in.contiguous() : q_in;  // D == 1 may have any last stride
+  const at::Tensor kc = d.D == 1 ? k_cache.contiguous() : k_cache;
+  const at::Tensor vc = d.D == 1 ? v_cache.contiguous() : v_cache;
+  Args a{};
+  a.q = q.data_ptr();
+  a.qs0 = q.stride(0);
+  a.qs1 = q.stride(1);
+  a.qs2 = q.stride(2);
+  a.k = kc.data_ptr();
+  a.v = vc.data_ptr();
+  a.ks0 = kc.stride(0);
+  a.ks1 = kc.stride(1);
+  a.ks2 = kc.stride(2);
+  a.vs0 = vc.stride(0);
+  a.vs1 = vc.stride(1);
+  a.vs2 = vc.stride(2);
+  a.cache_len = len;
+  a.mask = tree_mask.data_ptr<int64_t>();
+  a.out = out.data_ptr();
+  a.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  a.n = d.n;
+  a.Hq = d.Hq;
+  a.G = d.Hq / d.Hkv;
+  a.D = d.D;
+  a.Dp = round_up(d.D, kNr);
+  a.scale_log2 = static_cast<float>(scale) * kLog2e;
+  a.include_prefix = include_prefix;
+  AttendFn fn = nullptr;
+  switch (q.scalar_type()) {
+    case c10::kFloat: fn = pick_attend<float>(); break;
+    case c10::kBFloat16: fn = pick_attend<c10::BFloat16>(); break;
+    default: fn = pick_attend<c10::Half>(); break;
+  }
+  // Split the rows of a (b, kv head) pair only when there are fewer pairs than threads.
+  const int64_t units = d.B * d.Hkv, R = d.n * a.G;
+  const int64_t threads = at::get_num_threads();
+  int64_t chunk_rows = R;
+  if (units < threads) {
+    const int64_t chunks = std::min((threads + units - 1) / units, (R + 15) / 16);
+    chunk_rows = round_up((R + chunks - 1) / chunks, kMr);
+  }
+  const int64_t chunks = (R + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t b = it / (d.Hkv * chunks), hk = (it / chunks) % d.Hkv, c = it % chunks;
+      const int64_t r0 = c * chunk_rows, r1 = std::min(R, r0 + chunk_rows);
+      sc.reset(round_up(r1 - r0, kMr), a.Dp);
+      fn(a, b, hk, r0, r1, sc);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace turbospec
+
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("tree_attention", &turbospec::tree_attention_cpu); }

@@ -1,0 +1,338 @@
+"""turbospec::tree_attention (the verify pass's attention) against ``reference.tree_attention``, the
+reference against torch's SDPA with an explicit mask, and ``merge_attention``.
+
+Kernel cases are parametrized by device and dtype; CUDA cases skip without a GPU, and every kernel
+case skips when the extension has no kernel for its device (the wrapper would run the reference
+itself). test_cuda_emulated.py runs the CUDA kernel's code on the CPU.
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_ops import gen, random_parents
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from turbospec import ops, reference
+
+DEVICES = ["cpu", "cuda"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (out atol = rtol, lse atol): float32 within 1e-5; 16-bit outputs are rounded to the dtype (and the
+# CUDA kernel rounds P to it before P V, as flash attention does).
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-4), torch.float16: (4e-3, 1e-4)}
+
+
+def need_op(device: str) -> torch.device:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not ops.kernels_available().get(device, False) or not ops.has_op("tree_attention", device.upper()):
+        pytest.skip(f"turbospec._C has no {device} tree_attention kernel (build with `pip install -e .`)")
+    return torch.device(device)
+
+
+def make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind="random", dtype=torch.float32, seed=0):
+    """q [B, n, Hq, D], caches [B, Hkv, S, D] (randn), cache_len int64 [B], tree_mask_packed [B, n]."""
+    g = gen(seed)
+    q = torch.randn(bsz, n, hq, d, generator=g).to(dtype)
+    k = torch.randn(bsz, hkv, seq, d, generator=g).to(dtype)
+    v = torch.randn(bsz, hkv, seq, d, generator=g).to(dtype)
+    packed = reference.build_tree(random_parents(bsz, n, kind, g))[1]
+    return q, k, v, torch.tensor(cache_len, dtype=torch.int64), packed
+
+
+def run_op(dev, q, k, v, cache_len, packed, scale, include_prefix=True):
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), 123.0, device=dev)
+    out, lse = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), scale,
+                                  include_prefix, lse=lse)
+    return out.cpu(), lse.cpu()
+
+
+def assert_close(out, lse, ref_out, ref_lse, dtype, context=""):
+    tol_o, tol_l = TOL[dtype]
+    assert out.dtype == ref_out.dtype
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol_o, rtol=tol_o,
+                               msg=lambda m: f"out {context}: {m}")
+    torch.testing.assert_close(lse, ref_lse, atol=tol_l, rtol=1e-5, msg=lambda m: f"lse {context}: {m}")
+
+
+CASES = {  # name: (B, n, Hq, Hkv, S, D, cache_len, tree kind)
+    "n1": (3, 1, 4, 4, 40, 32, [0, 7, 39], "chain"),
+    "chain_gqa2": (3, 8, 4, 2, 160, 64, [0, 17, 100], "chain"),
+    "tree_gqa4": (2, 17, 8, 2, 120, 64, [45, 103], "random"),
+    "wide_gqa4_d128": (2, 12, 4, 1, 300, 128, [260, 3], "wide"),
+    "n64_d128": (2, 64, 2, 2, 200, 128, [130, 5], "random"),
+    "n64_gqa4": (1, 64, 4, 1, 140, 32, [70], "random"),
+    "d80": (1, 5, 3, 1, 50, 80, [20], "star"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("include_prefix", [True, False], ids=["prefix", "tree_only"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(device, dtype, include_prefix, case):
+    dev = need_op(device)
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=len(case))
+    scale = 1 / math.sqrt(d)
+    out, lse = run_op(dev, *inputs, scale, include_prefix)
+    ref_out, ref_lse = reference.tree_attention(*inputs, scale, include_prefix)
+    assert_close(out, lse, ref_out, ref_lse, dtype, case)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_prefix_many_tiles(device):
+    """A prefix of ~1-2k keys: many key tiles (CPU) and several splits (CUDA)."""
+    dev = need_op(device)
+    inputs = make_inputs(2, 6, 8, 2, 2100, 64, [2000, 1031], "random", seed=3)
+    out, lse = run_op(dev, *inputs, 0.125)
+    assert_close(out, lse, *reference.tree_attention(*inputs, 0.125), torch.float32)
+
+
+@pytest.mark.parametrize("d", [1, 5, 20])
+def test_cpu_odd_head_dims(d):
+    """The CPU kernel takes any D <= 256 (the CUDA kernel needs a multiple of 8)."""
+    dev = need_op("cpu")
+    inputs = make_inputs(2, 6, 4, 2, 30, d, [0, 21], "random", seed=d)
+    out, lse = run_op(dev, *inputs, 0.7)
+    assert_close(out, lse, *reference.tree_attention(*inputs, 0.7), torch.float32)
+
+
+def test_cpu_row_split_across_threads():
+    """Fewer (row, kv head) pairs than threads: the CPU kernel splits the query rows of a pair."""
+    dev = need_op("cpu")
+    inputs = make_inputs(1, 40, 8, 1, 90, 48, [37], "random", seed=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        out, lse = run_op(dev, *inputs, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(out, lse, *reference.tree_attention(*inputs, 0.2), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_inputs_and_given_out(device):
+    """q a transposed view, caches narrowed views of larger buffers; out and lse are written in place."""
+    dev = need_op(device)
+    bsz, n, hq, hkv, seq, d = 2, 5, 4, 2, 50, 32
+    g = gen(6)
+    q = torch.randn(bsz, hq, n, d, generator=g).transpose(1, 2)            # [B, n, Hq, D], non-contiguous
+    big_k = torch.randn(bsz, hkv + 1, seq + 10, d, generator=g)
+    big_v = torch.randn(bsz, hkv + 1, seq + 10, d, generator=g)
+    k, v = big_k[:, 1:, 3:seq + 3], big_v[:, :hkv, :seq]
+    cache_len = torch.tensor([12, 44])
+    packed = reference.build_tree(random_parents(bsz, n, "random", g))[1]
+    out = torch.empty(bsz, n, hq, d, device=dev)
+    lse = torch.empty(bsz, hq, n, device=dev)
+    ret = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), 0.3, out=out, lse=lse)
+    assert ret[0] is out and ret[1] is lse
+    assert_close(out.cpu(), lse.cpu(), *reference.tree_attention(q, k, v, cache_len, packed, 0.3), torch.float32)
+    out2, lse2 = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), 0.3)
+    assert lse2 is None and torch.allclose(out2.cpu(), out.cpu(), atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("include_prefix", [True, False], ids=["prefix", "tree_only"])
+def test_rows_attending_nothing(device, include_prefix):
+    """A query whose mask row is empty (and no prefix) attends nothing: out 0, lse -inf."""
+    dev = need_op(device)
+    q, k, v, cache_len, packed = make_inputs(2, 3, 2, 1, 20, 16, [0, 5], "chain", seed=7)
+    packed[:, 1] = 0
+    out, lse = run_op(dev, q, k, v, cache_len, packed, 0.25, include_prefix)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, cache_len, packed, 0.25, include_prefix)
+    assert_close(out, lse, ref_out, ref_lse, torch.float32)
+    empty = [(0, 1)] if include_prefix else [(0, 1), (1, 1)]
+    for b, i in empty:
+        assert (out[b, i] == 0).all() and torch.isneginf(lse[b, :, i]).all()
+    assert torch.isfinite(lse[1, :, 1]).all() == include_prefix
+
+
+def prefix_attention(q, k, v, cache_len, scale):
+    """(out, lse) of each query over the prefix keys [0, cache_len) only, in plain torch."""
+    bsz, n, hq, d = q.shape
+    group = hq // k.shape[1]
+    out = torch.zeros(bsz, n, hq, d)
+    lse = torch.full((bsz, hq, n), float("-inf"))
+    for b in range(bsz):
+        length = int(cache_len[b])
+        if length == 0:
+            continue
+        keys = k[b, :, :length].float().repeat_interleave(group, 0)
+        values = v[b, :, :length].float().repeat_interleave(group, 0)
+        scores = torch.einsum("ihd,hkd->hik", q[b].float(), keys) * scale
+        lse[b] = torch.logsumexp(scores, -1)
+        out[b] = torch.einsum("hik,hkd->ihd", torch.softmax(scores, -1), values)
+    return out, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_prefix_and_tree_parts(device, dtype):
+    """merge(prefix part over [0, cache_len), tree part with include_prefix=False) == the full op."""
+    dev = need_op(device)
+    q, k, v, cache_len, packed = make_inputs(3, 9, 6, 2, 90, 32, [0, 40, 81], "random", dtype, seed=8)
+    scale = 1 / math.sqrt(32)
+    o_tree, lse_tree = run_op(dev, q, k, v, cache_len, packed, scale, include_prefix=False)
+    o_pre, lse_pre = prefix_attention(q, k, v, cache_len, scale)
+    o, lse = ops.merge_attention(o_pre, lse_pre, o_tree.float(), lse_tree)
+    full_out, full_lse = run_op(dev, q, k, v, cache_len, packed, scale, include_prefix=True)
+    assert_close(o.to(dtype), lse, full_out, full_lse, dtype)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, cache_len, packed, scale)
+    assert_close(o.to(dtype), lse, ref_out, ref_lse, dtype)
+
+
+def test_merge_attention_edge_cases():
+    o1, o2 = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    ninf = float("-inf")
+    lse1 = torch.tensor([[[ninf, 0.5]]])
+    lse2 = torch.tensor([[[ninf, ninf]]])
+    o, lse = reference.merge_attention(o1, lse1, o2, lse2)
+    assert (o[0, 0] == 0).all() and torch.isneginf(lse[0, 0, 0])        # both sides empty
+    assert torch.allclose(o[0, 1], o1[0, 1]) and lse[0, 0, 1].item() == pytest.approx(0.5)
+    o, lse = reference.merge_attention(o1, torch.tensor([[[1.0, 2.0]]]), o2, torch.tensor([[[1.0, 1000.0]]]))
+    assert torch.allclose(o[0, 0], (o1[0, 0] + o2[0, 0]) / 2)
+    assert lse[0, 0, 0].item() == pytest.approx(1 + math.log(2)) and torch.allclose(o[0, 1], o2[0, 1])
+
+
+def sdpa_with_mask(q, k, v, cache_len, packed, scale):
+    """Torch SDPA over the whole cache with an explicit boolean mask (prefix + allowed tree keys)."""
+    bsz, n = q.shape[:2]
+    seq = k.shape[2]
+    tree = reference.unpack_tree_mask(packed, n)
+    mask = torch.zeros(bsz, 1, n, seq, dtype=torch.bool)
+    for b in range(bsz):
+        length = int(cache_len[b])
+        mask[b, 0, :, :length] = True
+        mask[b, 0, :, length:length + n] = tree[b]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.float(), v.float(), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", ["chain", "random", "wide"])
+def test_reference_matches_sdpa(kind):
+    inputs = make_inputs(3, 11, 8, 2, 70, 16, [0, 23, 59], kind, seed=9)
+    out, _ = reference.tree_attention(*inputs, 0.3)
+    torch.testing.assert_close(out, sdpa_with_mask(*inputs, 0.3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "random"])
+def test_kernel_matches_sdpa(device, kind):
+    dev = need_op(device)
+    inputs = make_inputs(2, 20, 6, 3, 100, 64, [33, 80], kind, seed=10)
+    out, _ = run_op(dev, *inputs, 0.125)
+    torch.testing.assert_close(out, sdpa_with_mask(*inputs, 0.125), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------
+def test_bad_arguments_raise():
+    need_op("cpu")
+    q, k, v, cache_len, packed = make_inputs(2, 3, 4, 2, 10, 8, [0, 7], seed=11)
+    call = lambda **kw: ops.tree_attention(**{**dict(q=q, k_cache=k, v_cache=v, cache_len=cache_len,  # noqa: E731
+                                                    tree_mask_packed=packed, scale=0.5), **kw})
+    cases = [
+        (dict(q=q.double()),
+         "tree_attention: q must be float32, bfloat16 or float16 [B, n, Hq, D], got float64 [2, 3, 4, 8]"),
+        (dict(q=q[0]), "tree_attention: q must be float32, bfloat16 or float16 [B, n, Hq, D], got float32 [3, 4, 8]"),
+        (dict(k_cache=k.bfloat16()), "tree_attention: k_cache must be float32 [B, Hkv, S, D] with B = 2 and D = 8"),
+        (dict(k_cache=k[..., :4]), "tree_attention: k_cache must be float32 [B, Hkv, S, D] with B = 2 and D = 8"),
+        (dict(v_cache=v[:, :, :9]), "tree_attention: v_cache must be float32 [B, Hkv, S, D] = [2, 2, 10, 8], "
+                                    "got float32 [2, 2, 9, 8]"),
+        (dict(k_cache=k[:, :1].expand(2, 3, 10, 8), v_cache=v[:, :1].expand(2, 3, 10, 8)),
+         "tree_attention: the query heads Hq = 4 must be a multiple of the kv heads Hkv = 3 (GQA)"),
+        (dict(cache_len=cache_len.int()), "tree_attention: cache_len must be int64 [B] = [2], got int32 [2]"),
+        (dict(cache_len=torch.tensor([0, 8])), "tree_attention: cache_len[1] = 8 with n = 3 new tokens: needs "
+                                               "0 <= cache_len and cache_len + n <= S = 10"),
+        (dict(cache_len=torch.tensor([-1, 0])), "tree_attention: cache_len[0] = -1 with n = 3"),
+        (dict(tree_mask_packed=packed[:, :2]), "tree_attention: tree_mask_packed must be int64 [B, n] = [2, 3], "
+                                               "got int64 [2, 2]"),
+        (dict(out=torch.empty(2, 3, 4, 8, dtype=torch.bfloat16)), "tree_attention: out must be float32 [B, n, Hq, D]"),
+        (dict(out=torch.empty(2, 4, 3, 8).transpose(1, 2)), "tree_attention: output out must be contiguous"),
+        (dict(lse=torch.empty(2, 3, 4)), "tree_attention: lse must be float32 [B, Hq, n] = [2, 4, 3], "
+                                         "got float32 [2, 3, 4]"),
+        (dict(scale=float("inf")), "tree_attention: scale must be a finite number"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            call(**kwargs)
+    with pytest.raises(RuntimeError, match=re.escape("tree_attention: q must be contiguous in its last dim (D)")):
+        call(q=torch.randn(2, 3, 4, 16)[..., ::2])
+    long_q = torch.randn(1, 65, 2, 8)
+    with pytest.raises(RuntimeError, match=re.escape("q must have n in [1, 64] new tokens, got n = 65")):
+        ops.tree_attention(long_q, torch.randn(1, 2, 80, 8), torch.randn(1, 2, 80, 8), torch.tensor([0]),
+                           torch.zeros(1, 65, dtype=torch.int64), 0.5)
+    with pytest.raises(ValueError, match=re.escape("cache_len must be on cpu (the device of q), got meta")):
+        call(cache_len=cache_len.to("meta"))
+
+
+def test_reference_bad_cache_len_raises():
+    q, k, v, _, packed = make_inputs(1, 3, 2, 1, 10, 8, [0], seed=12)
+    with pytest.raises(ValueError, match=re.escape("cache_len[0] = 8 with n = 3 new tokens")):
+        reference.tree_attention(q, k, v, torch.tensor([8]), packed, 0.5)
+
+
+def test_cuda_specific_arguments():
+    dev = need_op("cuda")
+    q, k, v, cache_len, packed = make_inputs(2, 3, 4, 2, 10, 12, [0, 7], seed=13)
+    op = torch.ops.turbospec.tree_attention.default
+    out = torch.empty(2, 3, 4, 12, device=dev)
+    with pytest.raises(RuntimeError, match=re.escape("tree_attention: the CUDA kernel needs a head dim D that is a "
+                                                     "multiple of 8 (128-bit loads), got D = 12")):
+        op(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), 0.5, True, out, None)
+    q, k, v, cache_len, packed = make_inputs(3, 3, 4, 2, 10, 16, [0, 7, 8], seed=13)
+    out = torch.empty(3, 3, 4, 16, device=dev)
+    with pytest.raises(RuntimeError, match=re.escape("tree_attention: cache_len must be on cuda")):
+        op(q.to(dev), k.to(dev), v.to(dev), cache_len, packed.to(dev), 0.5, True, out, None)
+    # cache_len + n > S (or < 0) on CUDA: no raise (no host sync); the row attends nothing.
+    lse = torch.empty(3, 4, 3, device=dev)
+    cache_len = torch.tensor([0, 8, -1])
+    op(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), 0.5, True, out, lse)
+    assert (out[1:] == 0).all() and torch.isneginf(lse[1:]).all()
+    ref_out, ref_lse = reference.tree_attention(q[:1], k[:1], v[:1], cache_len[:1], packed[:1], 0.5)
+    assert_close(out[:1].cpu(), lse[:1].cpu(), ref_out, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_graph_replay_with_new_cache_len(dtype):
+    """The op reads no device value on the host: captured once, replayed with other cache lengths."""
+    dev = need_op("cuda")
+    q, k, v, cache_len, packed = make_inputs(2, 7, 8, 2, 3000, 128, [100, 2000], "random", dtype, seed=14)
+    q, k, v, packed = q.to(dev), k.to(dev), v.to(dev), packed.to(dev)
+    lens = cache_len.to(dev)
+    out = torch.empty(q.shape, dtype=dtype, device=dev)
+    lse = torch.empty(2, 8, 7, device=dev)
+    ops.tree_attention(q, k, v, lens, packed, 0.1, out=out, lse=lse)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.tree_attention(q, k, v, lens, packed, 0.1, out=out, lse=lse)
+    for new in ([100, 2000], [0, 2990], [2500, 3], [1, 1]):
+        lens.copy_(torch.tensor(new))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.tree_attention(q.cpu(), k.cpu(), v.cpu(), torch.tensor(new), packed.cpu(), 0.1)
+        assert_close(out.cpu(), lse.cpu(), *ref, dtype, f"cache_len={new}")
+
+
+# ----------------------------------------------------------------------------------------------
+# opcheck: schema, autograd registration, fake kernel
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    dev = need_op(device)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for dtype, with_lse, include_prefix in ((torch.float32, True, True), (torch.bfloat16, False, False)):
+        q, k, v, cache_len, packed = (t.to(dev) for t in make_inputs(2, 5, 4, 2, 30, 16, [3, 20], dtype=dtype, seed=15))
+        out = torch.empty(q.shape, dtype=dtype, device=dev)
+        lse = torch.empty(2, 4, 5, device=dev) if with_lse else None
+        torch.library.opcheck(torch.ops.turbospec.tree_attention.default,
+                              (q, k, v, cache_len, packed, 0.25, include_prefix, out, lse), test_utils=utils)
