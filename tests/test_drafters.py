@@ -127,14 +127,17 @@ def greedy_reference(target, prompt, n):
     return Engine(target, drafter="none", max_seq_len=256).generate(prompt, n).token_ids
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-shapes"])
 @pytest.mark.parametrize("draft_kind", ["same-weights", "layer-skip-all"])
-def test_draft_model_equal_to_target_drafts_the_true_continuation(tiny_target, draft_kind):
+def test_draft_model_equal_to_target_drafts_the_true_continuation(tiny_target, draft_kind, static):
     """Drive the drafter as the engine does, with full and partial acceptance, steps without a
     proposal, and a second generation: a draft identical to the target must always propose exactly
-    the target's greedy continuation, which holds only if its cache bookkeeping is right."""
+    the target's greedy continuation, which holds only if its cache bookkeeping is right. static:
+    the draft's steps run the fixed-bucket path CUDA graphs capture (eagerly, on CPU)."""
     draft = (layer_skip_draft(tiny_target, tiny_target.cfg.num_layers) if draft_kind == "layer-skip-all"
              else turbospec.load_model(make_tiny_model("llama", seed=3, num_hidden_layers=2)))
-    d = DraftModelDrafter(draft, max_seq_len=256)
+    d = DraftModelDrafter(draft, max_seq_len=256, static=static)
+    assert (d.runner is not None) == static
     rng = random.Random(0)
     for prompt in ([5, 6, 7, 8, 9], [200, 3, 17], [5, 6, 7, 8, 9]):
         ref = greedy_reference(tiny_target, prompt, 90)

@@ -170,3 +170,16 @@ def test_cuda_bf16_greedy_mismatch_measured():
         first += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), 64)
     print(f"bf16 vs fp32 greedy on CUDA: {same}/{len(prompts)} identical, first difference at "
           f"{first / len(prompts):.1f} of 64 tokens on average")
+
+
+def test_engine_static_shapes_draft_model_exact():
+    """A separate draft model on the static path (its own runner) drafts and verifies exactly."""
+    hf = make_tiny_model("llama", seed=9)
+    draft = make_tiny_model("llama", seed=9, num_hidden_layers=1)
+    prompt = list(range(50, 80))
+    ref = hf_greedy(hf, prompt, 40)
+    eng = Engine(hf, drafter="draft_model", draft_model=draft, max_seq_len=128, static_shapes=True,
+                 adaptive=False, num_draft=4)
+    assert eng.drafter.runner is not None and eng.drafter.runner.static
+    g = eng.generate(prompt, 40)
+    assert g.token_ids == ref

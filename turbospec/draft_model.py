@@ -44,11 +44,21 @@ def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
 
 
 class DraftModelDrafter(Drafter):
+    """Chain drafting with a separate model. ``static`` (default: off CPU) runs the draft's steps
+    through a ``TargetRunner`` of its own: fixed token-count buckets, replayed from CUDA graphs on a
+    GPU (``graphs``, default on CUDA); a catch-up longer than the largest bucket (the prompt) runs
+    the ordinary forward."""
+
     name = "draft_model"
 
-    def __init__(self, model: Transformer, max_seq_len: int):
+    def __init__(self, model: Transformer, max_seq_len: int, static: bool | None = None,
+                 graphs: bool | None = None):
+        from .runner import TargetRunner
         self.model = model
-        self.cache = model.new_cache(max_seq_len)
+        static = model.device.type != "cpu" if static is None else static
+        self.cache = model.new_cache(max_seq_len + (64 if static else 0))
+        self.runner = TargetRunner(model, self.cache, static=static, graphs=graphs if static else False) \
+            if static else None
         self._cached = 0
         self._base = 0
         self._speculative = 0
@@ -63,9 +73,10 @@ class DraftModelDrafter(Drafter):
         if max_tokens <= 0:
             return None
         m = self.model
-        pending = torch.tensor([tokens[self._cached:]], dtype=torch.int64)
-        pos = torch.arange(self._cached, len(tokens))[None]
-        logits = m.forward(pending, pos, self.cache, self._cached, logits="last")[0, -1]
+        dev = m.device
+        pending = torch.tensor([tokens[self._cached:]], dtype=torch.int64, device=dev)
+        pos = torch.arange(self._cached, len(tokens), device=dev)[None]
+        logits = self._last_logits(pending, pos, self._cached)
         self._base = len(tokens)
         drafted, qs = [], []
         for i in range(max_tokens):
@@ -76,7 +87,7 @@ class DraftModelDrafter(Drafter):
             qs.append(q)
             if i + 1 < max_tokens:
                 p = len(tokens) + i
-                logits = m.forward(torch.tensor([[t]]), torch.tensor([[p]]), self.cache, p, logits="last")[0, -1]
+                logits = self._last_logits(torch.tensor([[t]], device=dev), torch.tensor([[p]], device=dev), p)
         self._speculative = min(len(drafted), max_tokens - 1)  # drafts whose K/V were written
         if not drafted:
             return None
@@ -85,6 +96,11 @@ class DraftModelDrafter(Drafter):
             qs.append(torch.zeros_like(qs[0]))  # the last node has no children
             probs = torch.stack(qs)
         return Draft(token_ids=drafted, draft_probs=probs)
+
+    def _last_logits(self, ids, pos, cache_len: int):
+        if self.runner is not None and ids.shape[1] <= self.runner.max_tokens:
+            return self.runner.forward(ids, pos, cache_len)[0, -1]
+        return self.model.forward(ids, pos, self.cache, cache_len, logits="last")[0, -1]
 
     def observe(self, tokens: list[int], num_accepted: int) -> None:
         self._cached = self._base + min(num_accepted, self._speculative)

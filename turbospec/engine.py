@@ -135,12 +135,13 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.eos_token_ids = eos
-        self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype, head, tree or {},
-                                          _dtype(draft_dtype) if draft_dtype is not None else dtype)
-        # The fixed-shape path pads a step to its bucket: the cache keeps one bucket of slack.
         static = device.type != "cpu" if static_shapes is None else bool(static_shapes)
         if cuda_graphs and not static:
             raise ValueError("cuda_graphs=True needs static_shapes (the graphs capture the fixed-shape forward)")
+        self._static_shapes, self._cuda_graphs = static, cuda_graphs
+        self.drafter = self._make_drafter(drafter, draft_model, draft_tokenizer, dtype, head, tree or {},
+                                          _dtype(draft_dtype) if draft_dtype is not None else dtype)
+        # The fixed-shape path pads a step to its bucket: the cache keeps one bucket of slack.
         self.cache = self.target.new_cache(max_seq_len + (64 if static else 0))
         self.runner = TargetRunner(self.target, self.cache, self._feature_spec(), static=static,
                                    graphs=cuda_graphs if static else False)
@@ -183,7 +184,9 @@ class Engine:
             if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)
-            return DraftModelDrafter(dm, self.max_seq_len)
+            static = self._static_shapes
+            return DraftModelDrafter(dm, self.max_seq_len, static=static,
+                                     graphs=self._cuda_graphs if static else False)
         raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                          f"turbospec.Drafter")
 
