@@ -63,6 +63,7 @@ class TargetRunner:
             self._inputs = {b: (torch.zeros(1, b, dtype=torch.int64, device=dev),
                                 torch.zeros(1, b, dtype=torch.int64, device=dev),
                                 torch.zeros(1, b, dtype=torch.int64, device=dev)) for b in buckets}
+            self._chain = chain_mask_packed(buckets[-1], dev)  # row i of any chain (no host copy per step)
             # padding row i attends only itself
             self._pad_mask = torch.tensor([[1 << i if i < 63 else -(1 << 63) for i in range(buckets[-1])]],
                                           dtype=torch.int64, device=dev)
@@ -99,9 +100,7 @@ class TargetRunner:
         ids, pos, mask = self._inputs[b]
         ids[:, :n].copy_(node_ids, non_blocking=True)
         pos[:, :n].copy_(positions, non_blocking=True)
-        if tree_mask_packed is None:
-            tree_mask_packed = chain_mask_packed(n)
-        mask[:, :n].copy_(tree_mask_packed, non_blocking=True)
+        mask[:, :n].copy_(self._chain[:, :n] if tree_mask_packed is None else tree_mask_packed, non_blocking=True)
         if b > n:
             ids[:, n:].zero_()
             pos[:, n:].copy_(pos[:, n - 1: n].expand(1, b - n))
