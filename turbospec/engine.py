@@ -91,7 +91,9 @@ class Engine:
         head: for drafter="eagle"/"medusa": a head checkpoint directory (turbospec, EAGLE, EAGLE-3 or
             Medusa layout) or a loaded head module.
         tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
-            {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose).
+            {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose)
+            and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
+            see ``turbospec.hybrid``).
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
         device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";
@@ -227,6 +229,7 @@ class Engine:
             raise ValueError(f"drafter={kind!r} needs a {' or '.join(want)} head, got a {method!r} head")
         opts = dict(tree)
         vocab = opts.pop("draft_vocab", None)
+        ngram = opts.pop("ngram", 0)
         if vocab is None and getattr(head, "extra", {}).get("draft_vocab") is not None:
             vocab = head.extra["draft_vocab"]
         vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64)
@@ -234,14 +237,21 @@ class Engine:
             from .medusa import MedusaDrafter
             bad = set(opts) - {"choices", "num_nodes"}
             if bad:
-                raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, draft_vocab)")
-            return MedusaDrafter(self.target, head, draft_vocab=vocab, draft_dtype=draft_dtype, **opts)
-        from .eagle import EagleDrafter
-        bad = set(opts) - {"depth", "top_k"}
-        if bad:
-            raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab)")
-        return EagleDrafter(self.target, head, self.max_seq_len, draft_vocab=vocab, draft_dtype=draft_dtype,
-                            **opts)
+                raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, "
+                                 f"draft_vocab, ngram)")
+            drafter = MedusaDrafter(self.target, head, draft_vocab=vocab, draft_dtype=draft_dtype, **opts)
+        else:
+            from .eagle import EagleDrafter
+            bad = set(opts) - {"depth", "top_k"}
+            if bad:
+                raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab, "
+                                 f"ngram)")
+            drafter = EagleDrafter(self.target, head, self.max_seq_len, draft_vocab=vocab,
+                                   draft_dtype=draft_dtype, **opts)
+        if ngram:
+            from .hybrid import HybridDrafter
+            return HybridDrafter(drafter, ngram_tokens=ngram)
+        return drafter
 
     # ------------------------------------------------------------------------------------------
     def encode(self, prompt, chat: bool | None = None) -> list[int]:
