@@ -4,7 +4,7 @@ Medusa heads that share the target's LM head) and the Engine options it was tune
 its config.json ``turbospec_extra`` next to the training provenance.
 
     python bench/ship_head.py --head /work/train/eagle --samples WORK/gen-*/samples.jsonl \\
-        --name smollm2-eagle --draft-vocab 8192 --engine '{"num_draft": 12, "draft_dtype": "bfloat16",
+        --name smollm2-medusa --draft-vocab 8192 --engine '{"num_draft": 12, "draft_dtype": "bfloat16",
         "tree": {"depth": 4, "top_k": 4}}'
 """
 from __future__ import annotations

@@ -44,6 +44,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "default model")
     p.add_argument("--head-draft", type=int, default=None,
                    help="most draft nodes per step for the head drafters (default: their own default)")
+    p.add_argument("--head-ngram", type=int, default=0,
+                   help="also run each head with up to N prompt-lookup tokens merged into its tree "
+                        "(ts_<method>_ngram; see turbospec.hybrid)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=os.path.join("bench", "out"), help="folder for JSON and markdown")
 
@@ -215,6 +218,9 @@ def head_systems(args, target) -> dict:
         while name in out:
             name += "_"
         out[name] = (head, opts)
+        if getattr(args, "head_ngram", 0):
+            hybrid = dict(opts, tree={**opts.get("tree", {}), "ngram": args.head_ngram})
+            out[f"{name}_ngram"] = (head, hybrid)
     return out
 
 
