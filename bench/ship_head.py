@@ -3,9 +3,9 @@ draft vocabulary (the most frequent tokens of the self-distilled responses, for 
 Medusa heads that share the target's LM head) and the Engine options it was tuned for, recorded in
 its config.json ``turbospec_extra`` next to the training provenance.
 
-    python bench/ship_head.py --head /work/train/eagle --samples WORK/gen-*/samples.jsonl \\
-        --name smollm2-medusa --draft-vocab 8192 --engine '{"num_draft": 12, "draft_dtype": "bfloat16",
-        "tree": {"depth": 4, "top_k": 4}}'
+    python bench/ship_head.py --head /work/train/eagle3 --samples WORK/gen-*/samples.jsonl \\
+        --name smollm2-eagle3 --engine '{"num_draft": 8, "draft_dtype": "bfloat16",
+        "tree": {"depth": 4, "top_k": 2}}'
 """
 from __future__ import annotations
 
