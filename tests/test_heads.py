@@ -376,8 +376,26 @@ def test_shipped_head_loads_and_drafts_exactly(smollm2):
     best = best_shipped_head(default_only=True)
     assert auto.drafter.name == ("ngram" if best is None else ("medusa" if best[0] == "medusa" else "eagle"))
     eng = Engine("default", drafter="eagle", max_seq_len=256)
-    assert eng.drafter.name == "eagle" and eng.drafter.depth == head.extra["engine"]["tree"]["depth"]
+    tree = head.extra["engine"]["tree"]
+    drafter = eng.drafter.head if tree.get("ngram") else eng.drafter  # shipped with prompt lookup merged in
+    assert eng.drafter.name == ("eagle+ngram" if tree.get("ngram") else "eagle")
+    assert drafter.depth == tree["depth"] and drafter.top_k == tree["top_k"]
     ids = eng.encode("Name three colours of the rainbow.")
     g = eng.generate(ids, 32)
     assert g.token_ids == Engine(model, drafter="none", max_seq_len=256).generate(ids, 32).token_ids
     assert g.stats["tau"] > 1.0  # the trained head is accepted at least sometimes
+
+
+def test_benchmark_runs_shipped_heads_alone_and_hybrid(smollm2):
+    """turbospec bench's default head systems: each shipped head alone, and merged with prompt
+    lookup when it ships that way (or --head-ngram asks)."""
+    import argparse
+    from turbospec.benchmark import head_systems
+    model, _ = smollm2
+    args = argparse.Namespace(head=[], head_draft=None, head_ngram=0, model="default")
+    systems = head_systems(args, model)
+    assert "ngram" not in systems["ts_eagle3"][1]["tree"]
+    assert systems["ts_eagle3_ngram"][1]["tree"]["ngram"] == 8 and "ts_medusa" in systems
+    args.head_ngram = 4
+    systems = head_systems(args, model)
+    assert systems["ts_medusa_ngram"][1]["tree"] == {"num_nodes": 16, "ngram": 4}

@@ -217,10 +217,13 @@ def head_systems(args, target) -> dict:
         name = f"ts_{method}"
         while name in out:
             name += "_"
-        out[name] = (head, opts)
-        if getattr(args, "head_ngram", 0):
-            hybrid = dict(opts, tree={**opts.get("tree", {}), "ngram": args.head_ngram})
-            out[f"{name}_ngram"] = (head, hybrid)
+        # the head alone, and merged with prompt lookup when it ships that way or --head-ngram asks
+        tree = dict(opts.get("tree", {}))
+        ngram = getattr(args, "head_ngram", 0) or tree.pop("ngram", 0)
+        tree.pop("ngram", None)
+        out[name] = (head, dict(opts, tree=tree))
+        if ngram:
+            out[f"{name}_ngram"] = (head, dict(opts, tree={**tree, "ngram": ngram}))
     return out
 
 
