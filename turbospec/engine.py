@@ -356,7 +356,9 @@ class Engine:
                 prefix = torch.full((1,), cache_len, dtype=torch.int64, device=dev)
                 ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
         if feats is not None:
-            feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1]
+            # a copy either way: with CUDA graphs, feats is the graph's output buffer, which the next
+            # replay overwrites while a drafter may still hold these rows (steps without a proposal)
+            feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1].clone()
         return host[1: n + 2], n, feats
 
     def _stage(self, node_ids: Tensor, positions: Tensor, parents: Tensor, packed: Tensor | None,
