@@ -286,3 +286,23 @@ def test_budget_expected_tokens():
     e = [b.expected_tokens(k) for k in range(9)]
     assert all(y > x for x, y in zip(e, e[1:])) and e[-1] < 1 / (1 - a)
     assert b.expected_tokens(2) == pytest.approx(1 + a + a * a)
+
+
+def test_depth_budget_follows_acceptance_and_cost():
+    """Deep rounds that are never accepted stop being drafted; once they pay again they come back."""
+    from turbospec.budget import DepthBudget
+    b = DepthBudget(6)
+    assert b.choose(6) == 6  # nothing measured: the configured depth
+    for _ in range(40):  # paths stop at depth 1; a round costs a fifth of the rest of a step
+        b.record(b.choose(6), 1, 0.002, 0.010)
+    assert b.choose(6) <= 2
+    assert b.choose(1) == 1
+    b2 = DepthBudget(6)
+    for _ in range(40):  # everything accepted, rounds cheap: keep the full depth
+        b2.record(6, 6, 0.0005, 0.010)
+    assert b2.choose(6) == 6 and b2.choose(3) == 3
+    # unexplored depths drift back to the prior, so they are probed again once acceptance returns
+    for _ in range(200):
+        d = b.choose(6)
+        b.record(d, d, 0.002, 0.010)
+    assert b.choose(6) >= 4

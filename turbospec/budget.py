@@ -70,3 +70,55 @@ class DraftBudget:
             per_token = draft_seconds / proposed
             self.draft_token_time = per_token if self.draft_token_time == 0.0 else \
                 0.8 * self.draft_token_time + 0.2 * per_token
+
+
+class DepthBudget:
+    """How many expansion rounds (tree depth) a dynamic-tree drafter runs this step.
+
+    Measured per step: how deep the accepted path reached, against how deep the tree went; the time
+    of one expansion round; and the rest of a step (verify and bookkeeping). a(d), the chance that
+    the path goes on to depth d once it reached d - 1 (in trees that went that deep), gives
+    P(d) = a(1) ... a(d), the tokens reaching depth d is worth, so D rounds give 1 + sum P(d) tokens
+    per step for t_rest + D * t_round seconds; the depth with the best ratio wins. Depths not run
+    lately decay back towards an optimistic prior, so they are probed again. Only used for greedy
+    steps: the shape then never changes the output, and timings cannot make a seeded sampling run
+    irreproducible.
+    """
+
+    def __init__(self, max_depth: int, prior: float = 0.7, weight: float = 2.0, decay: float = 0.95):
+        self.max_depth, self.prior, self.weight, self.decay = max_depth, prior, weight, decay
+        self.went_on = [0.0] * max_depth  # steps whose path reached d (tree depth >= d) ...
+        self.arrived = [0.0] * max_depth  # ... among steps whose path reached d - 1 (tree depth >= d)
+        self.t_round = 0.0
+        self.t_rest = 0.0
+
+    def p_reach(self, d: int) -> float:
+        p = 1.0
+        for j in range(d):
+            p *= (self.went_on[j] + self.weight * self.prior) / (self.arrived[j] + self.weight)
+        return p
+
+    def choose(self, limit: int) -> int:
+        limit = max(1, min(limit, self.max_depth))
+        if self.t_round <= 0.0 or self.t_rest <= 0.0:
+            return limit  # nothing measured yet
+        best, best_rate, tokens = 1, 0.0, 1.0
+        for depth in range(1, limit + 1):
+            tokens += self.p_reach(depth)
+            rate = tokens / (self.t_rest + depth * self.t_round)
+            if rate > best_rate * 1.0001:
+                best, best_rate = depth, rate
+        for d in range(best + 1, self.max_depth + 1):  # unexplored depths fade back to the prior
+            self.went_on[d - 1] *= self.decay
+            self.arrived[d - 1] *= self.decay
+        return best
+
+    def record(self, depth_used: int, depth_accepted: int, round_seconds: float | None,
+               rest_seconds: float | None) -> None:
+        for d in range(1, min(depth_used, depth_accepted + 1) + 1):  # the path had reached d - 1
+            self.arrived[d - 1] = self.decay * self.arrived[d - 1] + 1.0
+            self.went_on[d - 1] = self.decay * self.went_on[d - 1] + (1.0 if depth_accepted >= d else 0.0)
+        for name, v in (("t_round", round_seconds), ("t_rest", rest_seconds)):
+            if v is not None and v > 0:
+                old = getattr(self, name)
+                setattr(self, name, v if old == 0.0 else 0.8 * old + 0.2 * v)

@@ -15,9 +15,12 @@ Layouts (parameter names are those of the public checkpoints):
 """
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor, nn
 
+from .budget import DepthBudget
 from .drafter import Draft, Drafter
 from .heads import MLP, Attention, HeadConfig, HeadKV, RMSNorm, Rotary
 from .sampling import SamplingParams
@@ -132,7 +135,8 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int = 4,
-                 draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None):
+                 draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
+                 adaptive_depth: bool = True):
         from .checkpoints import check_head_compatible
         check_head_compatible(head, target.cfg)
         if depth < 1 or top_k < 1:
@@ -153,6 +157,11 @@ class EagleDrafter(Drafter):
             self.vocab_ids = draft_vocab
         self._cached = 0
         self._feats: Tensor | None = None
+        # greedy steps: the number of expansion rounds from measured acceptance by depth and timings
+        self.depth_budget = DepthBudget(depth) if adaptive_depth else None
+        self._pending: tuple[int, float | None] | None = None  # (depth drafted, seconds per round)
+        self._t_end: float | None = None   # when the last proposal returned
+        self._steps_since = 0              # steps observed since then
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         self._cached = 0
@@ -164,6 +173,11 @@ class EagleDrafter(Drafter):
         if features is not None:
             self._feats = features if self._feats is None or self._feats.shape[0] == 0 else \
                 torch.cat((self._feats, features))
+        self._steps_since += 1
+        if self._pending is not None and self.depth_budget is not None:
+            depth_used, t_round = self._pending
+            self.depth_budget.record(depth_used, num_accepted, t_round, None)
+        self._pending = None
 
     def _logits(self, out: Tensor) -> Tensor:
         return self.head.logits(out).float() if self.lm is None else self.lm(out)
@@ -174,6 +188,11 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
+        t_start = time.perf_counter()
+        if self.depth_budget is not None and self._t_end is not None and self._steps_since == 1:
+            self.depth_budget.record(0, 0, None, t_start - self._t_end)  # one step's verify + the rest
+        self._steps_since = 0
+        self._t_end = None
         root_pos = len(tokens) - 1
         m = root_pos - self._cached
         feats = self._feats
@@ -199,7 +218,11 @@ class EagleDrafter(Drafter):
         root_q = None
         k = self.top_k
         greedy = params.greedy
-        for d in range(1, min(self.depth, max_tokens) + 1):
+        depth = min(self.depth, max_tokens)
+        if greedy and self.depth_budget is not None:
+            depth = self.depth_budget.choose(depth)
+        rounds, t_rounds = 0, 0.0
+        for d in range(1, depth + 1):
             new = []
             for f in frontier:
                 # Sampling keeps every drawn child, so a group's size is fixed before it is drawn:
@@ -218,8 +241,9 @@ class EagleDrafter(Drafter):
                     if f >= 0:
                         nodes[f].children.append(len(nodes) - 1)
                     new.append(len(nodes) - 1)
-            if d == min(self.depth, max_tokens) or (not greedy and len(nodes) >= max_tokens) or not new:
+            if d == depth or (not greedy and len(nodes) >= max_tokens) or not new:
                 break
+            t_round = time.perf_counter()
             # expand the best top_k of this round's children
             expand = sorted(new, key=lambda i: (-nodes[i].score, i))[:k]
             expand.sort()
@@ -243,7 +267,12 @@ class EagleDrafter(Drafter):
                 hidden[i] = o[0, j]
                 logits[i] = lg[j]
             frontier = expand
+            rounds += 1
+            t_rounds += time.perf_counter() - t_round
+        self._t_end = time.perf_counter()
         if not nodes:
             return None
         keep = ancestor_closed_top(nodes, max_tokens) if greedy else list(range(len(nodes)))
+        if greedy:
+            self._pending = (max(nodes[i].depth for i in keep), t_rounds / rounds if rounds else None)
         return to_draft(nodes, keep, root_q, self.vocab_ids, vocab)

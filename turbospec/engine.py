@@ -87,7 +87,9 @@ class Engine:
             Default: 8, or what the shipped head was tuned for.
         draft_model: the draft for ``drafter="draft_model"``: a path, transformers model or Transformer.
         max_seq_len: static KV-cache length; prompt + max_new_tokens must fit.
-        adaptive: choose the draft length each step from measured acceptance and verify cost.
+        adaptive: choose the draft length each step from measured acceptance and verify cost (and,
+            for EAGLE trees on greedy steps, the tree depth from measured acceptance by depth and the
+            time of an expansion round; see ``budget.DepthBudget``).
         head: for drafter="eagle"/"medusa": a head checkpoint directory (turbospec, EAGLE, EAGLE-3 or
             Medusa layout) or a loaded head module.
         tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
@@ -247,7 +249,7 @@ class Engine:
                 raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab, "
                                  f"ngram)")
             drafter = EagleDrafter(self.target, head, self.max_seq_len, draft_vocab=vocab,
-                                   draft_dtype=draft_dtype, **opts)
+                                   draft_dtype=draft_dtype, adaptive_depth=self.adaptive, **opts)
         if ngram:
             from .hybrid import HybridDrafter
             return HybridDrafter(drafter, ngram_tokens=ngram)
