@@ -275,7 +275,9 @@ def shipped_head_kwargs(method: str, hf_config) -> dict:
     from turbospec.checkpoints import load_head
     from turbospec.model import ModelConfig
     from turbospec.shipped import shipped_heads
-    path = shipped_heads().get(method)
+    heads = shipped_heads()
+    # "eagle": the shipped EAGLE-3 head when there is one (what Engine(drafter="eagle") picks)
+    path = next((heads[m] for m in (("eagle3", "eagle") if method == "eagle" else (method,)) if m in heads), None)
     if path is None:
         raise LookupError(f"no {method} head is shipped in turbospec/heads_data")
     head = load_head(path, target_cfg=ModelConfig.from_hf(hf_config))

@@ -59,23 +59,15 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-NCU="${NCU:-ncu}"
-if ! command -v "$NCU" >/dev/null 2>&1; then
-  echo "profile_ncu.sh: '$NCU' (the Nsight Compute CLI) was not found on PATH." >&2
-  echo "  Install Nsight Compute (CUDA toolkits ship it as nsight-compute-*/ncu) and put it on PATH," >&2
-  echo "  or set NCU=/path/to/ncu. Nothing was profiled." >&2
-  exit 127
-fi
-PYTHON="${PYTHON:-python}"
-if ! command -v "$PYTHON" >/dev/null 2>&1; then
-  echo "profile_ncu.sh: '$PYTHON' was not found on PATH; set PYTHON=/path/to/python." >&2
-  exit 127
-fi
-
 case "${BASH_SOURCE[0]}" in
   */*) HERE="${BASH_SOURCE[0]%/*}" ;;
   *) HERE=. ;;
 esac
+. "$HERE/tools.sh"
+require_tool profile_ncu.sh NCU ncu "the Nsight Compute CLI" \
+  "Install Nsight Compute (CUDA toolkits ship it as nsight-compute-*/ncu) and put it on PATH."
+require_tool profile_ncu.sh PYTHON python "the Python interpreter" ""
+
 ROOT="$(cd "$HERE/.." && pwd)" || exit 1
 cd "$ROOT" || exit 1
 : "${OUT_DIR:=bench/out}"

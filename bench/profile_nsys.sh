@@ -73,18 +73,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-NSYS="${NSYS:-nsys}"
-if ! command -v "$NSYS" >/dev/null 2>&1; then
-  echo "profile_nsys.sh: '$NSYS' (the Nsight Systems CLI) was not found on PATH." >&2
-  echo "  Install Nsight Systems (CUDA toolkits ship it as nsight-systems-*/bin/nsys) and put it on PATH," >&2
-  echo "  or set NSYS=/path/to/nsys. Nothing was profiled." >&2
-  exit 127
-fi
-PYTHON="${PYTHON:-python}"
-if ! command -v "$PYTHON" >/dev/null 2>&1; then
-  echo "profile_nsys.sh: '$PYTHON' was not found on PATH; set PYTHON=/path/to/python." >&2
-  exit 127
-fi
+case "${BASH_SOURCE[0]}" in
+  */*) HERE="${BASH_SOURCE[0]%/*}" ;;
+  *) HERE=. ;;
+esac
+. "$HERE/tools.sh"
+require_tool profile_nsys.sh NSYS nsys "the Nsight Systems CLI" \
+  "Install Nsight Systems (CUDA toolkits ship it as nsight-systems-*/bin/nsys) and put it on PATH."
+require_tool profile_nsys.sh PYTHON python "the Python interpreter" ""
 
 case "$MODEL" in
   smollm2_135m) : "${SYSTEMS:=ts_graphs,ts_eagle}" ;;
@@ -92,10 +88,6 @@ case "$MODEL" in
   *) echo "profile_nsys.sh: --model must be smollm2_135m or llama3_8b, got '$MODEL'" >&2; exit 2 ;;
 esac
 
-case "${BASH_SOURCE[0]}" in
-  */*) HERE="${BASH_SOURCE[0]%/*}" ;;
-  *) HERE=. ;;
-esac
 ROOT="$(cd "$HERE/.." && pwd)" || exit 1
 cd "$ROOT" || exit 1
 : "${OUT_DIR:=bench/out}"

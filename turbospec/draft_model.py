@@ -57,8 +57,7 @@ class DraftModelDrafter(Drafter):
         self.model = model
         static = model.device.type != "cpu" if static is None else static
         self.cache = model.new_cache(max_seq_len + (64 if static else 0))
-        self.runner = TargetRunner(model, self.cache, static=static, graphs=graphs if static else False) \
-            if static else None
+        self.runner = TargetRunner(model, self.cache, static=True, graphs=graphs) if static else None
         self._cached = 0
         self._base = 0
         self._speculative = 0

@@ -149,6 +149,9 @@ class Engine:
         self.cache = self.target.new_cache(max_seq_len + (64 if static else 0))
         self.runner = TargetRunner(self.target, self.cache, self._feature_spec(), static=static,
                                    graphs=cuda_graphs if static else False)
+        if device.type != "cpu":  # the step's inputs go over in one copy from a pinned buffer (_stage)
+            self._host_stage = torch.zeros(5, 64, dtype=torch.int64, pin_memory=True)
+            self._dev_stage = torch.zeros(5, 64, dtype=torch.int64, device=device)
 
     @staticmethod
     def _device(target, device) -> torch.device:
@@ -189,8 +192,7 @@ class Engine:
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)
             static = self._static_shapes
-            return DraftModelDrafter(dm, self.max_seq_len, static=static,
-                                     graphs=self._cuda_graphs if static else False)
+            return DraftModelDrafter(dm, self.max_seq_len, static=static, graphs=self._cuda_graphs)
         raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                          f"turbospec.Drafter")
 
@@ -355,7 +357,9 @@ class Engine:
                                        f"{cache_len}; no token was emitted from them")
         if tree_mask is not None:
             with nvtx.range("compact"):
-                prefix = torch.full((1,), cache_len, dtype=torch.int64, device=dev)
+                # the static path already holds the prefix length on the device
+                prefix = self.runner.cache_len if self.runner.static else \
+                    torch.full((1,), cache_len, dtype=torch.int64, device=dev)
                 ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
         if feats is not None:
             # a copy either way: with CUDA graphs, feats is the graph's output buffer, which the next
@@ -369,9 +373,6 @@ class Engine:
         (a copy from pageable memory would wait for the stream). Reusing the buffer is safe: the
         previous step's copy finished before that step's accept_len read."""
         n = node_ids.shape[1]
-        if getattr(self, "_host_stage", None) is None:
-            self._host_stage = torch.zeros(5, 64, dtype=torch.int64, pin_memory=True)
-            self._dev_stage = torch.zeros(5, 64, dtype=torch.int64, device=self.target.device)
         h = self._host_stage
         h[0, :n], h[1, :n], h[2, :n] = node_ids[0], positions[0], parents[0]
         if packed is not None:
