@@ -9,7 +9,7 @@
 
 #include <torch/library.h>
 
-#include "cpu/gemv.h"
+#include "cpu/isa.h"
 
 // An empty Python module: loading it is what matters (the registrations below are static).
 PyMODINIT_FUNC PyInit__C(void) {
@@ -40,17 +40,28 @@ TORCH_LIBRARY(turbospec, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor tree_mask_packed, "
         "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse) -> ()");
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
-  // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], mask: bool [B or 1, 1, n, cache_len + n] or None,
-  // weights: per layer (attn_norm, qkv x2 packed, o x2, mlp_norm, gate_up x2, down x2[, qkv_bias]),
-  // k_cache / v_cache: one [B, H_kv, S, D] per layer (written at [cache_len, cache_len + n)),
-  // capture: layer indices whose outputs (the residual stream after that layer) are also returned
-  // -> [x after the last layer [B, n, hidden], one [B, n, hidden] per capture entry].
-  m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] weights, "
-        "Tensor(a!)[] k_cache, Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, "
-        "float eps, float scale, bool has_bias, int[] capture) -> Tensor[]");
-  // y = x @ weight^T (+ bias) for 1..64 rows of x [..., K], weight [N, K] float32/bfloat16 (CPU): a
-  // reduction order that does not depend on the number of rows (see csrc/cpu/gemv.cpp).
+  // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], tree_mask_packed: int64 [B or 1, n] (bit j of
+  // row i: new token i attends new token j; every token attends the whole prefix [0, cache_len)),
+  // norms: per layer (attn_norm, mlp_norm); weights / formats: the weight segments of every linear
+  // (as for linear), counts: per layer the number of segments of qkv, o, gate_up, down; biases: one
+  // qkv bias per layer or none; k_cache / v_cache: one [B, H_kv, S, D] per layer (written at
+  // [cache_len, cache_len + n)); capture: layer indices whose outputs (the residual stream after that
+  // layer) are also returned -> [x after the last layer [B, n, hidden], one [B, n, hidden] per capture].
+  m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
+        "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
+        "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
+        "int[] capture) -> Tensor[]");
+  // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
+  // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
+  // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,
+  // 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K). One reduction order for any number of rows, thread
+  // split, instruction set and weight storage (reference.linear).
+  m.def("linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias) -> Tensor");
+  // linear with one dense weight [N, K] float32 / float16 / bfloat16 (reference.small_linear).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  // Which instruction-set path small_linear uses (tests): 0 scalar, 1 AVX2, 2 AVX-512, -1 detect.
-  m.def("small_linear_isa(int isa) -> int", &turbospec::small_linear_set_isa);
+  // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).
+  m.def("dequantize(Tensor raw, int format, int K) -> Tensor");
+  // The instruction-set path of every CPU kernel: 0 scalar, 1 AVX2, 2 AVX-512, -1 default (detected,
+  // capped by $TURBOSPEC_ISA); capped at what the CPU has; returns the path in force (csrc/cpu/isa.h).
+  m.def("cpu_isa(int isa) -> int", &turbospec::set_cpu_isa);
 }

@@ -259,11 +259,97 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
                     c[b, :, base + j] = c[b, :, base + src]
 
 
+# ----------------------------------------------------------------------------------------------
+# linear: weights in their stored format (dense or GGUF blocks), one reduction order
+# ----------------------------------------------------------------------------------------------
+# GGML type id -> (name, weights per block, bytes per block)
+WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18),
+                  3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+def row_bytes(fmt: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights stored in format ``fmt`` (a GGML type id)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt!r} is not supported; supported GGML type ids: "
+                         + ", ".join(f"{f} {v[0]}" for f, v in WEIGHT_FORMATS.items()))
+    name, block, nbytes = WEIGHT_FORMATS[fmt]
+    if k % block:
+        raise ValueError(f"a {name} row holds a multiple of {block} weights, got K = {k}")
+    return k // block * nbytes
+
+
+def _f16(raw: Tensor) -> Tensor:  # uint8 [..., 2] -> float32 [...]
+    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: Tensor) -> Tensor:  # uint8 [..., 16 * m] -> [..., 2, 16 * m]: low nibbles, then high
+    return torch.stack((qs & 15, qs >> 4), dim=-2)
+
+
+def _k4_scale_min(s: Tensor) -> tuple[Tensor, Tensor]:  # 12 packed bytes -> 6-bit scales, mins [.., 8]
+    s = s.long()
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((d & 63, (md & 15) | ((d >> 6) << 4)), -1)
+    mn = torch.cat((m & 63, (md >> 4) | ((m >> 6) << 4)), -1)
+    return sc.float(), mn.float()
+
+
+def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """Specification of ``turbospec::dequantize``: uint8 [N, row_bytes] GGUF blocks -> float32 [N, K],
+    the values gguf's own dequantization gives (every product of a block scale and a quantized value
+    is exact in float32, so each weight is rounded once)."""
+    n = raw.shape[0]
+    name, block, nbytes = WEIGHT_FORMATS[fmt] if fmt in WEIGHT_FORMATS else (None, 0, 0)
+    if block <= 1:
+        raise ValueError(f"dequantize: format {fmt!r} is not a GGUF block format")
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(fmt, k):
+        raise ValueError(f"dequantize: raw must be uint8 [N, {row_bytes(fmt, k)}] for {name} with K = {k}, "
+                         f"got {raw.dtype} {list(raw.shape)}")
+    b = raw.reshape(n, k // block, nbytes)
+    if name in ("Q4_0", "Q4_1", "Q5_0"):
+        d = _f16(b[..., 0:2])[..., None]
+        qs = b[..., {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[name]:]
+        q = _nibbles(qs).reshape(n, -1, 32).float()
+        if name == "Q4_0":
+            w = d * (q - 8)
+        elif name == "Q4_1":
+            w = d * q + _f16(b[..., 2:4])[..., None]
+        else:
+            qh = b[..., 2:6].contiguous().view(torch.int32).long()  # [n, nb, 1], little endian
+            hb = (qh >> torch.arange(32)) & 1
+            w = d * ((q.long() | (hb << 4)) - 16).float()
+    elif name == "Q8_0":
+        w = b[..., 2:].contiguous().view(torch.int8).float() * _f16(b[..., 0:2])[..., None]
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k4_scale_min(b[..., 4:16])
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32).long()
+        if name == "Q5_K":
+            qh = b[..., 16:48].long()  # [n, nb, 32]
+            q = q | (((qh[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
+        w = (d[..., None] * sc)[..., None] * q.float() - (dmin[..., None] * mn)[..., None]
+    else:  # Q6_K
+        ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32).long()
+        lo = _nibbles(ql).long().reshape(n, -1, 2, 128)  # per half: 64 low nibbles, 64 high
+        hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, -1, 2, 128)
+        q = ((lo | (hi << 4)) - 32).reshape(n, -1, 16, 16).float()
+        sc = b[..., 192:208].contiguous().view(torch.int8).float()
+        w = (_f16(b[..., 208:210])[..., None] * sc)[..., None] * q
+    return w.reshape(n, k)
+
+
+def _dense(weight: Tensor, fmt: int, k: int) -> Tensor:
+    return weight.float() if WEIGHT_FORMATS[fmt][1] == 1 else dequantize(weight, fmt, k)
+
+
 def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Specification of ``turbospec::small_linear``: y[r, o] = sum_k x[r, k] * W[o, k] (+ b[o]) in
-    float32 with this order: lane j in 0..15 accumulates the terms k = j, j + 16, ... in increasing k
-    with fused multiply-adds (x and W widened to float32 exactly), the lanes are summed as
-    (j, j + 8), then + 4, + 2, + 1, then the bias is added; the result is cast to x's dtype."""
+    """Specification of ``turbospec::small_linear`` (and ``linear``): y[r, o] = sum_k x[r, k] * W[o, k]
+    (+ b[o]) in float32 with this order: lane j in 0..15 accumulates the terms k = j, j + 16, ... in
+    increasing k with fused multiply-adds (x and W widened to float32 exactly), the lanes are summed
+    as (j, j + 8), then + 4, + 2, + 1, then the bias is added; the result is cast to x's dtype."""
     k = x.shape[-1]
     xf = x.reshape(-1, k).double()
     wf = weight.double()
@@ -281,6 +367,14 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None) -> Tensor:
+    """Specification of ``turbospec::linear``: ``small_linear`` over the weight segments dequantized
+    to float32 (``dequantize``) and concatenated along the output dimension."""
+    k = x.shape[-1]
+    w = torch.cat([_dense(wi, int(f), k) for wi, f in zip(weights, formats)])
+    return small_linear(x, w, bias)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,50 +1,25 @@
-// llama_layers: the decoder-layer loop of turbospec.model.Transformer.forward in C++ (CPU).
+// llama_layers: the decoder-layer loop of turbospec.model.Transformer in C++ (CPU).
 //
-// A batch-1 decode step of a small model on CPU is dominated by per-op overhead, not by the weight
-// reads: ~450 small ATen ops per step, each paying Python dispatch. This kernel runs exactly the
-// same ATen ops in the same order as the Python loop (model.py: Transformer._layers_python), so the
-// results are bit-identical, without the Python interpreter between them. Linears use oneDNN
-// weights pre-packed by Python (mkldnn::_linear_pointwise): one layout for single-row inputs and
-// one for multi-row inputs.
+// A batch-1 decode step of a small model on CPU pays per-op overhead on top of the weight reads:
+// ~18 ops per layer, each with Python dispatch when run from Python. This kernel runs the same ops
+// in the same order as the Python loop (model.py: Transformer.layers_python, its specification), so
+// the results are bit-identical, without the interpreter between them. Every linear is
+// turbospec::linear (weights in their stored format, one reduction order for any row count) and
+// attention is tree_attention's CPU kernel (one order per query row whatever the number of rows), so
+// a token's hidden states do not depend on how many tokens share the pass.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "gemv.h"
-
 #include <optional>
-#include <string_view>
 #include <vector>
+
+#include "linear.h"
+#include "tree_attention.h"
 
 namespace turbospec {
 namespace {
 
-// Per layer, in this order: attn_norm, qkv_row, qkv_rows, o_row, o_rows, mlp_norm, gate_up_row,
-// gate_up_rows, down_row, down_rows (+ qkv_bias last when has_bias).
-constexpr int64_t kPerLayer = 10;
-// Rows up to which linears use small_linear (keep equal to turbospec.model.Linear.SMALL_ROWS).
-constexpr int64_t kSmallRows = 4;
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w_row, const at::Tensor& w_rows,
-                  const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                                         std::string_view, c10::List<std::optional<at::Scalar>>,
-                                         std::optional<std::string_view>)>();
-  // A dense w_row means: up to kSmallRows rows go through small_linear (gemv.cpp), which streams the
-  // weight faster than oneDNN for one row; from about 6 rows on oneDNN's GEMM is faster (measured on
-  // the project's CPU: 1 row 16.6 vs 23.0 ms per SmolLM2 step, 4 rows 19.2 vs 21.9, 8 rows 31.1 vs 25.1).
-  if (!w_row.is_mkldnn() && x.numel() <= kSmallRows * x.size(-1) && small_linear_supports(x, w_row))
-    return small_linear(x, w_row, bias);
-  const auto shape = x.sizes().vec();
-  at::Tensor x2 = x.reshape({-1, shape.back()});
-  at::Tensor y = op.call(x2, x2.size(0) == 1 && w_row.is_mkldnn() ? w_row : w_rows, bias, "none", c10::List<std::optional<at::Scalar>>(),
-                         std::nullopt);
-  std::vector<int64_t> out(shape.begin(), shape.end() - 1);
-  out.push_back(y.size(1));
-  return y.view(out);
-}
+constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 
 // Same formula as model.rms_norm.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -55,17 +30,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin_signed,
-                                     const std::optional<at::Tensor>& mask, at::TensorList weights,
+                                     const at::Tensor& tree_mask_packed, at::TensorList norms, at::TensorList weights,
+                                     at::IntArrayRef formats, at::IntArrayRef counts, at::TensorList biases,
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                     bool has_bias, at::IntArrayRef capture) {
+                                     at::IntArrayRef capture) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
-  const int64_t per_layer = kPerLayer + (has_bias ? 1 : 0);
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
               "llama_layers: k_cache and v_cache must have one tensor per layer");
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == per_layer * num_layers, "llama_layers: weights has ",
-              weights.size(), " tensors, expected ", per_layer * num_layers, " (", per_layer, " per layer)");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * num_layers, "llama_layers: norms has ", norms.size(),
+              " tensors, expected 2 per layer (", 2 * num_layers, ")");
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == kLinears * num_layers, "llama_layers: counts has ",
+              counts.size(), " entries, expected 4 per layer (", kLinears * num_layers, ")");
+  TORCH_CHECK(weights.size() == formats.size(), "llama_layers: weights (", weights.size(), ") and formats (",
+              formats.size(), ") differ in length");
+  TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == num_layers, "llama_layers: biases must be "
+              "empty or one qkv bias per layer, got ", biases.size());
+  int64_t total_segments = 0;
+  for (int64_t c : counts) {
+    TORCH_CHECK(c >= 1, "llama_layers: every linear needs at least one weight segment, got ", c);
+    total_segments += c;
+  }
+  TORCH_CHECK(total_segments == static_cast<int64_t>(weights.size()), "llama_layers: counts add up to ",
+              total_segments, " segments, weights has ", weights.size());
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "llama_layers: num_heads must be a multiple of num_kv_heads");
   const int64_t B = x_in.size(0), n = x_in.size(1);
@@ -75,32 +63,36 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   for (int64_t c : capture)
     TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
   const auto dtype = x_in.scalar_type();
+  const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
+  const at::Tensor lens = at::full({B}, cache_len, x_in.options().dtype(at::kLong));
   at::Tensor x = x_in;
   std::vector<at::Tensor> out(1 + capture.size());
+  size_t seg = 0;
+  auto next_linear = [&](int64_t l, int64_t j, const at::Tensor& in, const std::optional<at::Tensor>& bias) {
+    const int64_t c = counts[l * kLinears + j];
+    at::Tensor y = linear(in, weights.slice(seg, c), formats.slice(seg, c), bias);
+    seg += c;
+    return y;
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
-    const at::Tensor* w = weights.data() + l * per_layer;
     std::optional<at::Tensor> bias;
-    if (has_bias) bias = w[kPerLayer];
-    at::Tensor h = rms_norm(x, w[0], eps);
-    at::Tensor qkv = linear(h, w[1], w[2], bias).view({B, n, num_heads + 2 * num_kv_heads, d});
+    if (!biases.empty()) bias = biases[l];
+    at::Tensor h = rms_norm(x, norms[2 * l], eps);
+    at::Tensor qkv = next_linear(l, 0, h, bias).view({B, n, num_heads + 2 * num_kv_heads, d});
     at::Tensor qk = qkv.narrow(2, 0, num_heads + num_kv_heads);
     qk = qk * cos + at::roll(qk, {d / 2}, {-1}) * sin_signed;
-    at::Tensor q = qk.narrow(2, 0, num_heads).transpose(1, 2);
-    at::Tensor k = qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2);
-    at::Tensor v = qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads).transpose(1, 2);
     const at::Tensor& kc = k_cache[l];
     const at::Tensor& vc = v_cache[l];
-    kc.narrow(2, cache_len, n).copy_(k);
-    vc.narrow(2, cache_len, n).copy_(v);
-    at::Tensor attn = at::scaled_dot_product_attention(q.to(kc.scalar_type()), kc.narrow(2, 0, total),
-                                                       vc.narrow(2, 0, total), mask, 0.0, false, scale,
-                                                       /*enable_gqa=*/true);
-    attn = attn.to(dtype).transpose(1, 2).reshape({B, n, num_heads * d});
-    x = x + linear(attn, w[3], w[4], std::nullopt);
-    h = rms_norm(x, w[5], eps);
-    at::Tensor gu = linear(h, w[6], w[7], std::nullopt);
+    kc.narrow(2, cache_len, n).copy_(qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2));
+    vc.narrow(2, cache_len, n).copy_(qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads).transpose(1, 2));
+    at::Tensor q = qk.narrow(2, 0, num_heads).to(kc.scalar_type());
+    at::Tensor attn = at::empty(q.sizes(), q.options());
+    tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);
+    x = x + next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
+    h = rms_norm(x, norms[2 * l + 1], eps);
+    at::Tensor gu = next_linear(l, 2, h, std::nullopt);
     auto parts = gu.chunk(2, -1);
-    x = x + linear(at::silu(parts[0]) * parts[1], w[8], w[9], std::nullopt);
+    x = x + next_linear(l, 3, at::silu(parts[0]) * parts[1], std::nullopt);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = x;
   }
@@ -110,8 +102,6 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
 
 }  // namespace
 
-// The packed oneDNN weights carry the MkldnnCPU key, so the kernel is registered for every backend;
-// it is only ever called with CPU tensors (turbospec.model decides).
-TORCH_LIBRARY_IMPL(turbospec, CompositeExplicitAutograd, m) { m.impl("llama_layers", &llama_layers); }
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("llama_layers", &llama_layers); }
 
 }  // namespace turbospec

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "../checks.h"
+#include "isa.h"
+#include "tree_attention.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define TS_ATTN_X86 1
@@ -233,18 +235,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void attend_av
 template <typename T>
 AttendFn pick_attend() {
 #ifdef TS_ATTN_X86
-  static const int isa = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-      return 2;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
-  }();
-  if (isa == 2) return &attend_avx512<T>;
-  if (isa == 1) return &attend_avx2<T>;
+  switch (cpu_isa()) {  // csrc/cpu/isa.h: every path gives the same bits
+    case Isa::kAvx512: return &attend_avx512<T>;
+    case Isa::kAvx2: return &attend_avx2<T>;
+    default: break;
+  }
 #endif
   return &attend_base<T>;
 }
+
+}  // namespace
 
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
@@ -311,7 +311,6 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   });
 }
 
-}  // namespace
 }  // namespace turbospec
 
 TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("tree_attention", &turbospec::tree_attention_cpu); }

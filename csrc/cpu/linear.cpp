@@ -1,0 +1,714 @@
+// linear: y = x @ W^T (+ b) on CPU, weights in their storage format, one fixed reduction order.
+//
+// At batch 1 a decode step is a chain of matrix-vector products whose cost is reading W once; a
+// verify pass adds a few rows. Weights stay as stored: float32, float16, bfloat16, or GGUF blocks
+// (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), dequantized in registers exactly as GGUF defines
+// (every dequantized weight is the float32 value gguf's dequantize gives; the products d * q are
+// exact in float32, so d * q + m is one rounding, the same whether fused or not).
+//
+// The reduction order is fixed: lane j (0..15) accumulates w[k] * x[k] for k = j, j+16, j+32, ...
+// with fused multiply-adds in increasing k, then the 16 lanes are summed pairwise (j + 8, then + 4,
+// + 2, + 1), then the bias is added. It does not depend on how many rows x has, on the thread split,
+// on the instruction set or on the weight format's storage, so
+//   * a verify pass over k+1 tokens computes for each token exactly what a one-token step computes;
+//   * a quantized model computes exactly what the same model dequantized to float32 computes.
+//
+// Variants (picked per call; all give the same bits, tests/test_linear.py):
+//   scalar   every format, std::fma lane by lane (the baseline ISA)
+//   avx2     fused: 4 weight rows x 1-2 input rows in registers, weights dequantized in registers
+//   panel    more than kFusedRows input rows and a non-dense format: a block of weight rows is
+//            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
+//   avx512   dense float32/bfloat16 weights (quantized formats use the AVX2 dequantization)
+// x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
+#include "linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TS_X86 1
+#endif
+
+namespace turbospec {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int64_t kRowBlock = 4;   // weight rows per work item
+constexpr int64_t kMaxRows = 64;   // input rows per pass; a larger x runs in passes of 64 (same order)
+constexpr int64_t kFusedRows = 4;  // up to here quantized weights are dequantized in registers
+
+struct FormatInfo {
+  int64_t block;  // weights per block
+  int64_t bytes;  // bytes per block
+  const char* name;
+};
+
+bool format_info(int64_t f, FormatInfo* out) {
+  switch (f) {
+    case kF32: *out = {1, 4, "F32"}; return true;
+    case kF16: *out = {1, 2, "F16"}; return true;
+    case kBF16: *out = {1, 2, "BF16"}; return true;
+    case kQ4_0: *out = {32, 18, "Q4_0"}; return true;
+    case kQ4_1: *out = {32, 20, "Q4_1"}; return true;
+    case kQ5_0: *out = {32, 22, "Q5_0"}; return true;
+    case kQ8_0: *out = {32, 34, "Q8_0"}; return true;
+    case kQ4_K: *out = {256, 144, "Q4_K"}; return true;
+    case kQ5_K: *out = {256, 176, "Q5_K"}; return true;
+    case kQ6_K: *out = {256, 210, "Q6_K"}; return true;
+    default: return false;
+  }
+}
+
+FormatInfo checked_info(int64_t f) {
+  FormatInfo fi{};
+  TORCH_CHECK(format_info(f, &fi), "linear: weight format ", f, " is not supported; supported (GGML type ids): ",
+              "0 F32, 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K");
+  return fi;
+}
+
+inline float combine_lanes(const float* s) {
+  float t8[8], t4[4], t2[2];
+  for (int j = 0; j < 8; ++j) t8[j] = s[j] + s[j + 8];
+  for (int j = 0; j < 4; ++j) t4[j] = t8[j] + t8[j + 4];
+  for (int j = 0; j < 2; ++j) t2[j] = t4[j] + t4[j + 2];
+  return t2[0] + t2[1];
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// K-quant 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes (GGUF's get_scale_min).
+inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar dequantization: the 16 weights of a row starting at element k (k % 16 == 0). left = K - k;
+// dense formats may end in a partial group (the missing lanes are 0); block formats never do.
+template <int64_t F>
+inline void dequant16(const uint8_t* row, int64_t k, int64_t left, float* out) {
+  const int64_t n = std::min<int64_t>(left, kLanes);
+  if constexpr (F == kF32 || F == kF16 || F == kBF16) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j >= n) { out[j] = 0.f; continue; }
+      if constexpr (F == kF32) std::memcpy(&out[j], row + 4 * (k + j), 4);
+      else if constexpr (F == kF16) out[j] = half_at(row + 2 * (k + j));
+      else {
+        uint16_t b;
+        std::memcpy(&b, row + 2 * (k + j), 2);
+        const uint32_t u = static_cast<uint32_t>(b) << 16;
+        std::memcpy(&out[j], &u, 4);
+      }
+    }
+  } else if constexpr (F == kQ4_0 || F == kQ4_1) {
+    const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
+    const float d = half_at(b);
+    const uint8_t* qs = b + (F == kQ4_0 ? 2 : 4);
+    const int sh = (k & 31) ? 4 : 0;
+    if constexpr (F == kQ4_0) {
+      for (int j = 0; j < 16; ++j) out[j] = d * static_cast<float>(((qs[j] >> sh) & 15) - 8);
+    } else {
+      const float m = half_at(b + 2);
+      for (int j = 0; j < 16; ++j) out[j] = std::fma(d, static_cast<float>((qs[j] >> sh) & 15), m);
+    }
+  } else if constexpr (F == kQ5_0) {
+    const uint8_t* b = row + (k >> 5) * 22;
+    const float d = half_at(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    const uint8_t* qs = b + 6;
+    const int off = static_cast<int>(k & 31), sh = off ? 4 : 0;
+    for (int j = 0; j < 16; ++j) {
+      const int q = ((qs[j] >> sh) & 15) | (((qh >> (off + j)) & 1) << 4);
+      out[j] = d * static_cast<float>(q - 16);
+    }
+  } else if constexpr (F == kQ8_0) {
+    const uint8_t* b = row + (k >> 5) * 34;
+    const float d = half_at(b);
+    const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2) + (k & 31);
+    for (int j = 0; j < 16; ++j) out[j] = static_cast<float>(qs[j]) * d;
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* b = row + (k >> 8) * (F == kQ4_K ? 144 : 176);
+    const int e0 = static_cast<int>(k & 255), sub = e0 >> 5, l0 = e0 & 31;
+    int sc, mn;
+    scale_min_k4(b + 4, sub, &sc, &mn);
+    const float d1 = half_at(b) * static_cast<float>(sc), dm = half_at(b + 2) * static_cast<float>(mn);
+    const uint8_t* qs = b + (F == kQ4_K ? 16 : 48) + 32 * (e0 >> 6) + l0;
+    const int sh = (sub & 1) ? 4 : 0;
+    for (int j = 0; j < 16; ++j) {
+      int q = (qs[j] >> sh) & 15;
+      if constexpr (F == kQ5_K) q |= ((b[16 + l0 + j] >> sub) & 1) << 4;
+      out[j] = std::fma(d1, static_cast<float>(q), -dm);
+    }
+  } else {
+    static_assert(F == kQ6_K, "unknown format");
+    const uint8_t* b = row + (k >> 8) * 210;
+    const int e0 = static_cast<int>(k & 255), half = e0 >> 7, e = e0 & 127;
+    const float d1 = half_at(b + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(b + 192)[e0 >> 4]);
+    const uint8_t* ql = b + 64 * half + (e & 63);
+    const uint8_t* qh = b + 128 + 32 * half + (e & 31);
+    const int shl = (e >> 6) * 4, shh = (e >> 5) * 2;
+    for (int j = 0; j < 16; ++j) {
+      const int q = (((ql[j] >> shl) & 15) | (((qh[j] >> shh) & 3) << 4)) - 32;
+      out[j] = d1 * static_cast<float>(q);
+    }
+  }
+}
+
+template <int64_t F>
+void block_scalar(const uint8_t* const* wr, int64_t nw, const float* const* xr, int64_t nx, int64_t K,
+                  float (*out)[kMaxRows], int64_t r0) {
+  float acc[kRowBlock][kMaxRows][kLanes];
+  std::memset(acc, 0, sizeof acc);
+  float w[kLanes];
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t n = std::min<int64_t>(K - k, kLanes);
+    for (int64_t i = 0; i < nw; ++i) {
+      dequant16<F>(wr[i], k, K - k, w);
+      for (int64_t r = 0; r < nx; ++r)
+        for (int64_t j = 0; j < n; ++j) acc[i][r][j] = std::fma(w[j], xr[r][k + j], acc[i][r][j]);
+    }
+  }
+  for (int64_t i = 0; i < nw; ++i)
+    for (int64_t r = 0; r < nx; ++r) out[i][r0 + r] = combine_lanes(acc[i][r]);
+}
+
+#ifdef TS_X86
+#define TS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+// combine_lanes in registers: the same additions in the same order (lanes j and j + 8, then the
+// two 128-bit halves (+ 4), then + 2, then + 1).
+TS_AVX2 inline float combine_lanes_avx2(__m256 lo, __m256 hi) {
+  const __m256 t8 = _mm256_add_ps(lo, hi);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+TS_AVX2 inline __m128i nibbles(const uint8_t* p, int shift) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm_and_si128(shift ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
+}
+
+TS_AVX2 inline float half_avx2(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+constexpr bool is_dense(int64_t f) { return f == kF32 || f == kF16 || f == kBF16; }
+// Weights per step of the AVX2 kernels: 16 (one lane group) for dense formats, 32 (one block or
+// sub-block, whose scale is read once) for block formats.
+template <int64_t F>
+constexpr int64_t kStep = is_dense(F) ? 16 : 32;
+
+// AVX2 dequantization of one step of weights starting at element k (the same values as dequant16):
+// w[2g], w[2g + 1] hold weights k + 16g + 0..7, 8..15.
+template <int64_t F>
+TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t left, __m256* w) {
+  if constexpr (is_dense(F)) {
+    constexpr int64_t es = F == kF32 ? 4 : 2;
+    alignas(32) uint8_t buf[kLanes * es];
+    const uint8_t* p = row + es * k;
+    if (left < kLanes) {
+      std::memset(buf, 0, sizeof buf);
+      std::memcpy(buf, p, es * left);
+      p = buf;
+    }
+    if constexpr (F == kF32) {
+      w[0] = _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+      w[1] = _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8);
+    } else if constexpr (F == kF16) {
+      w[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      w[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    } else {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+      w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+      w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    }
+  } else if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0) {
+    constexpr int64_t bytes = F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 22;
+    const uint8_t* b = row + (k >> 5) * bytes;
+    const __m256 d = _mm256_set1_ps(half_avx2(b));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : 6)));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m128i q[2] = {_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4)};
+    if constexpr (F == kQ5_0) {
+      // bit e of qh -> 0x10 in byte e
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+      const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      for (int g = 0; g < 2; ++g) {
+        const __m128i bits = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>((qh >> (16 * g)) & 0xFFFF)), spread);
+        q[g] = _mm_or_si128(q[g], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bits, sel), sel), _mm_set1_epi8(0x10)));
+      }
+    }
+    const __m256 m = F == kQ4_1 ? _mm256_set1_ps(half_avx2(b + 2)) : _mm256_set1_ps(F == kQ4_0 ? 8.f : 16.f);
+    for (int g = 0; g < 2; ++g) {
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[g]));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q[g], q[g])));
+      if constexpr (F == kQ4_1) {
+        w[2 * g] = _mm256_fmadd_ps(d, lo, m);
+        w[2 * g + 1] = _mm256_fmadd_ps(d, hi, m);
+      } else {
+        w[2 * g] = _mm256_mul_ps(d, _mm256_sub_ps(lo, m));
+        w[2 * g + 1] = _mm256_mul_ps(d, _mm256_sub_ps(hi, m));
+      }
+    }
+  } else if constexpr (F == kQ8_0) {
+    const uint8_t* b = row + (k >> 5) * 34;
+    const __m256 d = _mm256_set1_ps(half_avx2(b));
+    for (int g = 0; g < 2; ++g) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * g));
+      w[2 * g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+      w[2 * g + 1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), d);
+    }
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* b = row + (k >> 8) * (F == kQ4_K ? 144 : 176);
+    const int e0 = static_cast<int>(k & 255), sub = e0 >> 5;
+    int sc, mn;
+    scale_min_k4(b + 4, sub, &sc, &mn);
+    const __m256 d1 = _mm256_set1_ps(half_avx2(b) * static_cast<float>(sc));
+    const __m256 ndm = _mm256_set1_ps(-(half_avx2(b + 2) * static_cast<float>(mn)));
+    const uint8_t* qs = b + (F == kQ4_K ? 16 : 48) + 32 * (e0 >> 6);
+    for (int g = 0; g < 2; ++g) {
+      __m128i q = nibbles(qs + 16 * g, sub & 1);
+      if constexpr (F == kQ5_K) {
+        const __m128i sel = _mm_set1_epi8(static_cast<char>(1 << sub));
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * g));
+        q = _mm_or_si128(q, _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, sel), sel), _mm_set1_epi8(0x10)));
+      }
+      w[2 * g] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), ndm);
+      w[2 * g + 1] = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q))), ndm);
+    }
+  } else {
+    static_assert(F == kQ6_K, "unknown format");
+    const uint8_t* b = row + (k >> 8) * 210;
+    const int e0 = static_cast<int>(k & 255), half = e0 >> 7, e = e0 & 127;
+    const float dd = half_avx2(b + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256 off = _mm256_set1_ps(32.f);
+    const __m128i shh = _mm_cvtsi32_si128((e >> 5) * 2);
+    for (int g = 0; g < 2; ++g) {
+      const __m256 d1 = _mm256_set1_ps(dd * static_cast<float>(scales[(e0 >> 4) + g]));
+      const __m128i lq = nibbles(b + 64 * half + (e & 63) + 16 * g, (e >> 6) * 4);
+      const __m128i hv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * half + (e & 31) + 16 * g));
+      const __m128i hq = _mm_and_si128(_mm_srl_epi16(hv, shh), _mm_set1_epi8(3));
+      const __m128i q = _mm_or_si128(lq, _mm_slli_epi16(hq, 4));
+      w[2 * g] = _mm256_mul_ps(d1, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), off));
+      w[2 * g + 1] =
+          _mm256_mul_ps(d1, _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q, q))), off));
+    }
+  }
+}
+
+// One step of weights -> w[0 .. kStep<F>).
+template <int64_t F>
+TS_AVX2 void dequant_step_store_avx2(const uint8_t* row, int64_t k, int64_t left, float* w) {
+  __m256 v[4];
+  dequant_step_avx2<F>(row, k, left, v);
+  for (int j = 0; j < kStep<F> / 8; ++j) _mm256_storeu_ps(w + 8 * j, v[j]);
+}
+
+TS_AVX2 inline void load_x16(const float* p, int64_t left, __m256& lo, __m256& hi) {
+  if (left >= kLanes) {
+    lo = _mm256_loadu_ps(p);
+    hi = _mm256_loadu_ps(p + 8);
+    return;
+  }
+  alignas(32) float buf[kLanes] = {0};
+  std::memcpy(buf, p, sizeof(float) * left);
+  lo = _mm256_load_ps(buf);
+  hi = _mm256_load_ps(buf + 8);
+}
+
+// One step of the lane-ordered accumulation of NW weight rows x NX input rows; `left` < step only in
+// a dense row's last step.
+template <int64_t F, int NW, int NX>
+TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t* const* wr, const float* const* xr,
+                                                                   int64_t k, int64_t pf, int64_t left,
+                                                                   __m256 (&lo)[NW][NX], __m256 (&hi)[NW][NX]) {
+  constexpr int64_t groups = kStep<F> / kLanes;
+  __m256 xl[groups][NX], xh[groups][NX];
+  for (int g = 0; g < groups; ++g)
+    for (int r = 0; r < NX; ++r) load_x16(xr[r] + k + kLanes * g, left - kLanes * g, xl[g][r], xh[g][r]);
+  for (int i = 0; i < NW; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_T0);
+    __m256 w[4];
+    dequant_step_avx2<F>(wr[i], k, left, w);
+    for (int g = 0; g < groups; ++g)  // lane order: group g's weights come after group g - 1's
+      for (int r = 0; r < NX; ++r) {
+        lo[i][r] = _mm256_fmadd_ps(w[2 * g], xl[g][r], lo[i][r]);
+        hi[i][r] = _mm256_fmadd_ps(w[2 * g + 1], xh[g][r], hi[i][r]);
+      }
+  }
+}
+
+// NW weight rows x NX input rows over all of K (16 lanes as two 8-wide halves, in registers).
+template <int64_t F, int NW, int NX>
+TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
+                        float (*out)[kMaxRows], int64_t r0) {
+  __m256 lo[NW][NX], hi[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
+  // Prefetch the same place one row block ahead (rows are contiguous): a DRAM stream that the
+  // hardware prefetcher alone does not sustain across rows. bytes16: about 16 weights' bytes.
+  constexpr int64_t step = kStep<F>;
+  const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
+  const int64_t full = K / step * step;
+  int64_t k = 0, pf = 0;
+  for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, step, lo, hi);
+  if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, K - k, lo, hi);
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
+}
+
+// nw (1..4) weight rows x R input rows. Dense rows take 4 weight rows x 2 inputs per pass; block
+// formats, whose dequantization needs registers too, take 4 x 1 or 2 x 2.
+template <int64_t F>
+TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
+                       int64_t K, float (*out)[kMaxRows]) {
+  constexpr bool dense = is_dense(F);
+  auto pass = [&](const uint8_t* const* w, int64_t n, float (*o)[kMaxRows], const float* const* x, int64_t nx,
+                  int64_t r0) {
+    if (nx == 2) {
+      switch (n) {
+        case 4: block_avx2<F, 4, 2>(w, row_bytes, x, K, o, r0); break;
+        case 3: block_avx2<F, 3, 2>(w, row_bytes, x, K, o, r0); break;
+        case 2: block_avx2<F, 2, 2>(w, row_bytes, x, K, o, r0); break;
+        default: block_avx2<F, 1, 2>(w, row_bytes, x, K, o, r0); break;
+      }
+    } else {
+      switch (n) {
+        case 4: block_avx2<F, 4, 1>(w, row_bytes, x, K, o, r0); break;
+        case 3: block_avx2<F, 3, 1>(w, row_bytes, x, K, o, r0); break;
+        case 2: block_avx2<F, 2, 1>(w, row_bytes, x, K, o, r0); break;
+        default: block_avx2<F, 1, 1>(w, row_bytes, x, K, o, r0); break;
+      }
+    }
+  };
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    if (dense || nw <= 2) {
+      pass(wr, nw, out, xr + r, 2, r);
+    } else {
+      pass(wr, 2, out, xr + r, 2, r);
+      pass(wr + 2, nw - 2, out + 2, xr + r, 2, r);
+    }
+  }
+  if (r < R) pass(wr, nw, out, xr + r, 1, r);
+}
+
+TS_AVX512 inline __m512 load16_512(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+TS_AVX512 inline __m512 load16_512(const c10::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const void*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Dense float32 / bfloat16 weights: NW weight rows x NX input rows, 16 lanes in one register.
+template <int NW, int NX, typename W>
+TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
+                            int64_t r0) {
+  __m512 acc[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_setzero_ps();
+  const int64_t full = K / kLanes * kLanes;
+  const __mmask16 ones = static_cast<__mmask16>(0xFFFF);
+  for (int64_t k = 0; k < full; k += kLanes) {
+    __m512 xv[NX];
+    for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
+    for (int i = 0; i < NW; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(wr[i] + kRowBlock * K + k), _MM_HINT_T0);
+      const __m512 wv = load16_512(wr[i] + k, ones);
+      for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
+    }
+  }
+  if (full < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
+    __m512 xv[NX];
+    for (int r = 0; r < NX; ++r) xv[r] = _mm512_maskz_loadu_ps(m, xr[r] + full);
+    for (int i = 0; i < NW; ++i) {
+      const __m512 wv = load16_512(wr[i] + full, m);
+      for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r)
+      out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i][r]), _mm512_extractf32x8_ps(acc[i][r], 1));
+}
+
+template <int NW, typename W>
+TS_AVX512 void rows_avx512_n(const W* const* wr, const float* const* xr, int64_t R, int64_t K, float (*out)[kMaxRows]) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) block_avx512<NW, 4>(wr, xr + r, K, out, r);
+  switch (R - r) {
+    case 3: block_avx512<NW, 3>(wr, xr + r, K, out, r); break;
+    case 2: block_avx512<NW, 2>(wr, xr + r, K, out, r); break;
+    case 1: block_avx512<NW, 1>(wr, xr + r, K, out, r); break;
+    default: break;
+  }
+}
+
+template <typename W>
+TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const float* const* xr, int64_t R, int64_t K,
+                           float (*out)[kMaxRows]) {
+  const W* wr[kRowBlock];
+  for (int64_t i = 0; i < nw; ++i) wr[i] = reinterpret_cast<const W*>(wr_bytes[i]);
+  switch (nw) {
+    case 4: rows_avx512_n<4>(wr, xr, R, K, out); break;
+    case 3: rows_avx512_n<3>(wr, xr, R, K, out); break;
+    case 2: rows_avx512_n<2>(wr, xr, R, K, out); break;
+    default: rows_avx512_n<1>(wr, xr, R, K, out); break;
+  }
+}
+#endif  // TS_X86
+
+// Dequantize nw rows into a float32 panel [nw, K] (same values on every path).
+template <int64_t F>
+void dequant_rows(const uint8_t* const* wr, int64_t nw, int64_t K, float* panel, Isa isa) {
+  for (int64_t i = 0; i < nw; ++i) {
+    float* dst = panel + i * K;
+    for (int64_t k = 0; k < K; k += 2 * kLanes) {
+      alignas(32) float w[2 * kLanes];
+#ifdef TS_X86
+      if (isa != Isa::kScalar) {
+        dequant_step_store_avx2<F>(wr[i], k, K - k, w);
+        if (kStep<F> == kLanes && k + kLanes < K) dequant_step_store_avx2<F>(wr[i], k + kLanes, K - k - kLanes, w + kLanes);
+      } else
+#endif
+      {
+        dequant16<F>(wr[i], k, K - k, w);
+        if (k + kLanes < K) dequant16<F>(wr[i], k + kLanes, K - k - kLanes, w + kLanes);
+      }
+      std::memcpy(dst + k, w, sizeof(float) * std::min<int64_t>(2 * kLanes, K - k));
+    }
+  }
+}
+
+// One block of nw weight rows x R input rows at the ISA in force -> out[i][r].
+template <int64_t F>
+void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
+                   int64_t K, Isa isa, float (*out)[kMaxRows], std::vector<float>& panel) {
+  constexpr bool direct = F == kF32 || F == kBF16;  // the avx512 kernel reads these as they are
+#ifdef TS_X86
+  if (isa == Isa::kAvx512 && direct) {
+    if constexpr (F == kF32) rows_avx512<float>(wr, nw, xr, R, K, out);
+    else rows_avx512<c10::BFloat16>(wr, nw, xr, R, K, out);
+    return;
+  }
+#endif
+  if (!direct && R > kFusedRows) {
+    panel.resize(static_cast<size_t>(kRowBlock * K));
+    dequant_rows<F>(wr, nw, K, panel.data(), isa);
+    const uint8_t* pr[kRowBlock];
+    for (int64_t i = 0; i < nw; ++i) pr[i] = reinterpret_cast<const uint8_t*>(panel.data() + i * K);
+    compute_block<kF32>(pr, nw, 4 * K, xr, R, K, isa, out, panel);
+    return;
+  }
+#ifdef TS_X86
+  if (isa != Isa::kScalar) {
+    rows_avx2<F>(wr, nw, row_bytes, xr, R, K, out);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < R; r += kRowBlock) block_scalar<F>(wr, nw, xr + r, std::min(kRowBlock, R - r), K, out, r);
+}
+
+using BlockFn = void (*)(const uint8_t* const*, int64_t, int64_t, const float* const*, int64_t, int64_t, Isa,
+                         float (*)[kMaxRows], std::vector<float>&);
+
+BlockFn block_fn(int64_t f) {
+  switch (f) {
+    case kF32: return &compute_block<kF32>;
+    case kF16: return &compute_block<kF16>;
+    case kBF16: return &compute_block<kBF16>;
+    case kQ4_0: return &compute_block<kQ4_0>;
+    case kQ4_1: return &compute_block<kQ4_1>;
+    case kQ5_0: return &compute_block<kQ5_0>;
+    case kQ8_0: return &compute_block<kQ8_0>;
+    case kQ4_K: return &compute_block<kQ4_K>;
+    case kQ5_K: return &compute_block<kQ5_K>;
+    case kQ6_K: return &compute_block<kQ6_K>;
+    default: TORCH_CHECK(false, "linear: unsupported weight format ", f);
+  }
+  return nullptr;
+}
+
+struct Segment {
+  const uint8_t* w;
+  int64_t rows, row_bytes, col0, block0;  // col0: first output column; block0: first work item
+  BlockFn fn;
+};
+
+template <typename Y>
+void run(const std::vector<Segment>& segs, int64_t nblocks, const float* x, const float* bias, Y* y, int64_t N,
+         int64_t K, int64_t R) {
+  const Isa isa = cpu_isa();
+  // Enough blocks per task that the fork/join is amortised; the split never changes the result.
+  const int64_t grain = std::max<int64_t>(1, nblocks / (4 * std::max(1, at::get_num_threads())));
+  for (int64_t c0 = 0; c0 < R; c0 += kMaxRows) {
+    const int64_t rc = std::min(kMaxRows, R - c0);
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+      thread_local std::vector<float> panel;
+      float out[kRowBlock][kMaxRows];
+      const float* xr[kMaxRows];
+      for (int64_t r = 0; r < rc; ++r) xr[r] = x + (c0 + r) * K;
+      size_t s = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        while (s + 1 < segs.size() && segs[s + 1].block0 <= b) ++s;
+        const Segment& sg = segs[s];
+        const int64_t o0 = (b - sg.block0) * kRowBlock, nw = std::min(kRowBlock, sg.rows - o0);
+        const uint8_t* wr[kRowBlock];
+        for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+        sg.fn(wr, nw, sg.row_bytes, xr, rc, K, isa, out, panel);
+        for (int64_t i = 0; i < nw; ++i) {
+          const int64_t col = sg.col0 + o0 + i;
+          for (int64_t r = 0; r < rc; ++r) {
+            const float v = bias ? out[i][r] + bias[col] : out[i][r];
+            y[(c0 + r) * N + col] = static_cast<Y>(v);
+          }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+int64_t format_row_bytes(int64_t format, int64_t K) {
+  const FormatInfo fi = checked_info(format);
+  TORCH_CHECK(K % fi.block == 0, "linear: a ", fi.name, " row holds a multiple of ", fi.block, " weights, got K = ", K);
+  return K / fi.block * fi.bytes;
+}
+
+int64_t dense_format(const at::Tensor& w) {
+  switch (w.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kHalf: return kF16;
+    case at::kBFloat16: return kBF16;
+    default: return -1;
+  }
+}
+
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                  const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_cpu(), "linear: x must be a CPU tensor [..., K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "linear: x dtype must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(!weights.empty() && weights.size() == formats.size(), "linear: weights and formats must be non-empty "
+              "lists of the same length, got ", weights.size(), " and ", formats.size());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0, "linear: x must have K > 0 features");
+  std::vector<Segment> segs;
+  std::vector<at::Tensor> keep;
+  int64_t N = 0, nblocks = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const int64_t f = formats[i];
+    const FormatInfo fi = checked_info(f);
+    TORCH_CHECK(w.dim() == 2 && w.is_cpu() && !w.is_mkldnn(), "linear: weights[", i,
+                "] must be a dense 2-D CPU tensor, got ", w.sizes());
+    int64_t row_bytes;
+    if (fi.block == 1) {
+      TORCH_CHECK(dense_format(w) == f, "linear: weights[", i, "] has dtype ", w.scalar_type(), " but format ", f,
+                  " (", fi.name, ")");
+      TORCH_CHECK(w.size(1) == K, "linear: x has ", K, " features, weights[", i, "] expects ", w.size(1));
+      row_bytes = K * fi.bytes;
+    } else {
+      row_bytes = format_row_bytes(f, K);
+      TORCH_CHECK(w.scalar_type() == at::kByte && w.size(1) == row_bytes, "linear: weights[", i, "] (", fi.name,
+                  ", K = ", K, ") must be uint8 [N, ", row_bytes, "], got ", w.scalar_type(), " ", w.sizes());
+    }
+    keep.push_back(w.contiguous());
+    segs.push_back({static_cast<const uint8_t*>(keep.back().data_ptr()), w.size(0), row_bytes, N, nblocks,
+                    block_fn(f)});
+    N += w.size(0);
+    nblocks += (w.size(0) + kRowBlock - 1) / kRowBlock;
+  }
+  const int64_t R = x.numel() / K;
+  at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bf ? bf->data_ptr<float>() : nullptr;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  at::Tensor y = at::empty(shape, x.options());
+  if (R == 0 || N == 0) return y;
+  switch (x.scalar_type()) {
+    case at::kBFloat16: run(segs, nblocks, xf.data_ptr<float>(), bp, y.data_ptr<c10::BFloat16>(), N, K, R); break;
+    case at::kHalf: run(segs, nblocks, xf.data_ptr<float>(), bp, y.data_ptr<c10::Half>(), N, K, R); break;
+    default: run(segs, nblocks, xf.data_ptr<float>(), bp, y.data_ptr<float>(), N, K, R); break;
+  }
+  return y;
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_cpu() && !weight.is_mkldnn(),
+              "small_linear: weight must be a dense 2-D CPU tensor, got ", weight.sizes());
+  const int64_t f = dense_format(weight);
+  TORCH_CHECK(f >= 0, "small_linear: weight dtype must be float32, float16 or bfloat16, got ", weight.scalar_type());
+  return linear(x, {weight}, {f}, bias);
+}
+
+at::Tensor dequantize(const at::Tensor& raw, int64_t format, int64_t K) {
+  const FormatInfo fi = checked_info(format);
+  TORCH_CHECK(fi.block > 1, "dequantize: format ", fi.name, " is not a block format (use .float())");
+  const int64_t row_bytes = format_row_bytes(format, K);
+  TORCH_CHECK(raw.dim() == 2 && raw.is_cpu() && raw.scalar_type() == at::kByte && raw.size(1) == row_bytes,
+              "dequantize: raw must be uint8 [N, ", row_bytes, "] on CPU for ", fi.name, " with K = ", K, ", got ",
+              raw.scalar_type(), " ", raw.sizes());
+  at::Tensor r = raw.contiguous();
+  at::Tensor out = at::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
+  const uint8_t* src = r.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const Isa isa = cpu_isa();
+  at::parallel_for(0, raw.size(0), 16, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const uint8_t* row = src + i * row_bytes;
+      switch (format) {
+        case kQ4_0: dequant_rows<kQ4_0>(&row, 1, K, dst + i * K, isa); break;
+        case kQ4_1: dequant_rows<kQ4_1>(&row, 1, K, dst + i * K, isa); break;
+        case kQ5_0: dequant_rows<kQ5_0>(&row, 1, K, dst + i * K, isa); break;
+        case kQ8_0: dequant_rows<kQ8_0>(&row, 1, K, dst + i * K, isa); break;
+        case kQ4_K: dequant_rows<kQ4_K>(&row, 1, K, dst + i * K, isa); break;
+        case kQ5_K: dequant_rows<kQ5_K>(&row, 1, K, dst + i * K, isa); break;
+        default: dequant_rows<kQ6_K>(&row, 1, K, dst + i * K, isa); break;
+      }
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("small_linear", &small_linear);
+  m.impl("dequantize", &dequantize);
+}
+
+}  // namespace turbospec

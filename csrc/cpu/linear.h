@@ -1,0 +1,29 @@
+// linear (csrc/cpu/linear.cpp): y = x @ W^T (+ b) on CPU for weights kept in their storage format
+// (float32 / float16 / bfloat16, or a GGUF block quantization), one fixed reduction order for every
+// row count, thread split and instruction set. Used by llama_layers; exposed as turbospec::linear,
+// turbospec::small_linear and turbospec::dequantize.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace turbospec {
+
+// Weight formats, numbered as GGML's types (the numbers a GGUF file stores).
+enum WeightFormat : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+// y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]); W_i is [N_i, K] float32 /
+// float16 / bfloat16 (format = its dtype's) or uint8 [N_i, row_bytes(format, K)] GGUF blocks.
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                  const std::optional<at::Tensor>& bias);
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// float32 [N, K] from uint8 [N, row_bytes] (exactly GGUF's dequantization).
+at::Tensor dequantize(const at::Tensor& raw, int64_t format, int64_t K);
+int64_t format_row_bytes(int64_t format, int64_t K);  // bytes of one row of K weights
+int64_t dense_format(const at::Tensor& weight);        // the format of a dense weight tensor (-1: none)
+
+}  // namespace turbospec

@@ -1,0 +1,14 @@
+// tree_attention's CPU kernel (csrc/cpu/tree_attention.cpp), callable from other CPU kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace turbospec {
+
+void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& cache_len, const at::Tensor& tree_mask_packed, double scale,
+                        bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse);
+
+}  // namespace turbospec
