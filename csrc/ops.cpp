@@ -62,6 +62,7 @@ TORCH_LIBRARY(turbospec, m) {
   // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).
   m.def("dequantize(Tensor raw, int format, int K) -> Tensor");
   // The instruction-set path of every CPU kernel: 0 scalar, 1 AVX2, 2 AVX-512, -1 default (detected,
+  // -2 read only,
   // capped by $TURBOSPEC_ISA); capped at what the CPU has; returns the path in force (csrc/cpu/isa.h).
   m.def("cpu_isa(int isa) -> int", &turbospec::set_cpu_isa);
 }

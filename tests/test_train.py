@@ -279,7 +279,7 @@ def test_lm_head_weight_is_exact(tied):
     hf = make_tiny_model("llama", tie_word_embeddings=tied)
     t = load_model(hf)
     assert torch.equal(train.lm_head_weight(t), hf.lm_head.weight.detach())
-    if hasattr(t, "lm_head_weight"):  # the fallback: the packed LM head applied to the identity
+    if hasattr(t, "lm_head_weight"):  # the fallback: the LM head's own (dense) weight
         del t.lm_head_weight
         assert torch.equal(train.lm_head_weight(t), hf.lm_head.weight.detach())
 

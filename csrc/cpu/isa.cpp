@@ -54,8 +54,9 @@ std::atomic<int>& setting() {
 Isa cpu_isa() { return static_cast<Isa>(setting().load(std::memory_order_relaxed)); }
 
 int64_t set_cpu_isa(int64_t isa) {
-  TORCH_CHECK(isa >= -1 && isa <= 2, "cpu_isa: isa must be -1 (default), 0 (scalar), 1 (avx2) or 2 (avx512), got ",
-              isa);
+  TORCH_CHECK(isa >= -2 && isa <= 2, "cpu_isa: isa must be -2 (read), -1 (default), 0 (scalar), 1 (avx2) or ",
+              "2 (avx512), got ", isa);
+  if (isa == -2) return static_cast<int64_t>(cpu_isa());
   const int v = isa < 0 ? static_cast<int>(default_isa())
                         : std::min(static_cast<int>(isa), static_cast<int>(detect_isa()));
   setting().store(v);

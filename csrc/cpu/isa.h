@@ -15,7 +15,7 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa detect_isa();  // the best path this CPU runs
 Isa cpu_isa();     // the path in force
 // Force a path (0 scalar, 1 AVX2, 2 AVX-512; capped at what the CPU has; -1: back to the default,
-// i.e. detection capped by TURBOSPEC_ISA). Returns the path in force.
+// i.e. detection capped by TURBOSPEC_ISA; -2: only read). Returns the path in force.
 int64_t set_cpu_isa(int64_t isa);
 const char* isa_name(Isa isa);
 

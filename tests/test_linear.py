@@ -1,0 +1,219 @@
+"""turbospec::linear / small_linear / dequantize (csrc/cpu/linear.cpp) against their specifications
+(reference.linear, reference.small_linear, reference.dequantize) and against gguf's own
+dequantization: the same bits on every instruction-set path, for every row count and thread
+count, and a quantized weight gives exactly what its dequantized float32 copy gives."""
+import numpy as np
+import pytest
+import torch
+
+from turbospec import ops, quant, reference
+
+pytestmark = pytest.mark.skipif(not ops.has_op("linear"), reason="turbospec._C with linear not built")
+
+BLOCK_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+ISAS = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    got = ops.cpu_isa(request.param)
+    try:
+        if got != request.param:
+            pytest.skip(f"this CPU has no {request.param} path (best: {got})")
+        yield got
+    finally:
+        ops.cpu_isa("default")
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, row bytes] of format ``name``: gguf's quantizer where it has one, else random
+    bytes with finite fp16 scales (every bit pattern of the quantized values is then exercised)."""
+    import gguf
+    from gguf import quants
+    rng = np.random.default_rng(seed)
+    qtype = gguf.GGMLQuantizationType[name]
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    try:
+        return torch.from_numpy(quants.quantize(w, qtype).copy())
+    except (NotImplementedError, quants.QuantError):
+        pass
+    fmt = BLOCK_FORMATS[name]
+    nbytes = reference.WEIGHT_FORMATS[fmt][2]
+    raw = rng.integers(0, 256, (n, k // reference.WEIGHT_FORMATS[fmt][1], nbytes), dtype=np.uint8)
+    f16 = lambda c: np.frombuffer((rng.standard_normal(n * raw.shape[1] * c) * 0.05).astype(np.float16).tobytes(),
+                                  dtype=np.uint8).reshape(n, raw.shape[1], 2 * c)
+    if name in ("Q4_K", "Q5_K"):
+        raw[..., 0:4] = f16(2)
+    elif name == "Q6_K":
+        raw[..., 208:210] = f16(1)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+def test_dequantize_matches_gguf(isa, name):
+    from gguf import GGMLQuantizationType, quants
+    k = 512
+    raw = random_blocks(name, 9, k)
+    want = torch.from_numpy(quants.dequantize(raw.numpy(), GGMLQuantizationType[name]).copy())
+    fmt = BLOCK_FORMATS[name]
+    spec = reference.dequantize(raw, fmt, k)
+    got = ops.dequantize(raw, fmt, k)
+    assert want.dtype == torch.float32
+    assert torch.equal(spec.view(torch.int32), want.view(torch.int32))  # same bits, -0.0 included
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_matches_spec(isa, name, rows, bias):
+    k, n = 256, 11
+    raw = random_blocks(name, n, k, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    fmt = BLOCK_FORMATS[name]
+    got = ops.linear(x, [raw], [fmt], b)
+    assert torch.equal(got, reference.linear(x, [raw], [fmt], b))
+    # ... which is the dense float32 matrix product on the dequantized weight, in the kernel's order
+    dense = reference.dequantize(raw, fmt, k)
+    assert torch.equal(got, ops.small_linear(x, dense, b))
+    exact = x.double() @ dense.double().T + (0 if b is None else b.double())
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+def test_quantized_rows_isas_and_threads_give_identical_bits(name):
+    """Every row of a 70-row pass (two passes of <= 64, the panel path) equals that row alone (the
+    fused path), on every ISA this CPU has and for 1 and 2 threads."""
+    k, n = 512, 37
+    raw = random_blocks(name, n, k, seed=3)
+    fmt = BLOCK_FORMATS[name]
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for isa in ISAS:
+            if ops.cpu_isa(isa) != isa:
+                continue
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                together = ops.linear(x, [raw], [fmt])
+                alone = torch.cat([ops.linear(x[i:i + 1], [raw], [fmt]) for i in range(x.shape[0])])
+                assert torch.equal(together, alone), (isa, threads)
+                results.append(together)
+    finally:
+        torch.set_num_threads(before)
+        ops.cpu_isa("default")
+    assert len(results) >= 2
+    for y in results[1:]:
+        assert torch.equal(y, results[0])
+    assert torch.equal(results[0], ops.small_linear(x, ops.dequantize(raw, fmt, k)))
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 64), (1, 50, 576), (3, 19, 100), (4, 8, 7), (9, 33, 40),
+                                      (64, 5, 48), (70, 6, 33)])
+@pytest.mark.parametrize("wdtype,xdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                           (torch.float32, torch.float16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_linear_matches_spec(isa, rows, n, k, wdtype, xdtype, bias):
+    g = torch.Generator().manual_seed(rows * n)
+    w = torch.randn(n, k, generator=g).to(wdtype)
+    x = torch.randn(rows, k, generator=g).to(xdtype)
+    b = torch.randn(n, generator=g) if bias else None
+    got = ops.small_linear(x, w, b)
+    want = reference.small_linear(x, w, b)
+    assert got.dtype == xdtype and got.shape == (rows, n)
+    assert torch.equal(got, want)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    tol = 1e-5 if xdtype == torch.float32 else 1e-2
+    assert torch.allclose(got.double(), exact, rtol=tol, atol=1e-4 * k)
+
+
+def test_dense_rows_and_isas_give_identical_bits():
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(301, 576, generator=torch.Generator().manual_seed(2))
+    per_path = []
+    try:
+        for isa in ISAS:
+            if ops.cpu_isa(isa) != isa:
+                continue
+            together = ops.small_linear(x, w)
+            alone = torch.cat([ops.small_linear(x[i:i + 1], w) for i in range(x.shape[0])])
+            assert torch.equal(together, alone)
+            per_path.append(together)
+    finally:
+        ops.cpu_isa("default")
+    assert len(per_path) >= 2  # scalar + at least AVX2 on any x86-64 CPU this suite supports
+    for y in per_path[1:]:
+        assert torch.equal(y, per_path[0])
+
+
+def test_segments_of_mixed_formats_concatenate():
+    """A fused linear whose parts have different formats (Qwen2.5's Q4_K q/k with a Q6_K v) equals its
+    parts computed one by one."""
+    k = 256
+    parts = [random_blocks("Q4_K", 12, k, 1), random_blocks("Q6_K", 5, k, 2),
+             torch.randn(7, k, generator=torch.Generator().manual_seed(3))]
+    fmts = [12, 14, 0]
+    b = torch.randn(24)
+    x = torch.randn(3, k)
+    split = torch.cat([ops.linear(x, [p], [f]) for p, f in zip(parts, fmts)], -1)
+    assert torch.equal(ops.linear(x, parts, fmts), split)
+    assert torch.equal(ops.linear(x, parts, fmts, b), reference.linear(x, parts, fmts, b))
+
+
+def test_linear_bad_input():
+    w = torch.randn(8, 64)
+    raw = random_blocks("Q4_1", 8, 64)
+    with pytest.raises(RuntimeError, match="x has 63 features, weights\\[0\\] expects 64"):
+        torch.ops.turbospec.linear(torch.randn(1, 63), [w], [0], None)
+    with pytest.raises(RuntimeError, match="weight format 5 is not supported"):
+        torch.ops.turbospec.linear(torch.randn(1, 64), [raw], [5], None)
+    with pytest.raises(RuntimeError, match="a Q4_1 row holds a multiple of 32 weights, got K = 48"):
+        torch.ops.turbospec.linear(torch.randn(1, 48), [raw], [3], None)
+    with pytest.raises(RuntimeError, match=r"weights\[0\] \(Q4_1, K = 64\) must be uint8 \[N, 40\]"):
+        torch.ops.turbospec.linear(torch.randn(1, 64), [raw[:, :30]], [3], None)
+    with pytest.raises(RuntimeError, match="has dtype Float but format 30"):
+        torch.ops.turbospec.linear(torch.randn(1, 64), [w], [30], None)
+    with pytest.raises(RuntimeError, match="bias has 3 elements, expected 16"):
+        torch.ops.turbospec.linear(torch.randn(1, 64), [w, raw], [0, 3], torch.randn(3))
+    with pytest.raises(RuntimeError, match="weight dtype must be float32, float16 or bfloat16"):
+        torch.ops.turbospec.small_linear(torch.randn(1, 64), w.double(), None)
+    with pytest.raises(ValueError, match="isa must be one of scalar, avx2, avx512 or 'default', got 'sse'"):
+        ops.cpu_isa("sse")
+
+
+def test_linear_opcheck():
+    x = torch.randn(2, 64)
+    torch.library.opcheck(torch.ops.turbospec.linear.default, (x, [torch.randn(5, 64), random_blocks("Q8_0", 3, 64)],
+                                                               [0, 8], torch.randn(8)))
+    torch.library.opcheck(torch.ops.turbospec.small_linear.default, (x, torch.randn(4, 64), None))
+    torch.library.opcheck(torch.ops.turbospec.dequantize.default, (random_blocks("Q6_K", 2, 256), 14, 256))
+
+
+@pytest.mark.parametrize("fmt,qtype", [("q8_0", "Q8_0"), ("q4_0", "Q4_0")])
+def test_quantize_on_load_matches_gguf(fmt, qtype):
+    import gguf
+    from gguf import quants
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    w[0, :32] = 0  # an all-zero block (scale 0)
+    q = quant.quantize(w, fmt)
+    want = quants.quantize(w.numpy(), gguf.GGMLQuantizationType[qtype])
+    assert np.array_equal(q.data.numpy(), want)
+    assert q.shape == (40, 96) and q.name == qtype
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        quant.quantize(torch.randn(4, 40), fmt)
+    with pytest.raises(ValueError, match="format 'q5_1' is not supported"):
+        quant.quantize(w, "q5_1")
+
+
+def test_env_override_caps_the_isa(tmp_path):
+    """TURBOSPEC_ISA picks the path at import (CI forces the narrow ones this way)."""
+    import subprocess
+    import sys
+    code = "import turbospec; print(turbospec.kernels_available()['cpu_isa'])"
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TURBOSPEC_ISA": "scalar"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "scalar"

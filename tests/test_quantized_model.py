@@ -1,0 +1,113 @@
+"""A GGUF model kept quantized computes exactly what the same model dequantized to float32 computes,
+and every token's numbers are independent of how many tokens share the pass (batch invariance):
+prefill == token-by-token decode, a 64-token chain or a 64-node tree == each token decoded alone,
+bit for bit, in float32, bfloat16 and quantized weights."""
+import pytest
+import torch
+
+import turbospec
+from turbospec import loader, ops
+from turbospec.model import Transformer
+
+from conftest import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not ops.has_op("llama_layers"), reason="turbospec._C not built")
+
+
+@pytest.fixture(scope="module")
+def smollm2_q(smollm2_dir):
+    """SmolLM2-135M-Instruct with the GGUF's Q4_1 / Q8_0 blocks kept as stored."""
+    model = loader.load_model(turbospec.default_model_path())
+    assert model.quantized
+    fmts = {f for layer in model.layers for lin in layer.linears() for f in lin.formats}
+    assert fmts == {3} and model.lm_head.formats == [8]  # Q4_1 layers, Q8_0 tied embedding / LM head
+    return model
+
+
+def test_gguf_quantized_equals_dequantized_float32(smollm2_q, smollm2):
+    """Same logits and KV cache, bit for bit, as the model transformers dequantizes (and un-permutes)."""
+    dense, tok = smollm2
+    ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Italy is")])
+    n = ids.shape[1]
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    runs = []
+    for model in (smollm2_q, dense):
+        cache = model.new_cache(64)
+        a = model.forward(ids, torch.arange(n)[None], cache, 0)
+        b = model.forward(ids[:, :4], torch.tensor([[n, n + 1, n + 1, n + 2]]), cache, n, mask)
+        runs.append([a, b] + cache.tensors())
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+
+
+def _model(kind: str, weights: str, dtype: torch.dtype) -> Transformer:
+    hf = make_tiny_model(kind, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2)
+    return loader.load_model(hf, dtype=dtype, weights=weights)
+
+
+VARIANTS = [("llama", "auto", torch.float32), ("qwen2", "auto", torch.float32), ("llama", "auto", torch.bfloat16),
+            ("llama", "q8_0", torch.float32), ("qwen2", "q4_0", torch.float32), ("llama", "q4_0", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("kind,weights,dtype", VARIANTS)
+def test_prefill_equals_token_by_token(kind, weights, dtype):
+    """A 100-token prompt in one call (passes of 64) == the same tokens one at a time: logits and cache."""
+    model = _model(kind, weights, dtype)
+    n = 100
+    ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
+    c1, c2 = model.new_cache(128), model.new_cache(128)
+    full = model.forward(ids, torch.arange(n)[None], c1, 0)
+    steps = torch.cat([model.forward(ids[:, i:i + 1], torch.tensor([[i]]), c2, i) for i in range(n)], dim=1)
+    assert torch.equal(full, steps)
+    for a, b in zip(c1.tensors(), c2.tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind,weights,dtype", VARIANTS)
+def test_tree_node_equals_its_path_decoded_alone(kind, weights, dtype):
+    """Every node of a 64-node tree (many branches) verified in one pass has the logits of the same
+    token decoded alone after its own path, bit for bit."""
+    model = _model(kind, weights, dtype)
+    prefix = 30
+    ids = torch.randint(0, 256, (1, prefix), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(2)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, 64)]
+    tokens = torch.randint(0, 256, (1, 64), generator=g)
+    tree_mask, _, depth, _ = ops.build_tree(torch.tensor([parents]))
+    cache = model.new_cache(160)
+    model.forward(ids, torch.arange(prefix)[None], cache, 0)
+    tree_logits = model.forward(tokens, prefix + depth, cache, prefix, tree_mask)
+    for node in range(64):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        solo = model.new_cache(160)
+        model.forward(ids, torch.arange(prefix)[None], solo, 0)
+        for j, p in enumerate(path):
+            out = model.forward(tokens[:, p:p + 1], torch.tensor([[prefix + j]]), solo, prefix + j)
+        assert torch.equal(out[0, 0], tree_logits[0, node]), f"node {node} (depth {len(path) - 1})"
+
+
+def test_isa_paths_give_identical_model_outputs():
+    """The whole forward (linears, attention, norms) on the scalar path equals the best path."""
+    model = _model("llama", "q4_0", torch.float32)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    outs = []
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if ops.cpu_isa(isa) != isa:
+                continue
+            outs.append(model.forward(ids, torch.arange(20)[None], model.new_cache(32), 0))
+    finally:
+        ops.cpu_isa("default")
+    assert len(outs) >= 2
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
+def test_weights_argument_is_checked():
+    hf = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="weights 'q3' is not supported; choose one of auto, dense, q8_0, q4_0"):
+        loader.load_model(hf, weights="q3")
