@@ -4,10 +4,10 @@
 // Work items are (batch row b, kv head, block of query rows) and run in parallel (rows are split only
 // when there are fewer (b, kv head) pairs than threads). An item's rows are the (query i, head of
 // the GQA group) pairs that read the same kv head, row = i * G + head, so every key tile is read and
-// widened to float32 once for all of them. Per tile of kTile keys an item runs one flash-attention
-// step in float32, in base 2 (q is pre-scaled by scale * log2(e)):
-//   S = Q K^T; keys past the end or outside the row's tree mask -> -inf;
-//   m' = max(m, rowmax S); P = 2^(S - m'); l = l 2^(m - m') + rowsum P; O = O 2^(m - m') + P V.
+// widened to float32 once for all of them. Over tiles of kTile keys an item runs the attention
+// softmax in float32, in base 2 (q is pre-scaled by scale * log2(e)), in two passes (see attend_rows):
+//   S = Q K^T; keys past the end or outside the row's tree mask -> -inf; m = max over all tiles;
+//   then per tile P = 2^(S - m); l += P and O += P V key by key.
 // Both products are small GEMMs run by one register-blocked 4 x 16 micro-kernel written with GCC
 // vector types (GCC's auto-vectoriser turns the plain loop nest into shuffles); it, the exp2 (a
 // polynomial the compiler vectorises, relative error ~1e-7) and the widening loops are compiled for
@@ -157,46 +157,55 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   const T* kb = static_cast<const T*>(a.k) + b * a.ks0 + hk * a.ks1;
   const T* vb = static_cast<const T*>(a.v) + b * a.vs0 + hk * a.vs1;
   const int64_t* mask = a.mask + b * n;
-  for (int64_t p0 = start; p0 < end; p0 += kTile) {
-    const int64_t nk = std::min(kTile, end - p0), nkp = round_up(nk, kNr);
+  // Two passes over the key tiles, so that a row's result depends only on the sequence of keys it
+  // attends, not on where they sit or on the tiling: pass 1 finds the row's maximum score (exact,
+  // order-free); pass 2 takes P = 2^(S - max), adds P to the row sum and P V to the output one key
+  // after another in key order. Masked keys add exact zeros. A token verified inside a tree (its
+  // ancestors scattered among siblings) thus gets the bits it gets decoded alone after its path.
+  // The scores are recomputed in pass 2 (identically) rather than stored.
+  auto scores = [&](int64_t p0, int64_t nk, bool with_v) {
+    const int64_t nkp = round_up(nk, kNr);
     // Widen the tile; columns >= nk of kt keep finite stale values (their scores are never used).
     for (int64_t t = 0; t < nk; ++t) {
       const T* kr = kb + (p0 + t) * a.ks2;
-      const T* vr = vb + (p0 + t) * a.vs2;
       for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
-      for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
+      if (with_v) {
+        const T* vr = vb + (p0 + t) * a.vs2;
+        for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
+      }
     }
-    // S = Q K^T (log2 units)
+    // S = Q K^T (log2 units), then the tree mask
     std::fill(s, s + Rp * kTile, 0.f);
     for (int64_t rb = 0; rb < Rp; rb += kMr)
       for (int64_t c = 0; c < nkp; c += kNr)
         micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
-    // Mask, online softmax: S row -> P row.
-    const bool tree_part = p0 + nk > L;
-    for (int64_t rr = 0; rr < rows; ++rr) {
-      float* srow = s + rr * kTile;
-      if (tree_part) {
+    if (p0 + nk > L)
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        float* srow = s + rr * kTile;
         const uint64_t bits = static_cast<uint64_t>(mask[(r0 + rr) / G]);
         for (int64_t t = std::max<int64_t>(0, L - p0); t < nk; ++t)
           if (!((bits >> (p0 + t - L)) & 1)) srow[t] = kNegInf;
       }
-      float tile_max = kNegInf;
-      for (int64_t t = 0; t < nk; ++t) tile_max = std::max(tile_max, srow[t]);
-      const float m_new = std::max(m[rr], tile_max);
-      if (m_new == kNegInf) {  // nothing attended so far
+  };
+  for (int64_t p0 = start; p0 < end; p0 += kTile) {
+    const int64_t nk = std::min(kTile, end - p0);
+    scores(p0, nk, false);
+    for (int64_t rr = 0; rr < rows; ++rr)
+      for (int64_t t = 0; t < nk; ++t) m[rr] = std::max(m[rr], s[rr * kTile + t]);
+  }
+  for (int64_t p0 = start; p0 < end; p0 += kTile) {
+    const int64_t nk = std::min(kTile, end - p0);
+    scores(p0, nk, true);
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* srow = s + rr * kTile;
+      if (m[rr] == kNegInf) {  // the row attends nothing
         std::fill(srow, srow + nk, 0.f);
         continue;
       }
-      const float alpha = exp2_neg(m[rr] - m_new);
-      for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - m_new);
-      float sum = 0.f;
-      for (int64_t t = 0; t < nk; ++t) sum += srow[t];
-      l[rr] = l[rr] * alpha + sum;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) o[rr * Dp + d] *= alpha;
-      m[rr] = m_new;
+      for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - m[rr]);
+      for (int64_t t = 0; t < nk; ++t) l[rr] += srow[t];
     }
-    // O += P V (padding rows of S hold finite scores of zero queries: their O rows are not written)
+    // O += P V, key by key (padding rows of S hold finite scores of zero queries: never written out)
     for (int64_t rb = 0; rb < Rp; rb += kMr)
       for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vt + c, Dp, nk, o + rb * Dp + c, Dp);
   }
