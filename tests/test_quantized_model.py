@@ -111,3 +111,57 @@ def test_weights_argument_is_checked():
     hf = make_tiny_model("llama")
     with pytest.raises(ValueError, match="weights 'q3' is not supported; choose one of auto, dense, q8_0, q4_0"):
         loader.load_model(hf, weights="q3")
+
+
+@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
+    """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
+    permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
+    import gguf
+    import numpy as np
+    from gguf import quants
+
+    from turbospec.model import ModelConfig
+    from turbospec.quant import QuantWeight
+    hf = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    cfg = ModelConfig.from_hf(hf.config)
+    sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+
+    def permute(w, heads):  # llama.cpp's convert_hf_to_gguf permutation of q / k rows
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    q8 = lambda w: quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    path = str(tmp_path / "tiny.gguf")
+    wr = gguf.GGUFWriter(path, arch)
+    wr.add_tensor("token_embd.weight", q8(sd["model.embed_tokens.weight"]), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    wr.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    wr.add_tensor("output.weight", q8(sd["lm_head.weight"]), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    p = "model.layers.0."
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    for g, h in names.items():
+        wr.add_tensor(f"blk.0.{g}.weight", sd[p + h + ".weight"])
+    for g, h, heads in (("attn_q", "self_attn.q_proj", cfg.num_heads), ("attn_k", "self_attn.k_proj", cfg.num_kv_heads),
+                        ("attn_v", "self_attn.v_proj", None), ("attn_output", "self_attn.o_proj", None),
+                        ("ffn_gate", "mlp.gate_proj", None), ("ffn_up", "mlp.up_proj", None),
+                        ("ffn_down", "mlp.down_proj", None)):
+        w = sd[p + h + ".weight"]
+        if heads is not None and arch == "llama":
+            w = permute(w, heads)
+        wr.add_tensor(f"blk.0.{g}.weight", q8(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if kind == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
+            wr.add_tensor(f"blk.0.{g}.bias", sd[p + h + ".bias"])
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+    got = loader.read_gguf_weights(path, cfg, torch.float32)
+    q, k, v = got["layers.0.qkv"]
+    for part, h in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+        assert isinstance(part, QuantWeight) and part.fmt == 8
+        assert np.array_equal(part.data.numpy(), q8(sd[p + f"self_attn.{h}.weight"]))  # HF order, blocks intact
+    assert np.array_equal(got["lm_head"].data.numpy(), q8(sd["lm_head.weight"]))
+    assert torch.equal(got["layers.0.attn_norm"], torch.from_numpy(sd[p + "input_layernorm.weight"]))
+    if kind == "qwen2":
+        want = torch.cat([torch.from_numpy(sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
+        assert torch.equal(got["layers.0.qkv_bias"], want)

@@ -34,6 +34,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--humaneval", type=int, default=4, help="HumanEval prompts (0: none)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "q8_0", "q4_0"],
+                   help="turbospec's weight storage (auto: a GGUF's quantized blocks as stored; HF always runs "
+                        "the dequantized model)")
     p.add_argument("--num-draft", type=int, default=8)
     p.add_argument("--systems", default=None,
                    help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_draft_model,"
@@ -110,7 +113,8 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model_dir = resolve_model_dir(default_model_path() if args.model == "default" else args.model)
+    source = default_model_path() if args.model == "default" else args.model
+    model_dir = resolve_model_dir(source)
     draft_dir = resolve_model_dir(args.draft_model) if args.draft_model else None
     tok = load_tokenizer(model_dir)
     prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval, args.categories)
@@ -119,7 +123,7 @@ def run(args) -> int:
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
-    target = turbospec.load_model(model_dir, dtype)
+    target = turbospec.load_model(source, dtype, weights=args.weights)
     encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)
                for p in prompts]
@@ -186,7 +190,7 @@ def run(args) -> int:
     summary = summarize(results)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"e2e_{args.dtype}" + (f"_{args.categories.replace(',', '-')}" if args.categories else ""))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model_dir, "dtype": args.dtype,
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": model_dir, "dtype": args.dtype, "weights": args.weights,
             "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
             "num_draft": args.num_draft, "prompts": len(prompts), "torch": torch.__version__,
             "kernels": turbospec.kernels_available()}

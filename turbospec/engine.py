@@ -22,6 +22,7 @@ from .drafter import Draft, Drafter
 from .loader import default_model_path, load_model, load_tokenizer
 from .model import Transformer
 from .ngram import NgramDrafter
+from .quant import weight_mode
 from .runner import TargetRunner
 from .sampling import SamplingParams
 
@@ -103,6 +104,10 @@ class Engine:
         cuda_graphs: capture the target's verify forward in CUDA graphs, one per token-count bucket
             (default: on with a CUDA device; must be off elsewhere). Off: the same fixed-shape
             forward runs eagerly.
+        weights: how the target (and a draft model) store their weights: "auto" keeps a checkpoint's
+            storage (a GGUF's quantized blocks run as stored through turbospec's quantized kernels,
+            activations in ``dtype``; output identical to the model dequantized to float32),
+            "dense" dequantizes to ``dtype``, "q8_0" / "q4_0" quantize the linear layers on load.
         static_shapes: run the verify forward with fixed token-count buckets and a device-side
             prefix length (what CUDA graphs capture; default: on off CPU). On CPU it is slower than
             the default path and exists to test that path without a GPU.
@@ -111,8 +116,10 @@ class Engine:
     def __init__(self, target="default", drafter="auto", num_draft: int | None = None, *, tokenizer=None,
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
-                 device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None):
+                 device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
+                 weights: str = "auto"):
         dtype = _dtype(dtype)
+        weight_mode(weights)
         device = self._device(target, device)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={str(device)!r}")
@@ -128,7 +135,8 @@ class Engine:
         self._default_target = isinstance(target, str) and target == "default"
         if self._default_target:
             target = default_model_path()
-        self.target = target if isinstance(target, Transformer) else load_model(target, dtype, device=device)
+        self.target = target if isinstance(target, Transformer) else load_model(target, dtype, device=device,
+                                                                                weights=weights)
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)
         self.tokenizer = tokenizer
@@ -187,7 +195,7 @@ class Engine:
                 raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
                                  "turbospec Transformer)")
             dm = draft_model if isinstance(draft_model, Transformer) else \
-                load_model(draft_model, dtype, device=self.target.device)
+                load_model(draft_model, dtype, device=self.target.device, weights=weights)
             if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .gguf_file import read_gguf
 from .model import ModelConfig, Transformer
 from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
 from .reference import WEIGHT_FORMATS
@@ -138,23 +139,26 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     (the permutation transformers' GGUF loader undoes), which moves whole rows, blocks untouched.
     Formats turbospec has no kernel for are dequantized (gguf's own dequantization)."""
     import numpy as np
-    from gguf import GGUFReader, dequantize as gguf_dequantize
 
-    reader = GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    tensors = {t.name: t for t in reader.tensors}
+    meta, tensors = read_gguf(path)
+    arch = meta.get("general.architecture", "")
+    other: dict = {}  # tensors of formats without a kernel, read by gguf's reader (made once)
 
     def load(name: str, heads: int | None = None):
         t = tensors[name]
-        fmt = int(t.tensor_type)
-        k = int(t.shape[0])
-        raw = np.asarray(t.data)
-        if fmt in WEIGHT_FORMATS and WEIGHT_FORMATS[fmt][1] > 1:
-            w = QuantWeight(torch.from_numpy(raw.copy()).reshape(-1, raw.shape[-1]), fmt, k)
-        elif raw.dtype in (np.float32, np.float16):
-            w = torch.from_numpy(raw.copy()).to(dtype)
-        else:  # BF16 (stored as raw 16-bit words) and formats without a kernel: gguf dequantizes
-            w = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, t.tensor_type))).to(dtype)
+        k = t.shape[0]
+        if t.ggml_type in WEIGHT_FORMATS and WEIGHT_FORMATS[t.ggml_type][1] > 1:
+            w = QuantWeight(torch.from_numpy(t.data.copy()), t.ggml_type, k)
+        elif t.ggml_type == 30:  # BF16 words
+            w = torch.from_numpy(t.data.copy()).view(torch.bfloat16).to(dtype)
+        elif t.data is not None:
+            w = torch.from_numpy(t.data.copy()).to(dtype)
+        else:  # a format without a turbospec kernel: gguf's own dequantization
+            from gguf import GGUFReader, dequantize as gguf_dequantize
+            if not other:
+                other.update({x.name: x for x in GGUFReader(path).tensors})
+            raw = other[name]
+            w = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw.data, raw.tensor_type))).to(dtype)
         if heads is not None and arch == "llama":
             rows = (w.data if isinstance(w, QuantWeight) else w).shape[0]
             idx = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)

@@ -85,6 +85,18 @@ inline float combine_lanes(const float* s) {
   return t2[0] + t2[1];
 }
 
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -248,44 +260,55 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
       w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
       w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
     }
-  } else if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ5_0) {
-    constexpr int64_t bytes = F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 22;
-    const uint8_t* b = row + (k >> 5) * bytes;
+  } else if constexpr (F == kQ4_0 || F == kQ4_1) {
+    // The 16 bytes in both 128-bit lanes; byte j -> the low byte of dword j (shuffle), so the low
+    // nibbles are weights 0..15 and the high nibbles (a dword shift) weights 16..31.
+    const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
+    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
+    const __m256i v =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
+    const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));  // bytes 8..15 (the -1s stay negative)
+    const __m256i b0 = _mm256_shuffle_epi8(v, s0), b1 = _mm256_shuffle_epi8(v, s1);
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    const __m256i q[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4), _mm256_srli_epi32(b0, 4),
+                          _mm256_srli_epi32(b1, 4)};
+    if constexpr (F == kQ4_1) {
+      const __m256 m = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b + 2))));
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+    } else {
+      const __m256i eight = _mm256_set1_epi32(8);
+      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
+    }
+  } else if constexpr (F == kQ5_0) {
+    const uint8_t* b = row + (k >> 5) * 22;
     const __m256 d = _mm256_set1_ps(half_avx2(b));
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : 6)));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
     const __m128i m4 = _mm_set1_epi8(0x0F);
     __m128i q[2] = {_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4)};
-    if constexpr (F == kQ5_0) {
-      // bit e of qh -> 0x10 in byte e
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
-      const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-      const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-      for (int g = 0; g < 2; ++g) {
-        const __m128i bits = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>((qh >> (16 * g)) & 0xFFFF)), spread);
-        q[g] = _mm_or_si128(q[g], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bits, sel), sel), _mm_set1_epi8(0x10)));
-      }
+    // bit e of qh -> 0x10 in byte e
+    const uint32_t qh = load_u32(b + 2);
+    const __m128i sel = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int g = 0; g < 2; ++g) {
+      const __m128i bits = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>((qh >> (16 * g)) & 0xFFFF)), spread);
+      q[g] = _mm_or_si128(q[g], _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bits, sel), sel), _mm_set1_epi8(0x10)));
     }
-    const __m256 m = F == kQ4_1 ? _mm256_set1_ps(half_avx2(b + 2)) : _mm256_set1_ps(F == kQ4_0 ? 8.f : 16.f);
+    const __m256 sixteen = _mm256_set1_ps(16.f);
     for (int g = 0; g < 2; ++g) {
       const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[g]));
       const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(q[g], q[g])));
-      if constexpr (F == kQ4_1) {
-        w[2 * g] = _mm256_fmadd_ps(d, lo, m);
-        w[2 * g + 1] = _mm256_fmadd_ps(d, hi, m);
-      } else {
-        w[2 * g] = _mm256_mul_ps(d, _mm256_sub_ps(lo, m));
-        w[2 * g + 1] = _mm256_mul_ps(d, _mm256_sub_ps(hi, m));
-      }
+      w[2 * g] = _mm256_mul_ps(d, _mm256_sub_ps(lo, sixteen));
+      w[2 * g + 1] = _mm256_mul_ps(d, _mm256_sub_ps(hi, sixteen));
     }
   } else if constexpr (F == kQ8_0) {
     const uint8_t* b = row + (k >> 5) * 34;
-    const __m256 d = _mm256_set1_ps(half_avx2(b));
-    for (int g = 0; g < 2; ++g) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * g));
-      w[2 * g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-      w[2 * g + 1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), d);
-    }
+    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
+    for (int j = 0; j < 4; ++j)  // sign-extending loads of 8 bytes each
+      w[j] = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))),
+          d);
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     const uint8_t* b = row + (k >> 8) * (F == kQ4_K ? 144 : 176);
     const int e0 = static_cast<int>(k & 255), sub = e0 >> 5;
@@ -386,40 +409,45 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
 }
 
-// nw (1..4) weight rows x R input rows. Dense rows take 4 weight rows x 2 inputs per pass; block
-// formats, whose dequantization needs registers too, take 4 x 1 or 2 x 2.
+template <int64_t F, int NW>
+TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t nx, int64_t K,
+                     float (*out)[kMaxRows], int64_t r0) {
+  switch (nx) {
+    case 4: block_avx2<F, NW, 4>(wr, row_bytes, xr + r0, K, out, r0); break;
+    case 3: block_avx2<F, NW, 3>(wr, row_bytes, xr + r0, K, out, r0); break;
+    case 2: block_avx2<F, NW, 2>(wr, row_bytes, xr + r0, K, out, r0); break;
+    default: block_avx2<F, NW, 1>(wr, row_bytes, xr + r0, K, out, r0); break;
+  }
+}
+
+// nw (1..4) weight rows x R input rows, register-blocked so that the accumulators (two registers
+// per weight row x input row) and the weights fit the 16 ymm registers: one input row takes all nw
+// weight rows at once (4 weight streams); more input rows take weight rows in pairs (x 3 inputs,
+// dense) or one by one (x up to 4 inputs, block formats: their dequantization needs registers too).
 template <int64_t F>
 TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                        int64_t K, float (*out)[kMaxRows]) {
-  constexpr bool dense = is_dense(F);
-  auto pass = [&](const uint8_t* const* w, int64_t n, float (*o)[kMaxRows], const float* const* x, int64_t nx,
-                  int64_t r0) {
-    if (nx == 2) {
-      switch (n) {
-        case 4: block_avx2<F, 4, 2>(w, row_bytes, x, K, o, r0); break;
-        case 3: block_avx2<F, 3, 2>(w, row_bytes, x, K, o, r0); break;
-        case 2: block_avx2<F, 2, 2>(w, row_bytes, x, K, o, r0); break;
-        default: block_avx2<F, 1, 2>(w, row_bytes, x, K, o, r0); break;
-      }
-    } else {
-      switch (n) {
-        case 4: block_avx2<F, 4, 1>(w, row_bytes, x, K, o, r0); break;
-        case 3: block_avx2<F, 3, 1>(w, row_bytes, x, K, o, r0); break;
-        case 2: block_avx2<F, 2, 1>(w, row_bytes, x, K, o, r0); break;
-        default: block_avx2<F, 1, 1>(w, row_bytes, x, K, o, r0); break;
-      }
+  if (R == 1) {
+    switch (nw) {
+      case 4: block_avx2<F, 4, 1>(wr, row_bytes, xr, K, out, 0); break;
+      case 3: block_avx2<F, 3, 1>(wr, row_bytes, xr, K, out, 0); break;
+      case 2: block_avx2<F, 2, 1>(wr, row_bytes, xr, K, out, 0); break;
+      default: block_avx2<F, 1, 1>(wr, row_bytes, xr, K, out, 0); break;
     }
-  };
-  int64_t r = 0;
-  for (; r + 2 <= R; r += 2) {
-    if (dense || nw <= 2) {
-      pass(wr, nw, out, xr + r, 2, r);
-    } else {
-      pass(wr, 2, out, xr + r, 2, r);
-      pass(wr + 2, nw - 2, out + 2, xr + r, 2, r);
-    }
+    return;
   }
-  if (r < R) pass(wr, nw, out, xr + r, 1, r);
+  if constexpr (is_dense(F)) {
+    for (int64_t i = 0; i < nw; i += 2) {
+      for (int64_t r = 0; r < R; r += 3) {
+        const int64_t nx = std::min<int64_t>(3, R - r);
+        if (nw - i >= 2) rows_nx<F, 2>(wr + i, row_bytes, xr, nx, K, out + i, r);
+        else rows_nx<F, 1>(wr + i, row_bytes, xr, nx, K, out + i, r);
+      }
+    }
+  } else {
+    for (int64_t i = 0; i < nw; ++i)
+      for (int64_t r = 0; r < R; r += 4) rows_nx<F, 1>(wr + i, row_bytes, xr, std::min<int64_t>(4, R - r), K, out + i, r);
+  }
 }
 
 TS_AVX512 inline __m512 load16_512(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }

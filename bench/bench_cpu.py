@@ -1,0 +1,266 @@
+"""CPU benchmark against llama.cpp, same machine, same run, same GGUF, same threads.
+
+  python bench/bench_cpu.py                      # SmolLM2-135M Q4_1 as shipped, F32, BF16; 2 threads
+  python bench/bench_cpu.py --model X.gguf --formats q --spec-prompts 3
+
+Sections (each system measured back to back, so only same-run ratios are compared):
+  1. plain decode tok/s per weight format: turbospec (the GGUF's blocks kept quantized; F32 / BF16:
+     the model dequantized to that dtype) vs llama.cpp ``llama-bench -p 0 -n N`` on the same GGUF
+     (F32 / BF16 GGUFs made once with ``llama-quantize --allow-requantize``);
+  2. the verify cost curve: time of an N-token pass / a 1-token step, N = 1..64, per format, for
+     turbospec (a causal chain at a fixed context) and llama.cpp (``llama-bench -p N``: a batch of N
+     prompt tokens / its tg per-token time);
+  3. speculation on the Spec-Bench sample: decode tok/s (prefill excluded, as llama.cpp prints it) of
+     turbospec plain / n-gram / the shipped EAGLE-3 head + n-gram on the quantized GGUF vs
+     ``llama-lookup`` (llama.cpp's prompt-lookup speculation) on the same chat-templated prompts;
+     turbospec's outputs are checked equal to its plain greedy output.
+llama.cpp is found with ../shared/tools/build_llama_cpp.sh (built once per machine, ~8 min; never
+in CI); without it the turbospec columns are still measured. Writes bench/out/cpu.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_SCRIPT = os.path.join(ROOT, "..", "shared", "tools", "build_llama_cpp.sh")
+PEER_HOME = os.path.join(os.path.expanduser("~"), ".cache", "turbospec-peers")
+VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return "?"
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split()) if "flags" in text else set()
+    want = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+            if f in flags]
+    return f"{model.group(1) if model else '?'}; {' '.join(want)}"
+
+
+def llama_bin(path: str | None) -> str | None:
+    """The llama.cpp bin folder: --llama-bin, or the build script's (only if already built)."""
+    if path:
+        return path
+    cand = os.path.join(PEER_HOME, "llama.cpp", "build", "bin")
+    return cand if os.path.isfile(os.path.join(cand, "llama-bench")) else None
+
+
+def parse_llama_bench(stdout: str) -> dict:
+    """llama-bench -o json -> {("pp" | "tg", n): mean tok/s}."""
+    out = {}
+    for row in json.loads(stdout):
+        kind = "pp" if row["n_prompt"] > 0 else "tg"
+        out[(kind, row["n_prompt"] or row["n_gen"])] = float(row["avg_ts"])
+    return out
+
+
+def parse_llama_lookup(text: str) -> dict:
+    """llama-lookup's log -> {"decoded": tokens, "seconds", "tok_s", "n_drafted", "n_accept"}."""
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", text)
+    if not m:
+        raise ValueError("no 'decoded N tokens in X seconds' line in llama-lookup's output")
+    out = {"decoded": int(m.group(1)), "seconds": float(m.group(2)), "tok_s": float(m.group(3))}
+    for key in ("n_drafted", "n_accept"):
+        k = re.search(rf"{key}\s*=\s*(\d+)", text)
+        out[key] = int(k.group(1)) if k else None
+    return out
+
+
+def peer_gguf(bin_dir: str, src: str, fmt: str) -> str:
+    """``src`` re-quantized to F32 / BF16 (made once, cached)."""
+    os.makedirs(os.path.join(PEER_HOME, "models"), exist_ok=True)
+    dst = os.path.join(PEER_HOME, "models", f"{os.path.splitext(os.path.basename(src))[0]}.{fmt.upper()}.gguf")
+    if not os.path.isfile(dst):
+        subprocess.run([os.path.join(bin_dir, "llama-quantize"), "--allow-requantize", src, dst, fmt.upper()],
+                       check=True, capture_output=True)
+    return dst
+
+
+def ts_model(src: str, fmt: str):
+    import torch
+    import turbospec
+    if fmt == "q":
+        return turbospec.load_model(src, torch.float32, weights="auto")
+    return turbospec.load_model(src, {"f32": torch.float32, "bf16": torch.bfloat16}[fmt], weights="dense")
+
+
+def ts_decode_tps(model, tokens: int, context: int = 8) -> float:
+    """Greedy decode-only tok/s: ``tokens`` one-token steps after a short prompt (llama-bench tg)."""
+    import torch
+    cache = model.new_cache(context + tokens + 1)
+    ids = torch.arange(context)[None] + 10
+    logits = model.forward(ids, torch.arange(context)[None], cache, 0, logits="last")
+    tok = logits[0, -1].argmax()
+    t = time.perf_counter()
+    for i in range(tokens):
+        logits = model.forward(tok.view(1, 1), torch.tensor([[context + i]]), cache, context + i, logits="last")
+        tok = logits[0, -1].argmax()
+    return tokens / (time.perf_counter() - t)
+
+
+def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[int, float]:
+    """ms of one forward over N new tokens (a chain) after ``context`` cached tokens."""
+    import torch
+    cache = model.new_cache(context + max(VERIFY_TOKENS))
+    model.forward(torch.arange(context)[None] % 1000 + 10, torch.arange(context)[None], cache, 0, logits="none")
+    out = {}
+    for n in VERIFY_TOKENS:
+        ids = torch.arange(n)[None] + 20
+        pos = torch.arange(n)[None] + context
+        model.forward(ids, pos, cache, context)  # warm-up
+        t = time.perf_counter()
+        for _ in range(reps):
+            model.forward(ids, pos, cache, context)
+        out[n] = (time.perf_counter() - t) / reps * 1e3
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default", help="a .gguf file ('default': SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--formats", default="q,f32,bf16", help="q (the GGUF as stored), f32, bf16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=96, help="decode tokens for the plain rows (llama-bench -n)")
+    p.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    p.add_argument("--no-curve", action="store_true", help="skip the verify cost curve")
+    p.add_argument("--spec-prompts", type=int, default=2, help="Spec-Bench prompts per category (0: skip)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--llama-bin", default=None, help="llama.cpp bin folder (default: the build script's)")
+    p.add_argument("--out", default=os.path.join("bench", "out"))
+    args = p.parse_args()
+
+    import torch
+    import turbospec
+    torch.set_num_threads(args.threads)
+    src = turbospec.default_model_path() if args.model == "default" else args.model
+    bin_dir = llama_bin(args.llama_bin)
+    formats = args.formats.split(",")
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_flags(), "threads": args.threads, "model": src,
+            "kernels": turbospec.kernels_available(), "torch": torch.__version__, "llama_cpp": bin_dir}
+    res: dict = {"plain": {}, "curve": {}, "spec": {}}
+    print(f"# CPU benchmark {meta['date']}, {meta['cpu']}, {args.threads} threads", flush=True)
+
+    for fmt in formats:
+        model = ts_model(src, fmt)
+        row = {"turbospec": ts_decode_tps(model, args.tokens)}
+        if not args.no_curve:
+            res["curve"].setdefault(fmt, {})["turbospec"] = ts_verify_curve(model)
+        del model
+        if bin_dir:
+            gguf = src if fmt == "q" else peer_gguf(bin_dir, src, fmt)
+            ns = ",".join(str(n) for n in VERIFY_TOKENS) if not args.no_curve else "0"
+            cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", str(args.reps),
+                   "-p", ns, "-n", str(args.tokens), "-o", "json"]
+            lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            row["llama.cpp"] = lb[("tg", args.tokens)]
+            if not args.no_curve:
+                tg_ms = 1e3 / lb[("tg", args.tokens)]
+                res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
+        res["plain"][fmt] = row
+        print(f"plain decode {fmt}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
+
+    if args.spec_prompts > 0:
+        res["spec"] = spec_run(src, bin_dir, args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cpu.json"), "w") as f:
+        json.dump({"meta": meta, "results": res}, f, indent=1, default=str)
+    md = markdown(meta, res)
+    with open(os.path.join(args.out, "cpu.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def spec_run(src: str, bin_dir: str | None, args) -> dict:
+    """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / shipped head + ngram (quantized
+    GGUF, fp32 activations) and llama-lookup; turbospec outputs checked equal to plain greedy."""
+    import tempfile
+
+    import torch
+    import turbospec
+    from turbospec.benchmark import DEFAULT_SPEC_BENCH, head_systems, load_prompts
+    prompts = load_prompts(os.path.join(ROOT, DEFAULT_SPEC_BENCH), args.spec_prompts, 0)
+    target = turbospec.load_model(src, torch.float32, weights="auto")
+    tok = turbospec.load_tokenizer(src)
+    texts = [tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
+                                     add_generation_prompt=True) for p in prompts]
+    encoded = [tok.encode(t, add_special_tokens=False) for t in texts]
+    max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
+    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram")}
+    if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
+        shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
+        for name, (head, opts) in head_systems(shipped, target).items():
+            systems[name] = dict(opts, head=head)
+    out: dict = {}
+    plain_tokens = []
+    for name, opts in systems.items():
+        eng = turbospec.Engine(target, tokenizer=tok, max_seq_len=max_seq, **opts)
+        eng.generate(encoded[0][:16], max_new_tokens=8)  # warm-up
+        toks = dec_s = 0.0
+        steps = 0
+        equal = True
+        for i, ids in enumerate(encoded):
+            g = eng.generate(ids, max_new_tokens=args.max_new_tokens)
+            toks += len(g.token_ids)
+            dec_s += g.stats["total_s"] - g.stats["prefill_s"]
+            steps += g.stats["verify_steps"]
+            if name == "ts_plain":
+                plain_tokens.append(g.token_ids)
+            else:
+                equal &= g.token_ids == plain_tokens[i]
+        out[name] = {"tok_s": toks / dec_s, "tau": toks / max(steps, 1), "equal_to_plain": equal, "tokens": toks}
+        print(f"spec {name}: {out[name]}", flush=True)
+    if bin_dir:
+        toks = secs = 0.0
+        for t in texts:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(t)
+            cmd = [os.path.join(bin_dir, "llama-lookup"), "-m", src, "-f", f.name, "-n", str(args.max_new_tokens),
+                   "-t", str(args.threads), "--temp", "0", "--spec-draft-n-max", "8", "-c", str(max_seq + 64)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            os.unlink(f.name)
+            parsed = parse_llama_lookup(r.stdout + r.stderr)
+            toks += parsed["decoded"]
+            secs += parsed["seconds"]
+        out["llama_lookup"] = {"tok_s": toks / secs, "tokens": toks}
+        print(f"spec llama_lookup: {out['llama_lookup']}", flush=True)
+    return out
+
+
+def markdown(meta: dict, res: dict) -> str:
+    lines = [f"CPU: {meta['cpu']}; {meta['threads']} threads; {meta['date']}; turbospec ISA path "
+             f"{meta['kernels'].get('cpu_isa')}", "", "| weights | turbospec tok/s | llama.cpp tok/s | ratio |",
+             "|---|---|---|---|"]
+    for fmt, row in res["plain"].items():
+        lc = row.get("llama.cpp")
+        ts = row["turbospec"]
+        lines.append(f"| {fmt} | {ts:.1f} | " + (f"{lc:.1f} | {ts / lc:.2f}x |" if lc else "- | - |"))
+    if res["curve"]:
+        lines += ["", "Verify cost: time of an N-token pass / a 1-token step", "",
+                  "| weights | system | " + " | ".join(f"N={n}" for n in VERIFY_TOKENS) + " |",
+                  "|---|---|" + "---|" * len(VERIFY_TOKENS)]
+        for fmt, systems in res["curve"].items():
+            for name, c in systems.items():
+                lines.append(f"| {fmt} | {name} | " + " | ".join(f"{c[n] / c[1]:.2f}" for n in VERIFY_TOKENS) + " |")
+    if res["spec"]:
+        lines += ["", "Speculation, Spec-Bench sample, decode tok/s (prefill excluded)", "",
+                  "| system | tok/s | tau | output == plain greedy |", "|---|---|---|---|"]
+        for name, r in res["spec"].items():
+            lines.append(f"| {name} | {r['tok_s']:.1f} | {r.get('tau', float('nan')):.2f} | "
+                         f"{r.get('equal_to_plain', '-')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
