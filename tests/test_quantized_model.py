@@ -102,7 +102,8 @@ def test_isa_paths_give_identical_model_outputs():
             outs.append(model.forward(ids, torch.arange(20)[None], model.new_cache(32), 0))
     finally:
         ops.cpu_isa("default")
-    assert len(outs) >= 2
+    if len(outs) < 2:
+        pytest.skip("this CPU runs only the scalar path: nothing to compare it with")
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 

@@ -15,8 +15,9 @@
 //
 // Variants (picked per call; all give the same bits, tests/test_linear.py):
 //   scalar   every format, std::fma lane by lane (the baseline ISA)
-//   avx2     fused: 4 weight rows x 1-2 input rows in registers, weights dequantized in registers
-//   panel    more than kFusedRows input rows and a non-dense format: a block of weight rows is
+//   avx2     fused: weights dequantized in registers; 4 weight rows x 1 input row, or (up to
+//            kFusedRows input rows) 1 weight row x passes of 2-4 input rows; dense weights 2 x 3
+//   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
 //   avx512   dense float32/bfloat16 weights (quantized formats use the AVX2 dequantization)
 // x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
@@ -46,7 +47,7 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kRowBlock = 4;   // weight rows per work item
 constexpr int64_t kMaxRows = 64;   // input rows per pass; a larger x runs in passes of 64 (same order)
-constexpr int64_t kFusedRows = 4;  // up to here quantized weights are dequantized in registers
+constexpr int64_t kFusedRows = 16;  // up to here quantized weights are dequantized in registers
 
 struct FormatInfo {
   int64_t block;  // weights per block
@@ -445,8 +446,9 @@ TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, 
       }
     }
   } else {
+    const int64_t passes = (R + 3) / 4, per = (R + passes - 1) / passes;  // balanced: 6 rows = 3 + 3
     for (int64_t i = 0; i < nw; ++i)
-      for (int64_t r = 0; r < R; r += 4) rows_nx<F, 1>(wr + i, row_bytes, xr, std::min<int64_t>(4, R - r), K, out + i, r);
+      for (int64_t r = 0; r < R; r += per) rows_nx<F, 1>(wr + i, row_bytes, xr, std::min(per, R - r), K, out + i, r);
   }
 }
 
