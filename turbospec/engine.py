@@ -119,7 +119,7 @@ class Engine:
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
                  weights: str = "auto"):
         dtype = _dtype(dtype)
-        weight_mode(weights)
+        self.weights = weight_mode(weights)
         device = self._device(target, device)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={str(device)!r}")
@@ -195,7 +195,7 @@ class Engine:
                 raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
                                  "turbospec Transformer)")
             dm = draft_model if isinstance(draft_model, Transformer) else \
-                load_model(draft_model, dtype, device=self.target.device, weights=weights)
+                load_model(draft_model, dtype, device=self.target.device, weights=self.weights)
             if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)
