@@ -112,3 +112,20 @@ def smollm2_hf(smollm2_dir):
     """The same checkpoint as a ``transformers`` model (fp32), the reference for exactness."""
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+def on_every_isa(fn) -> list:
+    """``fn()`` once per CPU kernel path this CPU has (scalar, avx2, avx512), each forced in turn;
+    the results in that order. Skips the calling test when only the scalar path exists (nothing to
+    compare it with)."""
+    from turbospec import ops
+    results = []
+    try:
+        for isa in ("scalar", "avx2", "avx512"):
+            if ops.cpu_isa(isa) == isa:
+                results.append(fn())
+    finally:
+        ops.cpu_isa("default")
+    if len(results) < 2:
+        pytest.skip("this CPU runs only the scalar path: nothing to compare it with")
+    return results

@@ -8,6 +8,8 @@ import torch
 
 from turbospec import ops, quant, reference
 
+from conftest import on_every_isa
+
 pytestmark = pytest.mark.skipif(not ops.has_op("linear"), reason="turbospec._C with linear not built")
 
 BLOCK_FORMATS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -90,23 +92,22 @@ def test_quantized_rows_isas_and_threads_give_identical_bits(name):
     raw = random_blocks(name, n, k, seed=3)
     fmt = BLOCK_FORMATS[name]
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
-    results = []
-    before = torch.get_num_threads()
-    try:
-        for isa in ISAS:
-            if ops.cpu_isa(isa) != isa:
-                continue
+
+    def per_thread_count():
+        out = []
+        before = torch.get_num_threads()
+        try:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
                 together = ops.linear(x, [raw], [fmt])
                 alone = torch.cat([ops.linear(x[i:i + 1], [raw], [fmt]) for i in range(x.shape[0])])
-                assert torch.equal(together, alone), (isa, threads)
-                results.append(together)
-    finally:
-        torch.set_num_threads(before)
-        ops.cpu_isa("default")
-    if len(results) < 4:  # (2 thread counts per path)
-        pytest.skip("this CPU runs only the scalar path: nothing to compare it with")
+                assert torch.equal(together, alone), (ops.cpu_isa(), threads)
+                out.append(together)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    results = [y for per_isa in on_every_isa(per_thread_count) for y in per_isa]
     for y in results[1:]:
         assert torch.equal(y, results[0])
     assert torch.equal(results[0], ops.small_linear(x, ops.dequantize(raw, fmt, k)))
@@ -135,19 +136,14 @@ def test_dense_linear_matches_spec(isa, rows, n, k, wdtype, xdtype, bias):
 def test_dense_rows_and_isas_give_identical_bits():
     x = torch.randn(13, 576, generator=torch.Generator().manual_seed(1))
     w = torch.randn(301, 576, generator=torch.Generator().manual_seed(2))
-    per_path = []
-    try:
-        for isa in ISAS:
-            if ops.cpu_isa(isa) != isa:
-                continue
-            together = ops.small_linear(x, w)
-            alone = torch.cat([ops.small_linear(x[i:i + 1], w) for i in range(x.shape[0])])
-            assert torch.equal(together, alone)
-            per_path.append(together)
-    finally:
-        ops.cpu_isa("default")
-    if len(per_path) < 2:
-        pytest.skip("this CPU runs only the scalar path: nothing to compare it with")
+
+    def rows_together_and_alone():
+        together = ops.small_linear(x, w)
+        alone = torch.cat([ops.small_linear(x[i:i + 1], w) for i in range(x.shape[0])])
+        assert torch.equal(together, alone)
+        return together
+
+    per_path = on_every_isa(rows_together_and_alone)
     for y in per_path[1:]:
         assert torch.equal(y, per_path[0])
 

@@ -9,7 +9,7 @@ import turbospec
 from turbospec import loader, ops
 from turbospec.model import Transformer
 
-from conftest import make_tiny_model
+from conftest import make_tiny_model, on_every_isa
 
 pytestmark = pytest.mark.skipif(not ops.has_op("llama_layers"), reason="turbospec._C not built")
 
@@ -94,16 +94,7 @@ def test_isa_paths_give_identical_model_outputs():
     """The whole forward (linears, attention, norms) on the scalar path equals the best path."""
     model = _model("llama", "q4_0", torch.float32)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
-    outs = []
-    try:
-        for isa in ("scalar", "avx2", "avx512"):
-            if ops.cpu_isa(isa) != isa:
-                continue
-            outs.append(model.forward(ids, torch.arange(20)[None], model.new_cache(32), 0))
-    finally:
-        ops.cpu_isa("default")
-    if len(outs) < 2:
-        pytest.skip("this CPU runs only the scalar path: nothing to compare it with")
+    outs = on_every_isa(lambda: model.forward(ids, torch.arange(20)[None], model.new_cache(32), 0))
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
 

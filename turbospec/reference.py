@@ -269,6 +269,11 @@ WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q
 DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
+def is_block_format(fmt: int) -> bool:
+    """Whether ``fmt`` (a GGML type id) stores GGUF blocks (as opposed to a dense dtype)."""
+    return fmt in WEIGHT_FORMATS and WEIGHT_FORMATS[fmt][1] > 1
+
+
 def row_bytes(fmt: int, k: int) -> int:
     """Bytes of one row of ``k`` weights stored in format ``fmt`` (a GGML type id)."""
     if fmt not in WEIGHT_FORMATS:
@@ -342,7 +347,7 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
 
 
 def _dense(weight: Tensor, fmt: int, k: int) -> Tensor:
-    return weight.float() if WEIGHT_FORMATS[fmt][1] == 1 else dequantize(weight, fmt, k)
+    return dequantize(weight, fmt, k) if is_block_format(fmt) else weight.float()
 
 
 def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
