@@ -136,6 +136,10 @@ def main() -> int:
     p.add_argument("--no-curve", action="store_true", help="skip the verify cost curve")
     p.add_argument("--spec-prompts", type=int, default=2, help="Spec-Bench prompts per category (0: skip)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-model", default=None,
+                   help="a draft .gguf for --model (same tokenizer): adds the target/draft pair section")
+    p.add_argument("--pair-fixed", default="2,3,4,6,8", help="fixed draft lengths for the pair section")
+    p.add_argument("--llama-draft-max", default="4,8", help="llama-speculative-simple --spec-draft-n-max values")
     p.add_argument("--llama-bin", default=None, help="llama.cpp bin folder (default: the build script's)")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args()
@@ -148,7 +152,7 @@ def main() -> int:
     formats = args.formats.split(",")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_flags(), "threads": args.threads, "model": src,
             "kernels": turbospec.kernels_available(), "torch": torch.__version__, "llama_cpp": bin_dir}
-    res: dict = {"plain": {}, "curve": {}, "spec": {}}
+    res: dict = {"plain": {}, "curve": {}, "spec": {}, "pair": {}}
     print(f"# CPU benchmark {meta['date']}, {meta['cpu']}, {args.threads} threads", flush=True)
 
     for fmt in formats:
@@ -170,7 +174,9 @@ def main() -> int:
         res["plain"][fmt] = row
         print(f"plain decode {fmt}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
 
-    if args.spec_prompts > 0:
+    if args.spec_prompts > 0 and args.draft_model:
+        res["pair"] = pair_run(src, args.draft_model, bin_dir, args)
+    elif args.spec_prompts > 0:
         res["spec"] = spec_run(src, bin_dir, args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu.json"), "w") as f:
@@ -182,26 +188,20 @@ def main() -> int:
     return 0
 
 
-def spec_run(src: str, bin_dir: str | None, args) -> dict:
-    """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / shipped head + ngram (quantized
-    GGUF, fp32 activations) and llama-lookup; turbospec outputs checked equal to plain greedy."""
-    import tempfile
-
-    import torch
-    import turbospec
-    from turbospec.benchmark import DEFAULT_SPEC_BENCH, head_systems, load_prompts
+def spec_prompts(tok, args) -> tuple[list[str], list[list[int]]]:
+    """The Spec-Bench sample (args.spec_prompts per category), chat-templated: texts and ids."""
+    from turbospec.benchmark import DEFAULT_SPEC_BENCH, load_prompts
     prompts = load_prompts(os.path.join(ROOT, DEFAULT_SPEC_BENCH), args.spec_prompts, 0)
-    target = turbospec.load_model(src, torch.float32, weights="auto")
-    tok = turbospec.load_tokenizer(src)
     texts = [tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
                                      add_generation_prompt=True) for p in prompts]
-    encoded = [tok.encode(t, add_special_tokens=False) for t in texts]
+    return texts, [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
+    """Decode tok/s (prefill excluded), tau and equality with plain greedy, per turbospec system;
+    the first system must be plain decoding."""
+    import turbospec
     max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
-    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram")}
-    if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
-        shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
-        for name, (head, opts) in head_systems(shipped, target).items():
-            systems[name] = dict(opts, head=head)
     out: dict = {}
     plain_tokens = []
     for name, opts in systems.items():
@@ -215,26 +215,89 @@ def spec_run(src: str, bin_dir: str | None, args) -> dict:
             toks += len(g.token_ids)
             dec_s += g.stats["total_s"] - g.stats["prefill_s"]
             steps += g.stats["verify_steps"]
-            if name == "ts_plain":
+            if not plain_tokens or len(plain_tokens) <= i:
                 plain_tokens.append(g.token_ids)
             else:
                 equal &= g.token_ids == plain_tokens[i]
         out[name] = {"tok_s": toks / dec_s, "tau": toks / max(steps, 1), "equal_to_plain": equal, "tokens": toks}
         print(f"spec {name}: {out[name]}", flush=True)
+    return out
+
+
+def llama_decode(cmd: list[str], texts: list[str]) -> dict:
+    """Run a llama.cpp example (llama-lookup, llama-speculative-simple) once per prompt text;
+    its decode tok/s summed over the prompts (the 'decoded N tokens in X seconds' lines)."""
+    import tempfile
+    toks = secs = drafted = accepted = 0
+    for t in texts:
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(t)
+        r = subprocess.run(cmd + ["-f", f.name], capture_output=True, text=True)
+        os.unlink(f.name)
+        parsed = parse_llama_lookup(r.stdout + r.stderr)
+        toks += parsed["decoded"]
+        secs += parsed["seconds"]
+        drafted += parsed["n_drafted"] or 0
+        accepted += parsed["n_accept"] or 0
+    return {"tok_s": toks / secs, "tokens": toks, "accept": accepted / drafted if drafted else None}
+
+
+def spec_run(src: str, bin_dir: str | None, args) -> dict:
+    """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / shipped head + ngram (quantized
+    GGUF, fp32 activations) and llama-lookup; turbospec outputs checked equal to plain greedy."""
+    import torch
+    import turbospec
+    from turbospec.benchmark import head_systems
+    target = turbospec.load_model(src, torch.float32, weights="auto")
+    tok = turbospec.load_tokenizer(src)
+    texts, encoded = spec_prompts(tok, args)
+    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram")}
+    if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
+        shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
+        for name, (head, opts) in head_systems(shipped, target).items():
+            systems[name] = dict(opts, head=head)
+    out = ts_systems(target, tok, encoded, systems, args)
     if bin_dir:
-        toks = secs = 0.0
-        for t in texts:
-            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-                f.write(t)
-            cmd = [os.path.join(bin_dir, "llama-lookup"), "-m", src, "-f", f.name, "-n", str(args.max_new_tokens),
-                   "-t", str(args.threads), "--temp", "0", "--spec-draft-n-max", "8", "-c", str(max_seq + 64)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            os.unlink(f.name)
-            parsed = parse_llama_lookup(r.stdout + r.stderr)
-            toks += parsed["decoded"]
-            secs += parsed["seconds"]
-        out["llama_lookup"] = {"tok_s": toks / secs, "tokens": toks}
+        max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
+        out["llama_lookup"] = llama_decode(
+            [os.path.join(bin_dir, "llama-lookup"), "-m", src, "-n", str(args.max_new_tokens), "-t", str(args.threads),
+             "--temp", "0", "--spec-draft-n-max", "8", "-c", str(max_seq + 64)], texts)
         print(f"spec llama_lookup: {out['llama_lookup']}", flush=True)
+    return out
+
+
+def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
+    """A target GGUF with a draft-model GGUF (same tokenizer) on the Spec-Bench sample: turbospec
+    plain, the draft model at fixed draft lengths and with the adaptive budget (outputs checked
+    equal to plain greedy); llama.cpp plain (``llama-bench`` tg on the target) and
+    ``llama-speculative-simple`` with the same two GGUFs."""
+    import torch
+    import turbospec
+    target = turbospec.load_model(src, torch.float32, weights="auto")
+    draft = turbospec.load_model(draft_src, torch.float32, weights="auto")
+    tok = turbospec.load_tokenizer(src)
+    texts, encoded = spec_prompts(tok, args)
+    fixed = [int(k) for k in args.pair_fixed.split(",")]
+    systems = {"ts_plain": dict(drafter="none")}
+    for k in fixed:
+        systems[f"ts_draft_k{k}"] = dict(drafter="draft_model", draft_model=draft, num_draft=k, adaptive=False)
+    systems["ts_draft_adaptive"] = dict(drafter="draft_model", draft_model=draft, num_draft=max(fixed),
+                                        adaptive=True)
+    out = ts_systems(target, tok, encoded, systems, args)
+    if bin_dir:
+        cmd = [os.path.join(bin_dir, "llama-bench"), "-m", src, "-t", str(args.threads), "-r", str(args.reps),
+               "-p", "0", "-n", str(args.tokens), "-o", "json"]
+        lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        out["llama_plain_tg"] = {"tok_s": lb[("tg", args.tokens)]}
+        print(f"spec llama_plain_tg: {out['llama_plain_tg']}", flush=True)
+        max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
+        for n in (int(k) for k in args.llama_draft_max.split(",")):
+            name = f"llama_speculative_simple_n{n}"
+            out[name] = llama_decode(
+                [os.path.join(bin_dir, "llama-speculative-simple"), "-m", src, "-md", draft_src,
+                 "--spec-type", "draft-simple", "--spec-draft-n-max", str(n), "-n", str(args.max_new_tokens),
+                 "-t", str(args.threads), "--temp", "0", "-c", str(max_seq + 64)], texts)
+            print(f"spec {name}: {out[name]}", flush=True)
     return out
 
 
@@ -253,11 +316,15 @@ def markdown(meta: dict, res: dict) -> str:
         for fmt, systems in res["curve"].items():
             for name, c in systems.items():
                 lines.append(f"| {fmt} | {name} | " + " | ".join(f"{c[n] / c[1]:.2f}" for n in VERIFY_TOKENS) + " |")
-    if res["spec"]:
-        lines += ["", "Speculation, Spec-Bench sample, decode tok/s (prefill excluded)", "",
-                  "| system | tok/s | tau | output == plain greedy |", "|---|---|---|---|"]
-        for name, r in res["spec"].items():
-            lines.append(f"| {name} | {r['tok_s']:.1f} | {r.get('tau', float('nan')):.2f} | "
+    for key, title in (("spec", "Speculation"), ("pair", "Target + draft model")):
+        if not res.get(key):
+            continue
+        plain = res[key].get("ts_plain", {}).get("tok_s")
+        lines += ["", f"{title}, Spec-Bench sample, decode tok/s (prefill excluded)", "",
+                  "| system | tok/s | x turbospec plain | tau | output == plain greedy |", "|---|---|---|---|---|"]
+        for name, r in res[key].items():
+            ratio = f"{r['tok_s'] / plain:.2f}x" if plain else "-"
+            lines.append(f"| {name} | {r['tok_s']:.1f} | {ratio} | {r.get('tau', float('nan')):.2f} | "
                          f"{r.get('equal_to_plain', '-')} |")
     return "\n".join(lines) + "\n"
 

@@ -40,3 +40,23 @@ def test_turbospec_measurements_on_a_tiny_model():
                             {"plain": {"q": {"turbospec": 50.0, "llama.cpp": 100.0}},
                              "curve": {"q": {"turbospec": curve}}, "spec": {}})
     assert "| q | 50.0 | 100.0 | 0.50x |" in md and "N=64" in md
+
+
+def test_target_draft_systems_on_tiny_models():
+    """The pair section's turbospec rows: a draft model at fixed lengths and adaptive, each output
+    compared with plain greedy (the draft is the target itself, so every draft token is accepted)."""
+    from turbospec import loader
+    target = loader.load_model(make_tiny_model("llama", seed=1), weights="q8_0")
+    draft = loader.load_model(make_tiny_model("llama", seed=1), weights="q8_0")  # the same model
+    args = bench_cpu.argparse.Namespace(max_new_tokens=12)
+    encoded = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3, 1, 4, 1, 5, 9, 2, 6]]
+    systems = {"ts_plain": dict(drafter="none"),
+               "ts_draft_k3": dict(drafter="draft_model", draft_model=draft, num_draft=3, adaptive=False),
+               "ts_draft_adaptive": dict(drafter="draft_model", draft_model=draft, num_draft=3)}
+    out = bench_cpu.ts_systems(target, None, encoded, systems, args)
+    assert set(out) == set(systems)
+    assert all(r["equal_to_plain"] is True and r["tokens"] == 24 and r["tok_s"] > 0 for r in out.values())
+    assert out["ts_plain"]["tau"] == 1.0 and out["ts_draft_k3"]["tau"] > 3.0
+    md = bench_cpu.markdown({"cpu": "x", "threads": 1, "date": "d", "kernels": {"cpu_isa": "avx2"}},
+                            {"plain": {}, "curve": {}, "spec": {}, "pair": out})
+    assert "Target + draft model" in md and "| ts_plain |" in md and "| 1.00x |" in md

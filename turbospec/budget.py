@@ -1,16 +1,52 @@
-"""How many tokens to draft this step, from measured acceptance and a measured cost model.
+"""How many tokens to draft this step, from measured acceptance and measured costs.
 
 With per-token acceptance rate a, drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per
-verify step (counting the recovered/bonus token) and costs verify(k + 1) + k * draft_token seconds.
-The controller picks the k in [0, max_draft] with the best E(k) / cost(k); k = 0 is a plain decode
-step. Verify times are measured per width (exponential moving average), widths not yet measured are
-interpolated linearly; acceptance is a decayed count of accepted vs rejected tokens. While
-speculation is switched off the counts decay back towards the prior, so it is probed again later.
+verify step (counting the recovered/bonus token) and costs verify(k + 1) + draft(k) seconds. The
+controller picks the k in [0, max_draft] with the best E(k) / cost(k); k = 0 is a plain decode step.
+
+Both costs are measured. Verify: per width, the lower median of its last 5 passes; a width not yet
+measured is interpolated linearly between measured neighbours, beyond them it grows by a mild slope;
+every 8th drafting step tries a neighbouring length, so that the widths around the choice stay
+fresh. Draft: k times the median per-token cost of the last 9 drafting steps (k draft forwards, k
+lookups). Medians, so one outlier (a drafter catching up on a long stretch, a page fault) cannot
+switch speculation off; a probe (below) starts the draft cost's history afresh. Acceptance is a decayed count of accepted vs rejected
+tokens (decayed per drafting step). While speculation is off, one step drafts anyway after 4, 8, 16,
+... 64 plain steps (the best positive length by the current estimates), so that acceptance and draft
+cost are measured again: a drafter is never kept off on stale data, and a useless one costs one
+probe in 64 steps.
 """
 from __future__ import annotations
 
 
+def _fill(measured: dict[int, float], xs: range, beyond) -> list[float | None]:
+    """For each x in xs: measured[x], else linear between the nearest measured neighbours, else
+    beyond(x, x0, t0) from the nearest measured point x0; None when nothing is measured."""
+    keys = sorted(measured)
+    out: list[float | None] = []
+    j = 0  # keys[j] is the first measured key >= x
+    for x in xs:
+        while j < len(keys) and keys[j] < x:
+            j += 1
+        if j < len(keys) and keys[j] == x:
+            out.append(measured[x])
+        elif not keys:
+            out.append(None)
+        elif 0 < j < len(keys):
+            x0, x1 = keys[j - 1], keys[j]
+            out.append(measured[x0] + (measured[x1] - measured[x0]) * (x - x0) / (x1 - x0))
+        else:
+            x0 = keys[j - 1] if j else keys[0]
+            out.append(beyond(x, x0, measured[x0]))
+    return out
+
+
 class DraftBudget:
+    VERIFY_SLOPE = 0.03  # prior: relative verify cost per extra token in the pass
+    SAMPLES = 5  # a verify cost is the (lower) median of its width's last SAMPLES measurements
+    DRAFT_SAMPLES = 9  # the per-token draft cost: the median of the last DRAFT_SAMPLES steps
+    EXPLORE_EVERY = 8  # drafting steps between two tries of a neighbouring length
+    MAX_PROBE_INTERVAL = 64
+
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
         # timed=False: ignore measured times (keep the prior cost model), so that the chosen draft
@@ -18,27 +54,34 @@ class DraftBudget:
         self.max_draft, self.adaptive, self.decay, self.timed = max_draft, adaptive, decay, timed
         self.prior = (2.0 * prior_accept, 2.0 * (1.0 - prior_accept))  # pseudo-counts
         self.accepted, self.rejected = 0.0, 0.0
-        self.verify_time: dict[int, float] = {}  # width (nodes) -> seconds
-        self.draft_token_time = 0.0
+        self.verify_time: dict[int, list[float]] = {}  # width (nodes) -> last seconds measured
+        self.draft_time: list[float] = []  # last seconds per drafted token
+        self._cost: list[float] | None = None  # cost(k), k = 0..max_draft; None: to recompute
+        self._off_steps = 0  # consecutive plain steps chosen
+        self._probe_interval = 4
+        self._drafting_steps = 0
+        self._probing = False
 
     @property
     def accept_rate(self) -> float:
         s, f = self.accepted + self.prior[0], self.rejected + self.prior[1]
         return s / (s + f)
 
-    def _verify_cost(self, width: int) -> float:
-        if width in self.verify_time:
-            return self.verify_time[width]
-        known = sorted(self.verify_time.items())
-        if not known:
-            return 1.0 + 0.03 * (width - 1)  # relative prior until something is measured
-        lo = [(w, t) for w, t in known if w < width]
-        hi = [(w, t) for w, t in known if w > width]
-        if lo and hi:
-            (w0, t0), (w1, t1) = lo[-1], hi[0]
-            return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        w0, t0 = (lo or hi)[-1 if lo else 0]
-        return t0 * (1.0 + 0.03 * (width - w0))  # extrapolate with a mild slope
+    @staticmethod
+    def _median(samples: list[float]) -> float:
+        return sorted(samples)[(len(samples) - 1) // 2]
+
+    def costs(self) -> list[float]:
+        """Seconds (or prior cost units, before anything is measured) of a step drafting k tokens,
+        k = 0..max_draft: verify(k + 1) + k * draft_per_token."""
+        if self._cost is None:
+            ks = range(self.max_draft + 1)
+            slope = self.VERIFY_SLOPE
+            verify = _fill({w - 1: self._median(v) for w, v in self.verify_time.items()}, ks,
+                           lambda k, k0, t0: t0 * (1.0 + slope * (k - k0)))
+            per_token = self._median(self.draft_time) if self.draft_time else 0.0
+            self._cost = [(1.0 + slope * k if v is None else v) + k * per_token for k, v in zip(ks, verify)]
+        return self._cost
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.accept_rate, 0.999)
@@ -47,29 +90,45 @@ class DraftBudget:
     def choose(self) -> int:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
-        best_k, best_rate = 0, 1.0 / self._verify_cost(1)
+        cost = self.costs()
+        rates = [self.expected_tokens(k) / cost[k] for k in range(self.max_draft + 1)]
+        best_k = 0
         for k in range(1, self.max_draft + 1):
-            rate = self.expected_tokens(k) / (self._verify_cost(k + 1) + k * self.draft_token_time)
-            if rate > best_rate * 1.0001:
-                best_k, best_rate = k, rate
-        if best_k == 0:  # speculation is off: let the evidence fade so it gets probed again
-            self.accepted *= self.decay
-            self.rejected *= self.decay
-        return best_k
+            if rates[k] > rates[best_k] * 1.0001:
+                best_k = k
+        if best_k > 0:
+            self._off_steps, self._probe_interval = 0, 4
+            self._drafting_steps += 1
+            if self.timed and self._drafting_steps % self.EXPLORE_EVERY == 0:
+                # keep the neighbours' verify times fresh (one stale sample must not pin the choice)
+                up = self._drafting_steps % (2 * self.EXPLORE_EVERY) == 0
+                return min(best_k + 1, self.max_draft) if up else max(best_k - 1, 1)
+            return best_k
+        # speculation is off: probe now and then, with fresh measurements
+        self._off_steps += 1
+        if self._off_steps > self._probe_interval:  # that many plain steps in a row: probe
+            self._off_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
+            self._probing = True
+            return max(range(1, self.max_draft + 1), key=lambda k: rates[k])
+        return 0
 
     def record(self, proposed: int, accepted: int, width: int, verify_seconds: float,
                draft_seconds: float) -> None:
         if self.timed:
-            t = self.verify_time.get(width)
-            self.verify_time[width] = verify_seconds if t is None else 0.8 * t + 0.2 * verify_seconds
+            samples = self.verify_time.setdefault(width, [])
+            samples.append(verify_seconds)
+            del samples[:-self.SAMPLES]
+            if proposed > 0:
+                if self._probing:  # what was measured before speculation went off is stale
+                    self.draft_time.clear()
+                self.draft_time.append(draft_seconds / proposed)
+                del self.draft_time[:-self.DRAFT_SAMPLES]
+            self._cost = None
+        self._probing = False
         if proposed > 0:
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)
-            if not self.timed:
-                return
-            per_token = draft_seconds / proposed
-            self.draft_token_time = per_token if self.draft_token_time == 0.0 else \
-                0.8 * self.draft_token_time + 0.2 * per_token
 
 
 class DepthBudget:

@@ -62,8 +62,18 @@ class DraftModelDrafter(Drafter):
         self._base = 0
         self._speculative = 0
 
+    @torch.inference_mode()
     def begin(self, prompt_ids: list[int]) -> None:
-        self._cached = self._base = self._speculative = 0  # no state from an earlier generation
+        """Reads the prompt into the draft's cache (no state from an earlier generation is kept), so
+        that the first proposal costs what every later one does: the draft budget must not judge
+        the drafter by a prompt-length catch-up."""
+        self._cached = self._base = self._speculative = 0
+        if len(prompt_ids) > 1:
+            dev = self.model.device
+            ids = torch.tensor([prompt_ids[:-1]], dtype=torch.int64, device=dev)
+            pos = torch.arange(len(prompt_ids) - 1, device=dev)[None]
+            self.model.forward(ids, pos, self.cache, 0, logits="last")
+            self._cached = len(prompt_ids) - 1
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,

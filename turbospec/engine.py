@@ -404,14 +404,14 @@ class Engine:
                              timed=params.greedy or seed is None)
         t0 = time.perf_counter()
         cache_len, feats = self.prefill(ids)
-        t_prefill = time.perf_counter() - t0
         tokens = list(ids)
         reads_features = self._feature_spec() is not None
-        if self.drafter is not None:
+        if self.drafter is not None:  # (a draft model reads the prompt here: part of the prefill)
             if reads_features:
                 self.drafter.begin(tokens, features=feats)
             else:
                 self.drafter.begin(tokens)
+        t_prefill = time.perf_counter() - t0
         steps = emitted_total = 0
         t_draft = t_verify = 0.0
         accepted_at = [0] * self.num_draft
