@@ -391,6 +391,69 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t
   }
 }
 
+// Q4_K / Q5_K: one 256-weight super-block of NW weight rows x NX input rows, the same values and the
+// same lane order as 8 calls of accumulate_step, with the scales decoded once per super-block and
+// the 4-bit values widened by byte shuffles (no per-sub-block scalar work, no branches).
+template <int64_t F, int NW, int NX>
+TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8_t* const* wr, const float* const* xr,
+                                                                     int64_t k, int64_t pf, __m256 (&lo)[NW][NX],
+                                                                     __m256 (&hi)[NW][NX]) {
+  constexpr int64_t bytes = F == kQ4_K ? 144 : 176;
+  const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                      4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));
+  const __m256i m4 = _mm256_set1_epi32(0x0F);
+  for (int i = 0; i < NW; ++i) {
+    const uint8_t* b = wr[i] + (k >> 8) * bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf + 64), _MM_HINT_T0);
+    const float d = half_avx2(b), dmin = half_avx2(b + 2);
+    float d1[8], m1[8];
+    for (int j = 0; j < 8; ++j) {
+      int sc, mn;
+      scale_min_k4(b + 4, j, &sc, &mn);
+      d1[j] = d * static_cast<float>(sc);
+      m1[j] = -(dmin * static_cast<float>(mn));
+    }
+    const uint8_t* qs = b + (F == kQ4_K ? 16 : 48);
+    for (int p = 0; p < 4; ++p) {  // 64 weights: sub-block 2p (low nibbles), 2p + 1 (high nibbles)
+      __m256i q[2][4];  // [sub-block][8-weight group]
+      for (int h = 0; h < 2; ++h) {  // bytes 16h..16h+15 of the 32: weights 16h..16h+15 of both sub-blocks
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * p + 16 * h)));
+        const __m256i b0 = _mm256_shuffle_epi8(v, s0), b1 = _mm256_shuffle_epi8(v, s1);
+        q[0][2 * h] = _mm256_and_si256(b0, m4);
+        q[0][2 * h + 1] = _mm256_and_si256(b1, m4);
+        q[1][2 * h] = _mm256_srli_epi32(b0, 4);
+        q[1][2 * h + 1] = _mm256_srli_epi32(b1, 4);
+        if constexpr (F == kQ5_K) {  // the fifth bit: bit (2p + sub) of qh[weight]
+          const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * h)));
+          const __m256i h0 = _mm256_shuffle_epi8(hv, s0), h1 = _mm256_shuffle_epi8(hv, s1);
+          const __m256i one = _mm256_set1_epi32(1);
+          for (int sub = 0; sub < 2; ++sub) {
+            const __m128i sh = _mm_cvtsi32_si128(2 * p + sub);
+            q[sub][2 * h] = _mm256_or_si256(q[sub][2 * h], _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h0, sh), one), 4));
+            q[sub][2 * h + 1] =
+                _mm256_or_si256(q[sub][2 * h + 1], _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h1, sh), one), 4));
+          }
+        }
+      }
+      for (int sub = 0; sub < 2; ++sub) {
+        const int j = 2 * p + sub;
+        const __m256 dv = _mm256_set1_ps(d1[j]), mv = _mm256_set1_ps(m1[j]);
+        const int64_t kk = k + 32 * j;
+        for (int g = 0; g < 2; ++g) {  // lane group g: weights kk + 16g .. kk + 16g + 15
+          const __m256 wl = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[sub][2 * g]), mv);
+          const __m256 wh = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[sub][2 * g + 1]), mv);
+          for (int r = 0; r < NX; ++r) {
+            lo[i][r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xr[r] + kk + 16 * g), lo[i][r]);
+            hi[i][r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xr[r] + kk + 16 * g + 8), hi[i][r]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // NW weight rows x NX input rows over all of K (16 lanes as two 8-wide halves, in registers).
 template <int64_t F, int NW, int NX>
 TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
@@ -404,8 +467,12 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
   int64_t k = 0, pf = 0;
-  for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, step, lo, hi);
-  if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, K - k, lo, hi);
+  if constexpr (F == kQ4_K || F == kQ5_K) {  // K % 256 == 0
+    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_kquant<F, NW, NX>(wr, xr, k, ahead + pf, lo, hi);
+  } else {
+    for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, step, lo, hi);
+    if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, K - k, lo, hi);
+  }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
 }
