@@ -46,17 +46,20 @@ TORCH_LIBRARY(turbospec, m) {
   // (as for linear), counts: per layer the number of segments of qkv, o, gate_up, down; biases: one
   // qkv bias per layer or none; k_cache / v_cache: one [B, H_kv, S, D] per layer (written at
   // [cache_len, cache_len + n)); capture: layer indices whose outputs (the residual stream after that
-  // layer) are also returned -> [x after the last layer [B, n, hidden], one [B, n, hidden] per capture].
+  // layer) are also returned -> [x after the last layer [B, n, hidden], one [B, n, hidden] per capture];
+  // activations: as for linear.
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int[] capture) -> Tensor[]");
+        "int[] capture, int activations=0) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,
   // 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K). One reduction order for any number of rows, thread
   // split, instruction set and weight storage (reference.linear).
-  m.def("linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias) -> Tensor");
+  // activations=8: x quantized to int8 per 32 values, integer dot products (GGUF block weights only;
+  // csrc/cpu/linear_int8.cpp, reference.linear_int8): faster, not exact; still batch-invariant.
+  m.def("linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, int activations=0) -> Tensor");
   // linear with one dense weight [N, K] float32 / float16 / bfloat16 (reference.small_linear).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).

@@ -215,3 +215,72 @@ def test_env_override_caps_the_isa(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TURBOSPEC_ISA": "scalar"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "scalar"
+
+
+# ------------------------------------------------------------------------------------------------
+# activations=8: int8 activations, integer dot products (opt-in; reference.linear_int8)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_int8_linear_matches_spec(isa, name, rows):
+    k, n = 512, 11
+    raw = random_blocks(name, n, k, seed=rows)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g)
+    fmt = BLOCK_FORMATS[name]
+    got = ops.linear(x, [raw], [fmt], b, activations=8)
+    assert torch.equal(got, reference.linear_int8(x, [raw], [fmt], b))
+    exact = ops.linear(x, [raw], [fmt], b)
+    assert not torch.equal(got, exact)  # a different arithmetic ...
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()  # ... close to the exact one
+
+
+def test_int8_activation_quantization_spec():
+    x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5, 127.0] + [0.0] * 28])
+    q, d = reference.quantize_activations(x)
+    assert d[0, 0] == 0 and torch.all(q[0, :32] == 0)  # an all-zero block: d = 0, q = 0
+    assert d[0, 1] == torch.tensor(127.0) / 127 and q[0, 32:36].tolist() == [1, -2, 0, 127]  # 0.5: ties to even
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+def test_int8_rows_isas_and_threads_give_identical_bits(name):
+    """A row's int8 result does not depend on the other rows, the thread count or the ISA."""
+    k, n = 512, 37
+    raw = random_blocks(name, n, k, seed=5)
+    fmt = BLOCK_FORMATS[name]
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(6))
+
+    def per_thread_count():
+        out = []
+        before = torch.get_num_threads()
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                together = ops.linear(x, [raw], [fmt], activations=8)
+                alone = torch.cat([ops.linear(x[i:i + 1], [raw], [fmt], activations=8) for i in range(70)])
+                assert torch.equal(together, alone), (ops.cpu_isa(), threads)
+                out.append(together)
+        finally:
+            torch.set_num_threads(before)
+        return out
+
+    results = [y for per_isa in on_every_isa(per_thread_count) for y in per_isa]
+    for y in results[1:]:
+        assert torch.equal(y, results[0])
+    assert torch.equal(results[0], reference.linear_int8(x, [raw], [fmt]))
+
+
+def test_int8_mixed_segments_and_dense_weights():
+    """A fused linear of Q4_K + Q6_K segments takes int8 activations segment by segment; a call with
+    a dense segment keeps exact activations (dense weights have no integer form)."""
+    k = 256
+    parts = [random_blocks("Q4_K", 6, k, 1), random_blocks("Q6_K", 5, k, 2)]
+    x = torch.randn(3, k)
+    got = ops.linear(x, parts, [12, 14], activations=8)
+    assert torch.equal(got, torch.cat([reference.linear_int8(x, [p], [f]) for p, f in zip(parts, (12, 14))], dim=1))
+    dense = torch.randn(4, k)
+    mixed = parts + [dense]
+    assert torch.equal(ops.linear(x, mixed, [12, 14, 0], activations=8), ops.linear(x, mixed, [12, 14, 0]))
+    with pytest.raises(ValueError, match="activations must be 0 \\(exact\\) or 8 \\(int8\\), got 4"):
+        ops.linear(x, parts, [12, 14], activations=4)

@@ -40,20 +40,22 @@ def test_gguf_quantized_equals_dequantized_float32(smollm2_q, smollm2):
         assert torch.equal(x, y)
 
 
-def _model(kind: str, weights: str, dtype: torch.dtype) -> Transformer:
+def _model(kind: str, weights: str, dtype: torch.dtype, activations: str = "exact") -> Transformer:
     hf = make_tiny_model(kind, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                          num_key_value_heads=2, num_hidden_layers=2)
-    return loader.load_model(hf, dtype=dtype, weights=weights)
+    return loader.load_model(hf, dtype=dtype, weights=weights, activations=activations)
 
 
-VARIANTS = [("llama", "auto", torch.float32), ("qwen2", "auto", torch.float32), ("llama", "auto", torch.bfloat16),
-            ("llama", "q8_0", torch.float32), ("qwen2", "q4_0", torch.float32), ("llama", "q4_0", torch.bfloat16)]
+VARIANTS = [("llama", "auto", torch.float32, "exact"), ("qwen2", "auto", torch.float32, "exact"),
+            ("llama", "auto", torch.bfloat16, "exact"), ("llama", "q8_0", torch.float32, "exact"),
+            ("qwen2", "q4_0", torch.float32, "exact"), ("llama", "q4_0", torch.bfloat16, "exact"),
+            ("llama", "q4_0", torch.float32, "int8"), ("qwen2", "q8_0", torch.float32, "int8")]
 
 
-@pytest.mark.parametrize("kind,weights,dtype", VARIANTS)
-def test_prefill_equals_token_by_token(kind, weights, dtype):
+@pytest.mark.parametrize("kind,weights,dtype,activations", VARIANTS)
+def test_prefill_equals_token_by_token(kind, weights, dtype, activations):
     """A 100-token prompt in one call (passes of 64) == the same tokens one at a time: logits and cache."""
-    model = _model(kind, weights, dtype)
+    model = _model(kind, weights, dtype, activations)
     n = 100
     ids = torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(0))
     c1, c2 = model.new_cache(128), model.new_cache(128)
@@ -64,11 +66,11 @@ def test_prefill_equals_token_by_token(kind, weights, dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind,weights,dtype", VARIANTS)
-def test_tree_node_equals_its_path_decoded_alone(kind, weights, dtype):
+@pytest.mark.parametrize("kind,weights,dtype,activations", VARIANTS)
+def test_tree_node_equals_its_path_decoded_alone(kind, weights, dtype, activations):
     """Every node of a 64-node tree (many branches) verified in one pass has the logits of the same
     token decoded alone after its own path, bit for bit."""
-    model = _model(kind, weights, dtype)
+    model = _model(kind, weights, dtype, activations)
     prefix = 30
     ids = torch.randint(0, 256, (1, prefix), generator=torch.Generator().manual_seed(1))
     g = torch.Generator().manual_seed(2)
@@ -90,13 +92,44 @@ def test_tree_node_equals_its_path_decoded_alone(kind, weights, dtype):
         assert torch.equal(out[0, 0], tree_logits[0, node]), f"node {node} (depth {len(path) - 1})"
 
 
-def test_isa_paths_give_identical_model_outputs():
+@pytest.mark.parametrize("activations", ["exact", "int8"])
+def test_isa_paths_give_identical_model_outputs(activations):
     """The whole forward (linears, attention, norms) on the scalar path equals the best path."""
-    model = _model("llama", "q4_0", torch.float32)
+    model = _model("llama", "q4_0", torch.float32, activations)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
     outs = on_every_isa(lambda: model.forward(ids, torch.arange(20)[None], model.new_cache(32), 0))
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+
+
+def test_int8_activations_change_logits_a_little_and_switch_back():
+    """int8 activations are a different (llama.cpp-like) arithmetic: logits differ from the exact
+    model's, but only by activation rounding; switching back restores the exact logits."""
+    model = _model("llama", "q8_0", torch.float32)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(4))
+    run = lambda: model.forward(ids, torch.arange(12)[None], model.new_cache(16), 0)
+    exact = run()
+    model.set_activations("int8")
+    assert model.lm_head.activations == 8 and all(l.activations == 8 for l in model.layers[0].linears())
+    int8 = run()
+    assert not torch.equal(int8, exact)
+    assert (int8 - exact).abs().max() < 0.1 * exact.abs().max()  # rounding, not garbage (random weights)
+    assert torch.equal(model.set_activations("exact") and run(), exact)
+    with pytest.raises(ValueError, match="activations must be one of exact, int8, got 'int4'"):
+        model.set_activations("int4")
+
+
+def test_int8_speculative_equals_plain_greedy():
+    """Batch invariance holds in int8 mode too: a draft model and n-gram drafting give the tokens of
+    plain greedy decoding with int8 activations."""
+    model = _model("llama", "q4_0", torch.float32, "int8")
+    draft = _model("llama", "q4_0", torch.float32, "int8")
+    prompt = [5, 9, 11, 5, 9, 11, 5, 9, 30, 31, 32, 5, 9, 11]
+    plain = turbospec.Engine(model, drafter="none", activations="int8", max_seq_len=128).generate(prompt, max_new_tokens=40)
+    for opts in (dict(drafter="ngram"), dict(drafter="draft_model", draft_model=draft, num_draft=4)):
+        g = turbospec.Engine(model, activations="int8", max_seq_len=128, **opts).generate(prompt, max_new_tokens=40)
+        assert g.token_ids == plain.token_ids, opts
+        assert g.stats["verify_steps"] < 40 or opts["drafter"] == "ngram"
 
 
 def test_weights_argument_is_checked():

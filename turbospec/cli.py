@@ -13,6 +13,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "dense", "q8_0", "q4_0"],
                    help="auto: a GGUF's quantized blocks kept as stored; dense: dequantized to --dtype; "
                         "q8_0 / q4_0: quantize the linear layers on load")
+    p.add_argument("--activations", default="exact", choices=["exact", "int8"],
+                   help="exact: the dequantized model's result; int8: GGUF-quantized linears take int8 "
+                        "activations (llama.cpp's arithmetic; faster on CPU, not exact vs the float model)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target, its KV cache and the verify step)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA: run the verify forward eagerly instead of replaying CUDA graphs")
@@ -33,7 +36,7 @@ def _generate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
-                              weights=args.weights,
+                              weights=args.weights, activations=args.activations,
                               draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                               adaptive=not args.no_adaptive, head=args.head, device=args.device,
                               cuda_graphs=False if args.no_cuda_graphs else None)

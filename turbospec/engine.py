@@ -108,6 +108,10 @@ class Engine:
             storage (a GGUF's quantized blocks run as stored through turbospec's quantized kernels,
             activations in ``dtype``; output identical to the model dequantized to float32),
             "dense" dequantizes to ``dtype``, "q8_0" / "q4_0" quantize the linear layers on load.
+        activations: "exact" (default) or "int8": the linears with GGUF-quantized weights quantize
+            their inputs to int8 per 32 values and use integer dot products, as llama.cpp does (CPU;
+            faster; the output is no longer the dequantized model's, but speculative output still
+            equals plain decoding in this mode). Set on the target (and the draft model) passed in.
         static_shapes: run the verify forward with fixed token-count buckets and a device-side
             prefix length (what CUDA graphs capture; default: on off CPU). On CPU it is slower than
             the default path and exists to test that path without a GPU.
@@ -117,7 +121,7 @@ class Engine:
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
-                 weights: str = "auto"):
+                 weights: str = "auto", activations: str = "exact"):
         dtype = _dtype(dtype)
         self.weights = weight_mode(weights)
         device = self._device(target, device)
@@ -137,6 +141,8 @@ class Engine:
             target = default_model_path()
         self.target = target if isinstance(target, Transformer) else load_model(target, dtype, device=device,
                                                                                 weights=weights)
+        self.target.set_activations(activations)
+        self.activations = activations
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)
         self.tokenizer = tokenizer
@@ -196,6 +202,7 @@ class Engine:
                                  "turbospec Transformer)")
             dm = draft_model if isinstance(draft_model, Transformer) else \
                 load_model(draft_model, dtype, device=self.target.device, weights=self.weights)
+            dm.set_activations(self.activations)
             if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
                 draft_tokenizer = load_tokenizer(draft_model)
             check_compatible(self.target, dm, self.tokenizer, draft_tokenizer)

@@ -215,14 +215,15 @@ def _place(w, dtype: torch.dtype, device, mode: str, linear: bool):
 
 
 def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               weights: str = "auto") -> Transformer:
+               weights: str = "auto", activations: str = "exact") -> Transformer:
     """Build a ``Transformer`` from a directory, a .gguf file or an in-memory transformers model.
 
     ``weights``: "auto" keeps the checkpoint's storage (a GGUF's quantized blocks stay quantized and
     run through turbospec's quantized kernels; dense checkpoints load in ``dtype``), "dense"
     dequantizes everything to ``dtype``, "q8_0" / "q4_0" quantize the linear layers (and the LM head)
-    on load. Activations are always ``dtype``; a quantized model computes exactly what the same model
-    dequantized to float32 computes."""
+    on load. Activations are ``dtype``, and a quantized model computes exactly what the same model
+    dequantized to float32 computes, unless ``activations="int8"`` (GGUF block weights on CPU: int8
+    activations and integer dot products as in llama.cpp; see ``Transformer.set_activations``)."""
     mode = weight_mode(weights)
     if isinstance(source, torch.nn.Module):
         cfg = ModelConfig.from_hf(source.config)
@@ -241,7 +242,7 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
     for name, w in raw.items():
         linear = name.rsplit(".", 1)[-1] in _LINEARS or name == "lm_head" or (tied and name == "embed")
         out[name] = _place(w, dtype, device, mode, linear)
-    return Transformer(cfg, out)
+    return Transformer(cfg, out).set_activations(activations)
 
 
 def gguf_path(source) -> str | None:

@@ -95,6 +95,9 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return torch.where(mid, smoothed, out)
 
 
+ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
+
+
 class Linear:
     """y = x @ W^T (+ b), W kept in its storage format.
 
@@ -130,6 +133,7 @@ class Linear:
             raise ValueError(f"GGUF-quantized weights run on CPU only (got device {self.device}); load the "
                              f"model with weights='dense' for {self.device.type}")
         self._dense = None if (self.kernel or self.quantized) else self.dense()
+        self.activations = 0  # 8: int8 activations for the GGUF block segments (Transformer.set_activations)
 
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
@@ -143,7 +147,10 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.kernel:
-            return torch.ops.turbospec.linear(x, self.weights, self.formats, self.bias)
+            return torch.ops.turbospec.linear(x, self.weights, self.formats, self.bias, self.activations)
+        if self.activations == 8 and self.quantized:
+            from .ops import linear
+            return linear(x, self.weights, self.formats, self.bias, activations=8)
         w = self._dense if self._dense is not None else self.dense(x.dtype)
         return F.linear(x, w.to(x.dtype), self.bias)
 
@@ -215,7 +222,23 @@ class Transformer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
+        self.activations = "exact"
         self.flatten_layers()
+
+    def set_activations(self, mode: str) -> "Transformer":
+        """"exact" (default): activations stay in the model dtype, a GGUF-quantized model computes
+        what the dequantized model computes. "int8": the linears with GGUF block weights quantize
+        their input to int8 per 32 values and use integer dot products (what llama.cpp does; faster
+        on CPU, not the dequantized model's result, still batch-invariant: speculative output stays
+        equal to plain decoding in this mode). Dense weights are unaffected."""
+        if mode not in ACTIVATION_MODES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_MODES)}, got {mode!r}")
+        if mode == "int8" and self.device.type != "cpu":
+            raise ValueError(f"activations='int8' runs on CPU only (got device {self.device})")
+        self.activations = mode
+        for lin in [self.lm_head] + [l for layer in self.layers for l in layer.linears()]:
+            lin.activations = ACTIVATION_MODES[mode]
+        return self
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
         # On CPU, 16-bit models keep K/V in float32: the CPU's bf16 batched matmuls are about twice as
@@ -272,7 +295,8 @@ class Transformer:
             norms, weights, formats, counts, biases = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
-                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture)
+                cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
+                ACTIVATION_MODES[self.activations])
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":

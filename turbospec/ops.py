@@ -202,13 +202,23 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return reference.small_linear(x, weight, bias)
 
 
-def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None,
+           activations: int = 0) -> Tensor:
     """y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias) on CPU with every weight segment in its
     storage format: ``weights[i]`` [N_i, K] float32 / float16 / bfloat16 (``formats[i]`` 0 / 1 / 30)
     or uint8 [N_i, row bytes] GGUF blocks (``formats[i]`` a GGML type id, ``reference.WEIGHT_FORMATS``).
-    Same order as ``small_linear`` on the dequantized weights (reference: ``reference.linear``)."""
+    Same order as ``small_linear`` on the dequantized weights (reference: ``reference.linear``).
+    ``activations=8`` (all segments GGUF blocks, K % 32 == 0): x quantized to int8 per 32 values and
+    integer dot products, as llama.cpp does (reference: ``reference.linear_int8``); faster, not the
+    float32 result, still the same for a row whatever the other rows. Otherwise it is ignored."""
+    if activations not in (0, 8):
+        raise ValueError(f"activations must be 0 (exact) or 8 (int8), got {activations!r}")
+    int8 = activations == 8 and x.shape[-1] % 32 == 0 and all(map(reference.has_int8_kernel, formats))
     if _compiled(x.device) and has_op("linear"):
-        return torch.ops.turbospec.linear.default(x, list(weights), [int(f) for f in formats], bias)
+        return torch.ops.turbospec.linear.default(x, list(weights), [int(f) for f in formats], bias,
+                                                  8 if int8 else 0)
+    if int8:
+        return reference.linear_int8(x, weights, formats, bias)
     return reference.linear(x, weights, formats, bias)
 
 
@@ -248,7 +258,7 @@ if _EXTENSION:
 
     if has_op("linear"):
         @torch.library.register_fake("turbospec::linear")
-        def _linear_fake(x, weights, formats, bias):
+        def _linear_fake(x, weights, formats, bias, activations=0):
             torch._check(len(weights) == len(formats) and len(weights) > 0)
             return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 

@@ -346,6 +346,104 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     return w.reshape(n, k)
 
 
+def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """GGUF blocks split into what an integer dot product needs: ``q`` int64 [N, K], the signed
+    integer weights (offsets such as Q4_0's -8 applied); ``scale`` float32 [N, K / 16], the factor of
+    each 16 weights; ``minw`` float32 [N, K / 32] the additive term of each 32 weights (Q4_1, Q4_K,
+    Q5_K; None for the others). ``dequantize`` = scale * q (+ minw), weight by weight."""
+    n = raw.shape[0]
+    name, block, nbytes = WEIGHT_FORMATS[fmt]
+    dequantize(raw[:1], fmt, k)  # the same argument checks
+    b = raw.reshape(n, k // block, nbytes)
+    minw = None
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+        d = _f16(b[..., 0:2])[..., None]  # [n, nb, 1]
+        if name == "Q8_0":
+            q = b[..., 2:].contiguous().view(torch.int8).long()
+        else:
+            q = _nibbles(b[..., {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[name]:]).reshape(n, -1, 32).long()
+        if name == "Q4_0":
+            q = q - 8
+        elif name == "Q5_0":
+            qh = b[..., 2:6].contiguous().view(torch.int32).long()
+            q = (q | (((qh >> torch.arange(32)) & 1) << 4)) - 16
+        elif name == "Q4_1":
+            minw = _f16(b[..., 2:4]).reshape(n, -1)
+        scale = d.expand(n, k // 32, 2)
+    elif name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k4_scale_min(b[..., 4:16])
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32).long()
+        if name == "Q5_K":
+            qh = b[..., 16:48].long()
+            q = q | (((qh[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
+        scale = (d[..., None] * sc)[..., None].expand(n, k // 256, 8, 2)
+        minw = -(dmin[..., None] * mn)
+    else:  # Q6_K
+        ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32).long()
+        lo = _nibbles(ql).long().reshape(n, -1, 2, 128)
+        hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, -1, 2, 128)
+        q = (lo | (hi << 4)) - 32
+        scale = _f16(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()
+    return q.reshape(n, k), scale.reshape(n, k // 16).contiguous(), None if minw is None else minw.reshape(n, k // 32)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Specification of the int8 activations of ``linear(..., activations=8)``: each row of ``x``
+    [R, K] (K % 32 == 0) in blocks of 32: d = max|x| / 127 (float32), q = x * (1 / d) rounded to the
+    nearest integer, ties to even (q = 0 where d = 0). Returns q int64 [R, K], d float32 [R, K / 32]."""
+    r, k = x.shape
+    xb = x.float().reshape(r, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).long()
+    return q.reshape(r, k), d
+
+
+def has_int8_kernel(fmt: int) -> bool:
+    """Whether ``linear(..., activations=8)`` takes weights of format ``fmt``: the GGUF block formats."""
+    return is_block_format(int(fmt))
+
+
+def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None) -> Tensor:
+    """Specification of ``turbospec::linear(..., activations=8)`` (GGUF block weights only): the
+    activations quantized per 32 (``quantize_activations``), integer dot products, float32 scales.
+    For output o and input row r, block b of 32 weights: eight lanes j = 0..7 each take the exact
+    integer L_j = sum of q_w * q_x over the 4 weights 4j..4j+3 of the block, and accumulate
+    acc_j = fma(scale_w(j) * d_x, L_j, acc_j) over the blocks in order (scale_w(j): the weights'
+    scale of lanes j's 16, ``block_parts``); formats with an additive term accumulate
+    m = fma(minw, d_x * sum(q_x), m) block by block. y = ((acc_j + acc_j+4) pairwise + 2, + 1) + m
+    (+ bias); cast to x's dtype. Each row is computed alone: batch-invariant like ``linear``."""
+    k = x.shape[-1]
+    xr = x.reshape(-1, k)
+    qx, dx = quantize_activations(xr)  # [R, K], [R, nb]
+    R, nb = qx.shape[0], k // 32
+    outs = []
+    for w, f in zip(weights, formats):
+        q, scale, minw = block_parts(w, int(f), k)
+        n = q.shape[0]
+        lanes = (q.view(n, 1, nb, 8, 4) * qx.view(1, R, nb, 8, 4)).sum(-1)  # exact integers [n, R, nb, 8]
+        s = scale.view(n, 1, nb, 2, 1).expand(n, 1, nb, 2, 4).reshape(n, 1, nb, 8) * dx.view(1, R, nb, 1)
+        acc = torch.zeros(n, R, 8, dtype=torch.float32)
+        m = torch.zeros(n, R, dtype=torch.float32)
+        sx = dx * qx.view(R, nb, 32).sum(-1).float()  # [R, nb]
+        for blk in range(nb):  # one FMA per step in float64, rounded to float32 (see small_linear)
+            acc = (acc.double() + s[:, :, blk].double() * lanes[:, :, blk].double()).float()
+            if minw is not None:
+                m = (m.double() + minw[:, None, blk].double() * sx[None, :, blk].double()).float()
+        t = acc[..., :4] + acc[..., 4:]
+        t = t[..., :2] + t[..., 2:]
+        y = t[..., 0] + t[..., 1]
+        if minw is not None:
+            y = y + m
+        outs.append(y.T)
+    y = torch.cat(outs, dim=1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[1])
+
+
 def _dense(weight: Tensor, fmt: int, k: int) -> Tensor:
     return dequantize(weight, fmt, k) if is_block_format(fmt) else weight.float()
 

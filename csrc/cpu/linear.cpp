@@ -711,8 +711,13 @@ int64_t dense_format(const at::Tensor& w) {
 }
 
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias, int64_t activations) {
   TORCH_CHECK(x.dim() >= 1 && x.is_cpu(), "linear: x must be a CPU tensor [..., K], got ", x.sizes());
+  TORCH_CHECK(activations == 0 || activations == 8, "linear: activations must be 0 (exact) or 8 (int8), got ",
+              activations);
+  if (activations == 8 && !weights.empty() && weights.size() == formats.size() && x.size(-1) % 32 == 0 &&
+      std::all_of(formats.begin(), formats.end(), int8_format))
+    return linear_int8(x, weights, formats, bias);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "linear: x dtype must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK(!weights.empty() && weights.size() == formats.size(), "linear: weights and formats must be non-empty "

@@ -18,8 +18,14 @@ enum WeightFormat : int64_t {
 
 // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]); W_i is [N_i, K] float32 /
 // float16 / bfloat16 (format = its dtype's) or uint8 [N_i, row_bytes(format, K)] GGUF blocks.
+// activations: 0 (x as given, exact) or 8 (int8 activations for GGUF block weights: linear_int8.cpp;
+// a call with any dense weight keeps exact activations).
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                  const std::optional<at::Tensor>& bias);
+                  const std::optional<at::Tensor>& bias, int64_t activations = 0);
+// linear with int8 activations, block formats only (csrc/cpu/linear_int8.cpp; reference.linear_int8).
+at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                       const std::optional<at::Tensor>& bias);
+bool int8_format(int64_t format);  // whether linear_int8 takes this format
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // float32 [N, K] from uint8 [N, row_bytes] (exactly GGUF's dequantization).
 at::Tensor dequantize(const at::Tensor& raw, int64_t format, int64_t K);

@@ -34,7 +34,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::IntArrayRef formats, at::IntArrayRef counts, at::TensorList biases,
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                     at::IntArrayRef capture) {
+                                     at::IntArrayRef capture, int64_t activations) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -70,7 +70,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   size_t seg = 0;
   auto next_linear = [&](int64_t l, int64_t j, const at::Tensor& in, const std::optional<at::Tensor>& bias) {
     const int64_t c = counts[l * kLinears + j];
-    at::Tensor y = linear(in, weights.slice(seg, c), formats.slice(seg, c), bias);
+    at::Tensor y = linear(in, weights.slice(seg, c), formats.slice(seg, c), bias, activations);
     seg += c;
     return y;
   };

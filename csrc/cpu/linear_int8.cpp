@@ -1,0 +1,425 @@
+// linear with int8 activations (opt-in, `linear(..., activations=8)`): y = x @ W^T (+ b) for GGUF
+// block weights, with x quantized per 32 values to int8 and integer dot products — what llama.cpp
+// computes, and why it is fast: one byte multiply-add instruction covers 32 weights, where exact
+// float32 activations need the weights widened to float32 first. Not the model's float32 result
+// (each activation is rounded to 8 bits); still one fixed order, so a row's result never depends on
+// the other rows, the thread split or the instruction set (speculative == plain, bit for bit).
+//
+// Specification: reference.linear_int8 (with reference.quantize_activations, reference.block_parts).
+//   activations, per row and block of 32: d_x = max|x| / 127, q_x = nearbyint(x * (1 / d_x));
+//   weights, per block of 32: signed integers q_w, a float32 scale per 16 (scale_w), and for Q4_1 /
+//   Q4_K / Q5_K an additive term per 32 (min_w), so that the dequantized weight is scale_w*q_w + min_w;
+//   lanes j = 0..7 hold the exact integer sum of q_w * q_x over weights 4j..4j+3 of a block and
+//   accumulate acc_j = fma(scale_w(j) * d_x, L_j, acc_j) block by block; m = fma(min_w, d_x * sum q_x, m);
+//   y = ((acc_j + acc_j+4), + 2, + 1) + m (+ bias).
+// Paths: scalar (every format), AVX2 (maddubs + madd; every format). Both give the same bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+#include "linear.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TS_X86 1
+#define TS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#endif
+
+namespace turbospec {
+namespace {
+
+constexpr int64_t kRows = 4;  // weight rows per work item
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// The int8 activations of one row: q [K], d and d * sum(q) per block of 32, and the eight 4-value
+// lane sums of q per block (for the formats whose integers carry an offset).
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  const int32_t* lsum;  // [K / 32][8]
+};
+
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.f;
+    const float inv = db > 0.f ? 1.f / db : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const float v = std::nearbyint(xb[j] * inv);
+      const int qi = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
+      q[32 * b + j] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    for (int l = 0; l < 8; ++l)
+      lsum[8 * b + l] = q[32 * b + 4 * l] + q[32 * b + 4 * l + 1] + q[32 * b + 4 * l + 2] + q[32 * b + 4 * l + 3];
+    d[b] = db;
+    s[b] = db * static_cast<float>(sum);
+  }
+}
+
+inline void k4_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+constexpr int64_t block_bytes(int64_t F) {
+  return F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : F == kQ5_0 ? 22 : F == kQ8_0 ? 34 : F == kQ4_K ? 144 : F == kQ5_K ? 176 : 210;
+}
+constexpr bool has_min(int64_t F) { return F == kQ4_1 || F == kQ4_K || F == kQ5_K; }
+constexpr bool is_k(int64_t F) { return F == kQ4_K || F == kQ5_K || F == kQ6_K; }
+
+// Block b (32 weights) of a row: signed integers w[32], scale per 16 (sc[2]), additive term (mn).
+template <int64_t F>
+inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* mn) {
+  *mn = 0.f;
+  if constexpr (!is_k(F)) {
+    const uint8_t* p = row + b * block_bytes(F);
+    sc[0] = sc[1] = f16(p);
+    if constexpr (F == kQ8_0) {
+      for (int e = 0; e < 32; ++e) w[e] = static_cast<int8_t>(p[2 + e]);
+    } else {
+      const uint8_t* qs = p + (F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : 6);
+      uint32_t qh = 0;
+      if constexpr (F == kQ5_0) std::memcpy(&qh, p + 2, 4);
+      for (int e = 0; e < 32; ++e) {
+        int q = e < 16 ? (qs[e] & 15) : (qs[e - 16] >> 4);
+        if constexpr (F == kQ5_0) q = (q | (((qh >> e) & 1) << 4)) - 16;
+        if constexpr (F == kQ4_0) q -= 8;
+        w[e] = q;
+      }
+      if constexpr (F == kQ4_1) *mn = f16(p + 2);
+    }
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* p = row + (b >> 3) * block_bytes(F);
+    const int j = static_cast<int>(b & 7);
+    int s, m;
+    k4_scale_min(p + 4, j, &s, &m);
+    sc[0] = sc[1] = f16(p) * static_cast<float>(s);
+    *mn = -(f16(p + 2) * static_cast<float>(m));
+    const uint8_t* qs = p + (F == kQ4_K ? 16 : 48) + 32 * (j >> 1);
+    for (int e = 0; e < 32; ++e) {
+      int q = (j & 1) ? (qs[e] >> 4) : (qs[e] & 15);
+      if constexpr (F == kQ5_K) q |= ((p[16 + e] >> j) & 1) << 4;
+      w[e] = q;
+    }
+  } else {  // Q6_K
+    const uint8_t* p = row + (b >> 3) * 210;
+    const int e0 = static_cast<int>(b & 7) * 32, half = e0 >> 7, c = (e0 & 127) >> 5;
+    const float d = f16(p + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    sc[0] = d * static_cast<float>(scales[e0 >> 4]);
+    sc[1] = d * static_cast<float>(scales[(e0 >> 4) + 1]);
+    const uint8_t* ql = p + 64 * half + 32 * (c & 1);
+    const uint8_t* qh = p + 128 + 32 * half;
+    for (int e = 0; e < 32; ++e) {
+      const int lo = (c >> 1) ? (ql[e] >> 4) : (ql[e] & 15);
+      w[e] = (lo | (((qh[e] >> (2 * c)) & 3) << 4)) - 32;
+    }
+  }
+}
+
+inline float combine8(const float* a) {
+  float t4[4], t2[2];
+  for (int j = 0; j < 4; ++j) t4[j] = a[j] + a[j + 4];
+  for (int j = 0; j < 2; ++j) t2[j] = t4[j] + t4[j + 2];
+  return t2[0] + t2[1];
+}
+
+template <int64_t F>
+void rows_scalar(const uint8_t* const* wr, int64_t nw, const QRow* xr, int64_t R, int64_t K, float* out,
+                 int64_t ldo) {
+  int w[32];
+  float sc[2], mn;
+  for (int64_t i = 0; i < nw; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m = 0.f;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        block_ints<F>(wr[i], b, w, sc, &mn);
+        const int8_t* q = xr[r].q + 32 * b;
+        for (int l = 0; l < 8; ++l) {
+          int32_t L = 0;
+          for (int e = 4 * l; e < 4 * l + 4; ++e) L += w[e] * q[e];
+          acc[l] = std::fma(sc[l >> 2] * xr[r].d[b], static_cast<float>(L), acc[l]);
+        }
+        if constexpr (has_min(F)) m = std::fma(mn, xr[r].s[b], m);
+      }
+      float y = combine8(acc);
+      if constexpr (has_min(F)) y = y + m;
+      out[r * ldo + i] = y;
+    }
+}
+
+#ifdef TS_X86
+// One block of weights as 32 bytes in weight order: unsigned values u (0..63) with an integer
+// offset subtracted afterwards (q_w = u - off), or for Q8_0 the signed bytes themselves.
+TS_AVX2 __attribute__((always_inline)) inline float f16c(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);  // the same value as f16(p), in one instruction
+}
+
+template <int64_t F>
+TS_AVX2 __attribute__((always_inline)) inline __m256i block_bytes_avx2(const uint8_t* row, int64_t b, __m128* sc,
+                                                                       float* mn) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  if constexpr (!is_k(F)) {
+    const uint8_t* p = row + b * block_bytes(F);
+    *sc = _mm_set1_ps(f16c(p));
+    if constexpr (F == kQ8_0) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : 6)));
+      __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+      if constexpr (F == kQ5_0) {  // bit e of qh -> 0x10 in byte e
+        uint32_t qh;
+        std::memcpy(&qh, p + 2, 4);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+        const __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)), spread);
+        u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bits, sel), sel),
+                                                _mm256_set1_epi8(0x10)));
+      }
+      if constexpr (F == kQ4_1) *mn = f16c(p + 2);
+      return u;
+    }
+  } else if constexpr (F == kQ4_K || F == kQ5_K) {
+    const uint8_t* p = row + (b >> 3) * block_bytes(F);
+    const int j = static_cast<int>(b & 7);
+    int s, m;
+    k4_scale_min(p + 4, j, &s, &m);
+    *sc = _mm_set1_ps(f16c(p) * static_cast<float>(s));
+    *mn = -(f16c(p + 2) * static_cast<float>(m));
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (F == kQ4_K ? 16 : 48) + 32 * (j >> 1)));
+    __m256i u = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    if constexpr (F == kQ5_K) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+      const __m256i sel = _mm256_set1_epi8(static_cast<char>(1 << j));
+      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel), sel), _mm256_set1_epi8(0x10)));
+    }
+    return u;
+  } else {  // Q6_K
+    const uint8_t* p = row + (b >> 3) * 210;
+    const int e0 = static_cast<int>(b & 7) * 32, half = e0 >> 7, c = (e0 & 127) >> 5;
+    const float d = f16c(p + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
+    *sc = _mm_set_ps(0.f, 0.f, d * static_cast<float>(scales[(e0 >> 4) + 1]), d * static_cast<float>(scales[e0 >> 4]));
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32 * (c & 1)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
+    const __m256i lo = _mm256_and_si256((c >> 1) ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+}
+
+template <int64_t F>
+constexpr int offset_shift() {  // q_w = u - (1 << shift); 0: no offset
+  return F == kQ4_0 ? 3 : F == kQ5_0 ? 4 : F == kQ6_K ? 5 : 0;
+}
+
+// Exact integer lane sums: lane l = sum over bytes 4l..4l+3 of q_w * q_x.
+template <int64_t F>
+TS_AVX2 __attribute__((always_inline)) inline __m256i lane_sums(__m256i u, __m256i qx, const int32_t* lsum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (F == kQ8_0) {  // signed x signed: |w| times x with w's sign
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(qx, u)), ones);
+  } else {
+    __m256i L = _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones);
+    if constexpr (offset_shift<F>() > 0)
+      L = _mm256_sub_epi32(L, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lsum)),
+                                                offset_shift<F>()));
+    return L;
+  }
+}
+
+// NW weight rows x NX input rows, all blocks.
+template <int64_t F, int NW, int NX>
+TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                       int64_t ldo) {
+  // Prefetch the same place one work item (kRows rows) ahead: rows are contiguous, and the hardware
+  // prefetcher alone does not keep NW streams fed from DRAM.
+  const int64_t ahead = kRows * row_bytes, per_block = row_bytes / (K / 32);
+  __m256 acc[NW][NX];
+  float m[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      m[i][r] = 0.f;
+    }
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256i qx[NX];
+    for (int r = 0; r < NX; ++r) qx[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + 32 * b));
+    for (int i = 0; i < NW; ++i) {
+      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + ahead + b * per_block), _MM_HINT_T0);
+      __m128 sc;
+      float mn = 0.f;
+      const __m256i u = block_bytes_avx2<F>(wr[i], b, &sc, &mn);
+      for (int r = 0; r < NX; ++r) {
+        const __m256i L = lane_sums<F>(u, qx[r], xr[r].lsum + 8 * b);
+        const __m128 s4 = _mm_mul_ps(sc, _mm_set1_ps(xr[r].d[b]));  // scale_w * d_x, per 16 weights
+        __m256 s;
+        if constexpr (F == kQ6_K)
+          s = _mm256_set_m128(_mm_shuffle_ps(s4, s4, 0x55), _mm_shuffle_ps(s4, s4, 0x00));
+        else
+          s = _mm256_set_m128(s4, s4);
+        acc[i][r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(L), acc[i][r]);
+        if constexpr (has_min(F)) m[i][r] = std::fma(mn, xr[r].s[b], m[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+      float y = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+      if constexpr (has_min(F)) y = y + m[i][r];
+      out[r * ldo + i] = y;
+    }
+}
+
+template <int64_t F>
+TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R,
+                       int64_t K, float* out, int64_t ldo) {
+  if (R == 1) {
+    switch (nw) {
+      case 4: tile_avx2<F, 4, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 3: tile_avx2<F, 3, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 2: tile_avx2<F, 2, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      default: tile_avx2<F, 1, 1>(wr, row_bytes, xr, K, out, ldo); break;
+    }
+    return;
+  }
+  for (int64_t i = 0; i < nw; i += 2) {  // 2 weight rows x 4 input rows: 8 accumulators
+    const int64_t ni = std::min<int64_t>(2, nw - i);
+    for (int64_t r = 0; r < R; r += 4) {
+      const int64_t nr = std::min<int64_t>(4, R - r);
+      float* o = out + r * ldo + i;
+      const QRow* x = xr + r;
+#define TS_TILE(NWv, NXv) tile_avx2<F, NWv, NXv>(wr + i, row_bytes, x, K, o, ldo)
+      if (ni == 2) {
+        switch (nr) { case 4: TS_TILE(2, 4); break; case 3: TS_TILE(2, 3); break; case 2: TS_TILE(2, 2); break; default: TS_TILE(2, 1); }
+      } else {
+        switch (nr) { case 4: TS_TILE(1, 4); break; case 3: TS_TILE(1, 3); break; case 2: TS_TILE(1, 2); break; default: TS_TILE(1, 1); }
+      }
+#undef TS_TILE
+    }
+  }
+}
+#endif  // TS_X86
+
+template <int64_t F>
+void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
+          int64_t ldo, Isa isa) {
+#ifdef TS_X86
+  if (isa != Isa::kScalar) {
+    rows_avx2<F>(wr, nw, row_bytes, xr, R, K, out, ldo);
+    return;
+  }
+#endif
+  rows_scalar<F>(wr, nw, xr, R, K, out, ldo);
+}
+
+using RowsFn = void (*)(const uint8_t* const*, int64_t, int64_t, const QRow*, int64_t, int64_t, float*, int64_t, Isa);
+
+RowsFn rows_fn(int64_t f) {
+  switch (f) {
+    case kQ4_0: return &rows<kQ4_0>;
+    case kQ4_1: return &rows<kQ4_1>;
+    case kQ5_0: return &rows<kQ5_0>;
+    case kQ8_0: return &rows<kQ8_0>;
+    case kQ4_K: return &rows<kQ4_K>;
+    case kQ5_K: return &rows<kQ5_K>;
+    case kQ6_K: return &rows<kQ6_K>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool int8_format(int64_t format) { return rows_fn(format) != nullptr; }
+
+at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % 32 == 0, "linear: activations=8 needs K % 32 == 0, got K = ", K);
+  struct Seg {
+    const uint8_t* w;
+    int64_t rows, row_bytes, col0, item0;
+    RowsFn fn;
+  };
+  std::vector<Seg> segs;
+  std::vector<at::Tensor> keep;
+  int64_t N = 0, items = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const RowsFn fn = rows_fn(formats[i]);
+    TORCH_CHECK(fn != nullptr, "linear: activations=8 needs GGUF block weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
+                "Q6_K); weights[", i, "] has format ", formats[i]);
+    const int64_t rb = format_row_bytes(formats[i], K);
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.is_cpu() && w.scalar_type() == at::kByte && w.size(1) == rb, "linear: weights[", i,
+                "] (format ", formats[i], ", K = ", K, ") must be uint8 [N, ", rb, "], got ", w.scalar_type(), " ",
+                w.sizes());
+    keep.push_back(w.contiguous());
+    segs.push_back({keep.back().data_ptr<uint8_t>(), w.size(0), rb, N, items, fn});
+    N += w.size(0);
+    items += (w.size(0) + kRows - 1) / kRows;
+  }
+  const int64_t R = x.numel() / K, nb = K / 32;
+  at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
+  std::vector<int8_t> q(static_cast<size_t>(R * K));
+  std::vector<float> d(static_cast<size_t>(R * nb)), s(static_cast<size_t>(R * nb));
+  std::vector<int32_t> lsum(static_cast<size_t>(R * nb * 8));
+  std::vector<QRow> xr(static_cast<size_t>(R));
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]);
+    xr[r] = {&q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]};
+  }
+  std::optional<at::Tensor> bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor yf = at::empty({R, N}, xf.options());
+  float* yp = yf.data_ptr<float>();
+  const Isa isa = cpu_isa();
+  const int64_t grain = std::max<int64_t>(1, items / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, items, grain, [&](int64_t a, int64_t b) {
+    size_t si = 0;
+    for (int64_t it = a; it < b; ++it) {
+      while (si + 1 < segs.size() && segs[si + 1].item0 <= it) ++si;
+      const Seg& sg = segs[si];
+      const int64_t o0 = (it - sg.item0) * kRows, nw = std::min(kRows, sg.rows - o0);
+      const uint8_t* wr[kRows];
+      for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+      sg.fn(wr, nw, sg.row_bytes, xr.data(), R, K, yp + sg.col0 + o0, N, isa);
+    }
+  });
+  if (bf) yf.add_(*bf);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(N);
+  return yf.to(x.scalar_type()).view(shape);
+}
+
+}  // namespace turbospec
