@@ -90,8 +90,9 @@ def peer_gguf(bin_dir: str, src: str, fmt: str) -> str:
 def ts_model(src: str, fmt: str):
     import torch
     import turbospec
-    if fmt == "q":
-        return turbospec.load_model(src, torch.float32, weights="auto")
+    if fmt in ("q", "q-int8"):  # q-int8: the same blocks, int8 activations (llama.cpp's arithmetic)
+        return turbospec.load_model(src, torch.float32, weights="auto",
+                                    activations="int8" if fmt == "q-int8" else "exact")
     return turbospec.load_model(src, {"f32": torch.float32, "bf16": torch.bfloat16}[fmt], weights="dense")
 
 
@@ -129,7 +130,8 @@ def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[int, float
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default", help="a .gguf file ('default': SmolLM2-135M-Instruct Q4_1)")
-    p.add_argument("--formats", default="q,f32,bf16", help="q (the GGUF as stored), f32, bf16")
+    p.add_argument("--formats", default="q,q-int8,f32,bf16",
+                   help="q (the GGUF as stored), q-int8 (the same, int8 activations), f32, bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=96, help="decode tokens for the plain rows (llama-bench -n)")
     p.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
@@ -139,6 +141,8 @@ def main() -> int:
     p.add_argument("--draft-model", default=None,
                    help="a draft .gguf for --model (same tokenizer): adds the target/draft pair section")
     p.add_argument("--pair-fixed", default="2,3,4,6,8", help="fixed draft lengths for the pair section")
+    p.add_argument("--pair-int8", action="store_true",
+                   help="pair section: also plain / best fixed length / adaptive with int8 activations")
     p.add_argument("--llama-draft-max", default="4,8", help="llama-speculative-simple --spec-draft-n-max values")
     p.add_argument("--llama-bin", default=None, help="llama.cpp bin folder (default: the build script's)")
     p.add_argument("--out", default=os.path.join("bench", "out"))
@@ -162,7 +166,7 @@ def main() -> int:
             res["curve"].setdefault(fmt, {})["turbospec"] = ts_verify_curve(model)
         del model
         if bin_dir:
-            gguf = src if fmt == "q" else peer_gguf(bin_dir, src, fmt)
+            gguf = src if fmt.startswith("q") else peer_gguf(bin_dir, src, fmt)
             ns = ",".join(str(n) for n in VERIFY_TOKENS) if not args.no_curve else "0"
             cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", str(args.reps),
                    "-p", ns, "-n", str(args.tokens), "-o", "json"]
@@ -284,6 +288,17 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
     systems["ts_draft_adaptive"] = dict(drafter="draft_model", draft_model=draft, num_draft=max(fixed),
                                         adaptive=True)
     out = ts_systems(target, tok, encoded, systems, args)
+    if args.pair_int8:  # the same with int8 activations (llama.cpp's arithmetic): its own plain baseline
+        best = max(fixed, key=lambda k: out[f"ts_draft_k{k}"]["tok_s"])
+        int8 = {"ts_plain": dict(drafter="none", activations="int8"),
+                f"ts_draft_k{best}": dict(drafter="draft_model", draft_model=draft, num_draft=best, adaptive=False,
+                                          activations="int8"),
+                "ts_draft_adaptive": dict(drafter="draft_model", draft_model=draft, num_draft=max(fixed),
+                                          activations="int8")}
+        for name, r in ts_systems(target, tok, encoded, int8, args).items():
+            out[name + "_int8"] = r
+        target.set_activations("exact")
+        draft.set_activations("exact")
     if bin_dir:
         cmd = [os.path.join(bin_dir, "llama-bench"), "-m", src, "-t", str(args.threads), "-r", str(args.reps),
                "-p", "0", "-n", str(args.tokens), "-o", "json"]
@@ -319,12 +334,15 @@ def markdown(meta: dict, res: dict) -> str:
     for key, title in (("spec", "Speculation"), ("pair", "Target + draft model")):
         if not res.get(key):
             continue
-        plain = res[key].get("ts_plain", {}).get("tok_s")
+        llama = res[key].get("llama_plain_tg", {}).get("tok_s")
         lines += ["", f"{title}, Spec-Bench sample, decode tok/s (prefill excluded)", "",
-                  "| system | tok/s | x turbospec plain | tau | output == plain greedy |", "|---|---|---|---|---|"]
+                  "| system | tok/s | x turbospec plain (same activations) | x llama.cpp plain | tau | "
+                  "output == plain greedy |", "|---|---|---|---|---|---|"]
         for name, r in res[key].items():
-            ratio = f"{r['tok_s'] / plain:.2f}x" if plain else "-"
-            lines.append(f"| {name} | {r['tok_s']:.1f} | {ratio} | {r.get('tau', float('nan')):.2f} | "
+            base = res[key].get("ts_plain_int8" if name.endswith("_int8") else "ts_plain", {}).get("tok_s")
+            ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
+            vs_llama = f"{r['tok_s'] / llama:.2f}x" if llama else "-"
+            lines.append(f"| {name} | {r['tok_s']:.1f} | {ratio} | {vs_llama} | {r.get('tau', float('nan')):.2f} | "
                          f"{r.get('equal_to_plain', '-')} |")
     return "\n".join(lines) + "\n"
 

@@ -370,3 +370,20 @@ def test_depth_budget_follows_acceptance_and_cost():
         d = b.choose(6)
         b.record(d, d, 0.002, 0.010)
     assert b.choose(6) >= 4
+
+
+def test_budget_carries_costs_over_between_generations():
+    """A new generation starts from the last one's measured costs and (half-weighted) acceptance,
+    not from the prior; untimed budgets (seeded sampling) never do."""
+    last = DraftBudget(8)
+    simulate(last, steps=100, accept=0.6, draft=0.3)
+    fresh, carried = DraftBudget(8), DraftBudget(8)
+    carried.carry_over(last)
+    assert carried.costs() == last.costs() and fresh.costs() != last.costs()
+    assert carried.choose() == last.choose()
+    assert carried.accepted == pytest.approx(0.5 * last.accepted)
+    untimed = DraftBudget(8, timed=False)
+    untimed.carry_over(last)
+    assert untimed.verify_time == {} and untimed.draft_time == []
+    carried.carry_over(None)  # nothing to carry: unchanged
+    assert carried.costs() == last.costs()

@@ -67,6 +67,18 @@ class DraftBudget:
         s, f = self.accepted + self.prior[0], self.rejected + self.prior[1]
         return s / (s + f)
 
+    def carry_over(self, last: "DraftBudget | None") -> None:
+        """Start from what an earlier generation measured on the same engine: its cost samples (the
+        machine's and the models', not the prompt's) and half the weight of its acceptance counts
+        (a prior the new prompt soon outweighs). A short generation then does not spend its first
+        steps re-learning the costs from the prior."""
+        if last is None or not (self.timed and last.timed) or last.max_draft != self.max_draft:
+            return
+        self.verify_time = {w: list(v) for w, v in last.verify_time.items()}
+        self.draft_time = list(last.draft_time)
+        self.accepted, self.rejected = 0.5 * last.accepted, 0.5 * last.rejected
+        self._cost = None
+
     @staticmethod
     def _median(samples: list[float]) -> float:
         return sorted(samples)[(len(samples) - 1) // 2]

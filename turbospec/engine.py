@@ -149,6 +149,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.num_draft = num_draft
         self.adaptive = adaptive
+        self._last_budget = None  # the draft budget of the last timed generation (carried over)
         eos = set(self.target.cfg.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
@@ -409,6 +410,9 @@ class Engine:
         # stream is consumed) must then not depend on measured timings.
         budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive,
                              timed=params.greedy or seed is None)
+        if budget.timed:  # what the last generation measured (costs are the machine's, not the prompt's)
+            budget.carry_over(self._last_budget)
+            self._last_budget = budget
         t0 = time.perf_counter()
         cache_len, feats = self.prefill(ids)
         tokens = list(ids)

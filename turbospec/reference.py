@@ -389,16 +389,64 @@ def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor |
     return q.reshape(n, k), scale.reshape(n, k // 16).contiguous(), None if minw is None else minw.reshape(n, k // 32)
 
 
-def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_activations(x: Tensor, block: int = 32) -> tuple[Tensor, Tensor]:
     """Specification of the int8 activations of ``linear(..., activations=8)``: each row of ``x``
-    [R, K] (K % 32 == 0) in blocks of 32: d = max|x| / 127 (float32), q = x * (1 / d) rounded to the
-    nearest integer, ties to even (q = 0 where d = 0). Returns q int64 [R, K], d float32 [R, K / 32]."""
+    [R, K] in blocks of ``block`` (32; 256 for the K-quant formats): d = max|x| / 127 (float32),
+    q = x * (1 / d) rounded to the nearest integer, ties to even (q = 0 where d = 0).
+    Returns q int64 [R, K], d float32 [R, K / block]."""
     r, k = x.shape
-    xb = x.float().reshape(r, k // 32, 32)
+    xb = x.float().reshape(r, k // block, block)
     d = xb.abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).long()
     return q.reshape(r, k), d
+
+
+def _fma32(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """float32 fma(a, b, acc): the product and sum in float64, rounded once to float32 (see small_linear)."""
+    return (acc.double() + a.double() * b.double()).float()
+
+
+def _linear_int8_k(qx: Tensor, dx: Tensor, raw: Tensor, fmt: int, k: int) -> Tensor:
+    """One K-quant segment (Q4_K, Q5_K, Q6_K) against activations quantized per 256 -> [n, R]."""
+    n, R, ns = raw.shape[0], qx.shape[0], k // 256
+    name, _, nbytes = WEIGHT_FORMATS[fmt]
+    b = raw.reshape(n, ns, nbytes)
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = (t.long() for t in _k4_scale_min(b[..., 4:16]))  # [n, ns, 8]
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        u = _nibbles(qs.reshape(n, ns, 4, 32)).reshape(n, ns, 8, 32).long()
+        if name == "Q5_K":
+            u = u | (((b[..., 16:48].long()[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
+        lane_scale = sc[..., None].expand(n, ns, 8, 8)  # [n, ns, sub-block, lane]
+        bsum = qx.view(R, ns, 8, 32).sum(-1)  # [R, ns, 8]
+        big_m = (mn.view(n, 1, ns, 8) * bsum.view(1, R, ns, 8)).sum(-1)  # [n, R, ns]
+        neg = -(dmin.view(n, 1, ns) * dx.view(1, R, ns))
+    else:  # Q6_K: unsigned 6-bit values u (q = u - 32), one int8 scale per 16
+        ql, qh = b[..., 0:128].reshape(n, ns, 2, 64), b[..., 128:192].reshape(n, ns, 2, 32).long()
+        lo = _nibbles(ql).long().reshape(n, ns, 2, 128)
+        hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, ns, 2, 128)
+        u = (lo | (hi << 4)).reshape(n, ns, 8, 32)
+        sc = b[..., 192:208].contiguous().view(torch.int8).long()  # [n, ns, 16]
+        d = _f16(b[..., 208:210])
+        lane_scale = sc.view(n, ns, 8, 2).repeat_interleave(4, dim=-1)  # lanes 0..3: first 16, 4..7: second
+        bsum16 = qx.view(R, ns, 16, 16).sum(-1)
+        big_m = (sc.view(n, 1, ns, 16) * bsum16.view(1, R, ns, 16)).sum(-1)
+        neg = None
+    prod = (u.view(n, 1, ns, 8, 8, 4) * qx.view(1, R, ns, 8, 8, 4)).sum(-1)  # [n, R, ns, sub, lane]
+    lanes = (prod * lane_scale.view(n, 1, ns, 8, 8)).sum(3)  # exact integers [n, R, ns, 8]
+    ddx = d.view(n, 1, ns) * dx.view(1, R, ns)
+    if neg is None:
+        neg = -(32.0 * ddx)
+    acc = torch.zeros(n, R, 8, dtype=torch.float32)
+    m = torch.zeros(n, R, dtype=torch.float32)
+    for s_ in range(ns):
+        acc = _fma32(acc, ddx[:, :, s_, None], lanes[:, :, s_].float())
+        m = _fma32(m, neg[:, :, s_], big_m[:, :, s_].float())
+    t = acc[..., :4] + acc[..., 4:]
+    t = t[..., :2] + t[..., 2:]
+    return t[..., 0] + t[..., 1] + m
 
 
 def has_int8_kernel(fmt: int) -> bool:
@@ -408,30 +456,44 @@ def has_int8_kernel(fmt: int) -> bool:
 
 def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None = None) -> Tensor:
     """Specification of ``turbospec::linear(..., activations=8)`` (GGUF block weights only): the
-    activations quantized per 32 (``quantize_activations``), integer dot products, float32 scales.
-    For output o and input row r, block b of 32 weights: eight lanes j = 0..7 each take the exact
-    integer L_j = sum of q_w * q_x over the 4 weights 4j..4j+3 of the block, and accumulate
-    acc_j = fma(scale_w(j) * d_x, L_j, acc_j) over the blocks in order (scale_w(j): the weights'
-    scale of lanes j's 16, ``block_parts``); formats with an additive term accumulate
-    m = fma(minw, d_x * sum(q_x), m) block by block. y = ((acc_j + acc_j+4) pairwise + 2, + 1) + m
-    (+ bias); cast to x's dtype. Each row is computed alone: batch-invariant like ``linear``."""
+    activations quantized to int8 (``quantize_activations``), integer dot products, float32 scales.
+    Q4_0 / Q4_1 / Q5_0 / Q8_0 (activations per 32): for output o, input row r and block b of 32
+    weights, lanes j = 0..7 take the exact integer L_j = sum of q_w * q_x over weights 4j..4j+3 of
+    the block and accumulate acc_j = fma(scale_w * d_x, L_j, acc_j) block by block (``block_parts``);
+    Q4_1 adds m = fma(min_w, d_x * sum(q_x), m) block by block.
+    Q4_K / Q5_K / Q6_K (activations per 256, one super-block): lane j takes the exact integer
+    L_j = sum over the 8 sub-blocks of (integer scale) * sum of u_w * q_x over weights 4j..4j+3 of the
+    sub-block (u_w: the stored unsigned values; Q6_K: its scale of each 16), and per super-block
+    acc_j = fma(d_w * d_x, float(L_j), acc_j), m = fma(-(dmin_w * d_x), float(sum of mins * sums of
+    q_x), m) (Q6_K: -(32 * d_w * d_x) times the sum of scales * sums of q_x per 16: its offset).
+    y = ((acc_j + acc_j+4), + 2, + 1) + m (+ bias), cast to x's dtype. Each row is computed alone:
+    batch-invariant like ``linear``."""
     k = x.shape[-1]
     xr = x.reshape(-1, k)
-    qx, dx = quantize_activations(xr)  # [R, K], [R, nb]
-    R, nb = qx.shape[0], k // 32
+    q32 = q256 = None
     outs = []
     for w, f in zip(weights, formats):
-        q, scale, minw = block_parts(w, int(f), k)
+        f = int(f)
+        if WEIGHT_FORMATS[f][1] == 256:
+            if q256 is None:
+                q256 = quantize_activations(xr, 256)
+            outs.append(_linear_int8_k(*q256, w, f, k).T)
+            continue
+        if q32 is None:
+            q32 = quantize_activations(xr)
+        qx, dx = q32
+        R, nb = qx.shape[0], k // 32
+        q, scale, minw = block_parts(w, f, k)
         n = q.shape[0]
         lanes = (q.view(n, 1, nb, 8, 4) * qx.view(1, R, nb, 8, 4)).sum(-1)  # exact integers [n, R, nb, 8]
         s = scale.view(n, 1, nb, 2, 1).expand(n, 1, nb, 2, 4).reshape(n, 1, nb, 8) * dx.view(1, R, nb, 1)
         acc = torch.zeros(n, R, 8, dtype=torch.float32)
         m = torch.zeros(n, R, dtype=torch.float32)
         sx = dx * qx.view(R, nb, 32).sum(-1).float()  # [R, nb]
-        for blk in range(nb):  # one FMA per step in float64, rounded to float32 (see small_linear)
-            acc = (acc.double() + s[:, :, blk].double() * lanes[:, :, blk].double()).float()
+        for blk in range(nb):
+            acc = _fma32(acc, s[:, :, blk], lanes[:, :, blk].float())
             if minw is not None:
-                m = (m.double() + minw[:, None, blk].double() * sx[None, :, blk].double()).float()
+                m = _fma32(m, minw[:, None, blk], sx[None, :, blk])
         t = acc[..., :4] + acc[..., 4:]
         t = t[..., :2] + t[..., 2:]
         y = t[..., 0] + t[..., 1]

@@ -50,7 +50,29 @@ struct QRow {
   const float* d;
   const float* s;
   const int32_t* lsum;  // [K / 32][8]
+  // per 256 (the K-quant formats): q256 [K], d256 [K / 256], sums of q256 per 16 [K / 16]
+  const int8_t* q256;
+  const float* d256;
+  const int32_t* bsum16;
 };
+
+void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int32_t* bsum16) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const float* xb = x + 256 * b;
+    float amax = 0.f;
+    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.f;
+    const float inv = db > 0.f ? 1.f / db : 0.f;
+    for (int j = 0; j < 256; ++j)
+      q[256 * b + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[j] * inv))));
+    for (int g = 0; g < 16; ++g) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[256 * b + 16 * g + j];
+      bsum16[16 * b + g] = sum;
+    }
+    d[b] = db;
+  }
+}
 
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum) {
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -167,6 +189,92 @@ void rows_scalar(const uint8_t* const* wr, int64_t nw, const QRow* xr, int64_t R
       float y = combine8(acc);
       if constexpr (has_min(F)) y = y + m;
       out[r * ldo + i] = y;
+    }
+}
+
+// K-quant super-block s of a row: unsigned values u[256], integer scale per 32 (Q4_K / Q5_K) or per
+// 16 (Q6_K) in sc[16] (per 32: sc[2l] == sc[2l + 1]), and the min term's integer weights per 16
+// (mn16, Q4_K / Q5_K: min per 32 on both halves; Q6_K: the scale, times the -32 offset); d_w, neg
+// factor (-dmin_w for Q4_K / Q5_K, -32 d_w for Q6_K, both before the d_x product).
+template <int64_t F>
+inline void superblock_ints(const uint8_t* row, int64_t s, uint8_t* u, int* sc, int* mn16, float* d, float* neg) {
+  const uint8_t* p = row + s * block_bytes(F);
+  if constexpr (F == kQ4_K || F == kQ5_K) {
+    *d = f16(p);
+    *neg = -f16(p + 2);
+    for (int l = 0; l < 8; ++l) {
+      int a, m;
+      k4_scale_min(p + 4, l, &a, &m);
+      sc[2 * l] = sc[2 * l + 1] = a;
+      mn16[2 * l] = mn16[2 * l + 1] = m;
+      const uint8_t* qs = p + (F == kQ4_K ? 16 : 48) + 32 * (l >> 1);
+      for (int e = 0; e < 32; ++e) {
+        int q = (l & 1) ? (qs[e] >> 4) : (qs[e] & 15);
+        if constexpr (F == kQ5_K) q |= ((p[16 + e] >> l) & 1) << 4;
+        u[32 * l + e] = static_cast<uint8_t>(q);
+      }
+    }
+  } else {
+    *d = f16(p + 208);
+    *neg = 0.f;  // (-32 * (d_w * d_x): formed after the product)
+    for (int g = 0; g < 16; ++g) sc[g] = mn16[g] = reinterpret_cast<const int8_t*>(p + 192)[g];
+    for (int l = 0; l < 8; ++l) {
+      const int half = l >> 2, c = l & 3;
+      const uint8_t* ql = p + 64 * half + 32 * (c & 1);
+      const uint8_t* qh = p + 128 + 32 * half;
+      for (int e = 0; e < 32; ++e)
+        u[32 * l + e] = static_cast<uint8_t>(((c >> 1) ? (ql[e] >> 4) : (ql[e] & 15)) | (((qh[e] >> (2 * c)) & 3) << 4));
+    }
+  }
+}
+
+// The min term's integer: sum over the super-block of (min per 32, Q4_K / Q5_K; scale per 16, Q6_K)
+// times the sum of q_x under it.
+template <int64_t F>
+inline int32_t min_sum(const int* mn16, const int32_t* bsum16) {
+  int32_t M = 0;
+  if constexpr (F == kQ6_K) {
+    for (int g = 0; g < 16; ++g) M += mn16[g] * bsum16[g];
+  } else {
+    for (int l = 0; l < 8; ++l) M += mn16[2 * l] * (bsum16[2 * l] + bsum16[2 * l + 1]);
+  }
+  return M;
+}
+
+// The per-super-block float factors: lane factor d_w * d_x and the min term's factor.
+template <int64_t F>
+inline void k_factors(float d, float neg, float dx, float* ddx, float* nm) {
+  *ddx = d * dx;
+  if constexpr (F == kQ6_K) *nm = -(32.f * *ddx);
+  else *nm = neg * dx;  // -(dmin * dx): negation is exact, so == -(dmin * dx)
+}
+
+template <int64_t F>
+void rows_k_scalar(const uint8_t* const* wr, int64_t nw, const QRow* xr, int64_t R, int64_t K, float* out,
+                   int64_t ldo) {
+  uint8_t u[256];
+  int sc[16], mn16[16];
+  float d, neg;
+  for (int64_t i = 0; i < nw; ++i)
+    for (int64_t r = 0; r < R; ++r) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, m = 0.f;
+      for (int64_t s = 0; s < K / 256; ++s) {
+        superblock_ints<F>(wr[i], s, u, sc, mn16, &d, &neg);
+        const int8_t* q = xr[r].q256 + 256 * s;
+        int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int l = 0; l < 8; ++l)
+          for (int j = 0; j < 8; ++j) {
+            int32_t t = 0;
+            for (int e = 32 * l + 4 * j; e < 32 * l + 4 * j + 4; ++e) t += u[e] * q[e];
+            L[j] += sc[2 * l + (j >> 2)] * t;
+          }
+        const int32_t M = min_sum<F>(mn16, xr[r].bsum16 + 16 * s);
+        float ddx, nm;
+        k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
+        for (int j = 0; j < 8; ++j) acc[j] = std::fma(ddx, static_cast<float>(L[j]), acc[j]);
+        m = std::fma(nm, static_cast<float>(M), m);
+      }
+      out[r * ldo + i] = combine8(acc) + m;
     }
 }
 
@@ -298,15 +406,118 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
     }
 }
 
+// K-quant formats: NW weight rows x NX input rows; per super-block the integer lanes are summed over
+// the 8 sub-blocks (scales folded in by madd), then one float FMA per lane.
+template <int64_t F, int NW, int NX>
+TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                         int64_t ldo) {
+  constexpr int64_t bytes = block_bytes(F);
+  const int64_t ahead = kRows * row_bytes;
+  __m256 acc[NW][NX];
+  float m[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      m[i][r] = 0.f;
+    }
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t s = 0; s < K / 256; ++s) {
+    for (int i = 0; i < NW; ++i) {
+      const uint8_t* p = wr[i] + s * bytes;
+      for (int64_t c = 0; c < bytes; c += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p + ahead + c), _MM_HINT_T0);
+      int sc[16], mn16[16];
+      float d, neg;
+      __m256i L[NX];
+      for (int r = 0; r < NX; ++r) L[r] = _mm256_setzero_si256();
+      if constexpr (F == kQ4_K || F == kQ5_K) {
+        d = f16c(p);
+        neg = -f16c(p + 2);
+        for (int l = 0; l < 8; ++l) {
+          int a, mm;
+          k4_scale_min(p + 4, l, &a, &mm);
+          sc[2 * l] = sc[2 * l + 1] = a;
+          mn16[2 * l] = mn16[2 * l + 1] = mm;
+        }
+        const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
+        __m256i h = _mm256_setzero_si256();
+        if constexpr (F == kQ5_K) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+        for (int pp = 0; pp < 4; ++pp) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * pp));
+          __m256i u[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+          if constexpr (F == kQ5_K) {
+            for (int t = 0; t < 2; ++t) {
+              const __m256i sel = _mm256_set1_epi8(static_cast<char>(1 << (2 * pp + t)));
+              u[t] = _mm256_or_si256(u[t], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel), sel),
+                                                            _mm256_set1_epi8(0x10)));
+            }
+          }
+          for (int t = 0; t < 2; ++t) {
+            const int l = 2 * pp + t;
+            const __m256i scv = _mm256_set1_epi16(static_cast<short>(sc[2 * l]));
+            for (int r = 0; r < NX; ++r) {
+              const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q256 + 256 * s + 32 * l));
+              L[r] = _mm256_add_epi32(L[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], qx), scv));
+            }
+          }
+        }
+      } else {  // Q6_K
+        d = f16c(p + 208);
+        neg = 0.f;
+        const int8_t* s8 = reinterpret_cast<const int8_t*>(p + 192);
+        for (int g = 0; g < 16; ++g) sc[g] = mn16[g] = s8[g];
+        for (int half = 0; half < 2; ++half) {
+          const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
+          const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
+          const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
+          for (int c = 0; c < 4; ++c) {
+            const int l = 4 * half + c;
+            const __m256i ql = (c & 1) ? ql1 : ql0;
+            const __m256i lo = _mm256_and_si256((c >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+            const __m256i hi =
+                _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
+            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+            const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(sc[2 * l + 1])),
+                                                 _mm_set1_epi16(static_cast<short>(sc[2 * l])));
+            for (int r = 0; r < NX; ++r) {
+              const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q256 + 256 * s + 32 * l));
+              L[r] = _mm256_add_epi32(L[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), scv));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < NX; ++r) {
+        float ddx, nm;
+        k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
+        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L[r]), acc[i][r]);
+        m[i][r] = std::fma(nm, static_cast<float>(min_sum<F>(mn16, xr[r].bsum16 + 16 * s)), m[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+      out[r * ldo + i] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + m[i][r];
+    }
+}
+
+template <int64_t F, int NW, int NX>
+TS_AVX2 __attribute__((always_inline)) inline void tile(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr,
+                                                        int64_t K, float* out, int64_t ldo) {
+  if constexpr (is_k(F)) tile_k_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
+  else tile_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
+}
+
 template <int64_t F>
 TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R,
                        int64_t K, float* out, int64_t ldo) {
   if (R == 1) {
     switch (nw) {
-      case 4: tile_avx2<F, 4, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      case 3: tile_avx2<F, 3, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      case 2: tile_avx2<F, 2, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      default: tile_avx2<F, 1, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 4: tile<F, 4, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 3: tile<F, 3, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 2: tile<F, 2, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      default: tile<F, 1, 1>(wr, row_bytes, xr, K, out, ldo); break;
     }
     return;
   }
@@ -316,7 +527,7 @@ TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, 
       const int64_t nr = std::min<int64_t>(4, R - r);
       float* o = out + r * ldo + i;
       const QRow* x = xr + r;
-#define TS_TILE(NWv, NXv) tile_avx2<F, NWv, NXv>(wr + i, row_bytes, x, K, o, ldo)
+#define TS_TILE(NWv, NXv) tile<F, NWv, NXv>(wr + i, row_bytes, x, K, o, ldo)
       if (ni == 2) {
         switch (nr) { case 4: TS_TILE(2, 4); break; case 3: TS_TILE(2, 3); break; case 2: TS_TILE(2, 2); break; default: TS_TILE(2, 1); }
       } else {
@@ -337,7 +548,8 @@ void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* x
     return;
   }
 #endif
-  rows_scalar<F>(wr, nw, xr, R, K, out, ldo);
+  if constexpr (is_k(F)) rows_k_scalar<F>(wr, nw, xr, R, K, out, ldo);
+  else rows_scalar<F>(wr, nw, xr, R, K, out, ldo);
 }
 
 using RowsFn = void (*)(const uint8_t* const*, int64_t, int64_t, const QRow*, int64_t, int64_t, float*, int64_t, Isa);
@@ -386,15 +598,27 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
     items += (w.size(0) + kRows - 1) / kRows;
   }
   const int64_t R = x.numel() / K, nb = K / 32;
+  const bool need32 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return !is_k(f); });
+  const bool need256 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return is_k(f); });
+  TORCH_CHECK(!need256 || K % 256 == 0, "linear: K-quant weights need K % 256 == 0, got K = ", K);
   at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
-  std::vector<int8_t> q(static_cast<size_t>(R * K));
-  std::vector<float> d(static_cast<size_t>(R * nb)), s(static_cast<size_t>(R * nb));
-  std::vector<int32_t> lsum(static_cast<size_t>(R * nb * 8));
+  const size_t n32 = need32 ? static_cast<size_t>(R) : 0, n256 = need256 ? static_cast<size_t>(R) : 0;
+  std::vector<int8_t> q(n32 * K), q256(n256 * K);
+  std::vector<float> d(n32 * nb), s(n32 * nb), d256(n256 * (K / 256));
+  std::vector<int32_t> lsum(n32 * nb * 8), bsum16(n256 * (K / 16));
   std::vector<QRow> xr(static_cast<size_t>(R));
   const float* xp = xf.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
-    quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]);
-    xr[r] = {&q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]};
+    QRow& row = xr[r];
+    row = {};
+    if (need32) {
+      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]);
+      row.q = &q[r * K], row.d = &d[r * nb], row.s = &s[r * nb], row.lsum = &lsum[r * nb * 8];
+    }
+    if (need256) {
+      quantize_row_256(xp + r * K, K, &q256[r * K], &d256[r * (K / 256)], &bsum16[r * (K / 16)]);
+      row.q256 = &q256[r * K], row.d256 = &d256[r * (K / 256)], row.bsum16 = &bsum16[r * (K / 16)];
+    }
   }
   std::optional<at::Tensor> bf;
   if (bias.has_value() && bias->defined()) {
