@@ -245,12 +245,12 @@ def test_budget_intermediate_choice():
 
 
 def test_budget_probes_again_after_switching_off():
-    """Off, the budget drafts one probe step after 4, 8, 16, 32, 64, 64 plain steps (each probe
-    rejected here); a probe that pays switches speculation back on."""
+    """Off, the budget drafts a probe (two steps: the second is measured) after 4, 8, 16, 32, 64, 64
+    plain steps (each rejected here); a probe that pays switches speculation back on."""
     b = DraftBudget(8)
     feed(b, 0.0, lambda w: 0.01 * (1 + 0.3 * (w - 1)))  # moderate cost: worth it only if a > 0.3
     gaps, off, rates = [], 0, [b.accept_rate]
-    for _ in range(4 + 8 + 16 + 32 + 64 + 64 + 6):
+    for _ in range(4 + 8 + 16 + 32 + 64 + 64 + 12):
         k = b.choose()
         if k == 0:
             off += 1
@@ -259,7 +259,7 @@ def test_budget_probes_again_after_switching_off():
         gaps.append(off)
         off = 0
         b.record(k, 0, k + 1, 0.01 * (1 + 0.3 * k), 1e-6 * k)  # the probe: rejected
-    assert gaps == [4, 8, 16, 32, 64, 64]
+    assert gaps == [4, 0, 8, 0, 16, 0, 32, 0, 64, 0, 64, 0]
     assert all(r2 <= r1 for r1, r2 in zip(rates, rates[1:]))  # plain steps are no evidence; probes fail
     for _ in range(64):  # the next probe: everything accepted -> speculation back on
         k = b.choose()
@@ -333,7 +333,12 @@ def test_budget_drafts_again_when_drafting_got_cheap():
     """Drafting expensive for a while (switched off), then cheap: within a few probes it is back."""
     b = DraftBudget(8)
     simulate(b, steps=60, draft=5.0)
-    assert b.choose() == 0
+    off = []
+    for _ in range(40):  # still expensive: off but for the occasional probe (two steps)
+        k = b.choose()
+        off.append(k)
+        b.record(k, k, k + 1, 1.0 + 0.1 * k, 5.0 * k)
+    assert sum(k > 0 for k in off) <= 4, off
     choices = []
     for _ in range(150):
         k = b.choose()
@@ -380,7 +385,6 @@ def test_budget_carries_costs_over_between_generations():
     fresh, carried = DraftBudget(8), DraftBudget(8)
     carried.carry_over(last)
     assert carried.costs() == last.costs() and fresh.costs() != last.costs()
-    assert carried.choose() == last.choose()
     assert carried.accepted == pytest.approx(0.5 * last.accepted)
     untimed = DraftBudget(8, timed=False)
     untimed.carry_over(last)

@@ -9,11 +9,12 @@ measured is interpolated linearly between measured neighbours, beyond them it gr
 every 8th drafting step tries a neighbouring length, so that the widths around the choice stay
 fresh. Draft: k times the median per-token cost of the last 9 drafting steps (k draft forwards, k
 lookups). Medians, so one outlier (a drafter catching up on a long stretch, a page fault) cannot
-switch speculation off; a probe (below) starts the draft cost's history afresh. Acceptance is a decayed count of accepted vs rejected
-tokens (decayed per drafting step). While speculation is off, one step drafts anyway after 4, 8, 16,
-... 64 plain steps (the best positive length by the current estimates), so that acceptance and draft
-cost are measured again: a drafter is never kept off on stale data, and a useless one costs one
-probe in 64 steps.
+switch speculation off; a probe (below) starts the draft cost's history afresh (its own time,
+inflated by a draft model's catch-up on the tokens committed while off, is not kept). Acceptance is a decayed count of accepted vs rejected
+tokens (decayed per drafting step). While speculation is off, two steps draft anyway after 4, 8, 16,
+... 64 plain steps (1 or 2 tokens, whichever the estimates prefer; the second step's draft time
+is measured), so that acceptance and draft cost are measured again: a drafter is never kept off on
+stale data, and a useless one costs two steps in 64.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class DraftBudget:
         self._probe_interval = 4
         self._drafting_steps = 0
         self._probing = False
+        self._confirm = 0  # after a probe: the length to draft once more, to measure a steady step
 
     @property
     def accept_rate(self) -> float:
@@ -102,6 +104,9 @@ class DraftBudget:
     def choose(self) -> int:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
+        if self._confirm:
+            k, self._confirm = self._confirm, 0
+            return k
         cost = self.costs()
         rates = [self.expected_tokens(k) / cost[k] for k in range(self.max_draft + 1)]
         best_k = 0
@@ -122,7 +127,10 @@ class DraftBudget:
             self._off_steps = 0
             self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
             self._probing = True
-            return max(range(1, self.max_draft + 1), key=lambda k: rates[k])
+            k = max(range(1, min(2, self.max_draft) + 1), key=lambda k: rates[k])  # cheap: 1 or 2
+            if self.timed:
+                self._confirm = k
+            return k
         return 0
 
     def record(self, proposed: int, accepted: int, width: int, verify_seconds: float,
@@ -132,9 +140,14 @@ class DraftBudget:
             samples.append(verify_seconds)
             del samples[:-self.SAMPLES]
             if proposed > 0:
-                if self._probing:  # what was measured before speculation went off is stale
+                if self._probing:
+                    # What was measured before speculation went off is stale, and the probe's own
+                    # time is not a steady step's (a draft model first catches up on every token
+                    # committed while it was off): drop both; the step after a probe drafts the same
+                    # length again and is measured.
                     self.draft_time.clear()
-                self.draft_time.append(draft_seconds / proposed)
+                else:
+                    self.draft_time.append(draft_seconds / proposed)
                 del self.draft_time[:-self.DRAFT_SAMPLES]
             self._cost = None
         self._probing = False
