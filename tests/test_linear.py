@@ -92,15 +92,20 @@ def test_quantized_rows_isas_and_threads_give_identical_bits(name):
     raw = random_blocks(name, n, k, seed=3)
     fmt = BLOCK_FORMATS[name]
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    y = rows_alone_on_every_path(lambda rows: ops.linear(rows, [raw], [fmt]), x)
+    assert torch.equal(y, ops.small_linear(x, ops.dequantize(raw, fmt, k)))
 
+
+def rows_alone_on_every_path(fn, x):
+    """fn(x) == fn(each row alone), for 1 and 2 threads, identical on every ISA; returns fn(x)."""
     def per_thread_count():
         out = []
         before = torch.get_num_threads()
         try:
             for threads in (1, 2):
                 torch.set_num_threads(threads)
-                together = ops.linear(x, [raw], [fmt])
-                alone = torch.cat([ops.linear(x[i:i + 1], [raw], [fmt]) for i in range(x.shape[0])])
+                together = fn(x)
+                alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
                 assert torch.equal(together, alone), (ops.cpu_isa(), threads)
                 out.append(together)
         finally:
@@ -110,7 +115,7 @@ def test_quantized_rows_isas_and_threads_give_identical_bits(name):
     results = [y for per_isa in on_every_isa(per_thread_count) for y in per_isa]
     for y in results[1:]:
         assert torch.equal(y, results[0])
-    assert torch.equal(results[0], ops.small_linear(x, ops.dequantize(raw, fmt, k)))
+    return results[0]
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 64), (1, 50, 576), (3, 19, 100), (4, 8, 7), (9, 33, 40),
@@ -250,25 +255,8 @@ def test_int8_rows_isas_and_threads_give_identical_bits(name):
     raw = random_blocks(name, n, k, seed=5)
     fmt = BLOCK_FORMATS[name]
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(6))
-
-    def per_thread_count():
-        out = []
-        before = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                together = ops.linear(x, [raw], [fmt], activations=8)
-                alone = torch.cat([ops.linear(x[i:i + 1], [raw], [fmt], activations=8) for i in range(70)])
-                assert torch.equal(together, alone), (ops.cpu_isa(), threads)
-                out.append(together)
-        finally:
-            torch.set_num_threads(before)
-        return out
-
-    results = [y for per_isa in on_every_isa(per_thread_count) for y in per_isa]
-    for y in results[1:]:
-        assert torch.equal(y, results[0])
-    assert torch.equal(results[0], reference.linear_int8(x, [raw], [fmt]))
+    y = rows_alone_on_every_path(lambda rows: ops.linear(rows, [raw], [fmt], activations=8), x)
+    assert torch.equal(y, reference.linear_int8(x, [raw], [fmt]))
 
 
 def test_int8_mixed_segments_and_dense_weights():

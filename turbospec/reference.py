@@ -346,6 +346,22 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     return w.reshape(n, k)
 
 
+def _k_unsigned(b: Tensor, name: str) -> Tensor:
+    """K-quant super-blocks uint8 [n, ns, bytes] -> the stored unsigned values [n, ns, 8, 32] (per
+    sub-block of 32): Q4_K 0..15, Q5_K 0..31, Q6_K 0..63 (its q is this minus 32)."""
+    n, ns = b.shape[:2]
+    if name in ("Q4_K", "Q5_K"):
+        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
+        u = _nibbles(qs.reshape(n, ns, 4, 32)).reshape(n, ns, 8, 32).long()
+        if name == "Q5_K":
+            u = u | (((b[..., 16:48].long()[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
+        return u
+    ql, qh = b[..., 0:128].reshape(n, ns, 2, 64), b[..., 128:192].reshape(n, ns, 2, 32).long()
+    lo = _nibbles(ql).long().reshape(n, ns, 2, 128)  # per half: 64 low nibbles, 64 high
+    hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, ns, 2, 128)
+    return (lo | (hi << 4)).reshape(n, ns, 8, 32)
+
+
 def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor | None]:
     """GGUF blocks split into what an integer dot product needs: ``q`` int64 [N, K], the signed
     integer weights (offsets such as Q4_0's -8 applied); ``scale`` float32 [N, K / 16], the factor of
@@ -373,18 +389,11 @@ def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor |
     elif name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = _k4_scale_min(b[..., 4:16])
-        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
-        q = _nibbles(qs.reshape(n, -1, 4, 32)).reshape(n, -1, 8, 32).long()
-        if name == "Q5_K":
-            qh = b[..., 16:48].long()
-            q = q | (((qh[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
+        q = _k_unsigned(b, name)
         scale = (d[..., None] * sc)[..., None].expand(n, k // 256, 8, 2)
         minw = -(dmin[..., None] * mn)
     else:  # Q6_K
-        ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32).long()
-        lo = _nibbles(ql).long().reshape(n, -1, 2, 128)
-        hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, -1, 2, 128)
-        q = (lo | (hi << 4)) - 32
+        q = _k_unsigned(b, name) - 32
         scale = _f16(b[..., 208:210])[..., None] * b[..., 192:208].contiguous().view(torch.int8).float()
     return q.reshape(n, k), scale.reshape(n, k // 16).contiguous(), None if minw is None else minw.reshape(n, k // 32)
 
@@ -415,25 +424,18 @@ def _linear_int8_k(qx: Tensor, dx: Tensor, raw: Tensor, fmt: int, k: int) -> Ten
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, mn = (t.long() for t in _k4_scale_min(b[..., 4:16]))  # [n, ns, 8]
-        qs = b[..., 16:144] if name == "Q4_K" else b[..., 48:176]
-        u = _nibbles(qs.reshape(n, ns, 4, 32)).reshape(n, ns, 8, 32).long()
-        if name == "Q5_K":
-            u = u | (((b[..., 16:48].long()[..., None, :] >> torch.arange(8)[:, None]) & 1) << 4)
         lane_scale = sc[..., None].expand(n, ns, 8, 8)  # [n, ns, sub-block, lane]
         bsum = qx.view(R, ns, 8, 32).sum(-1)  # [R, ns, 8]
         big_m = (mn.view(n, 1, ns, 8) * bsum.view(1, R, ns, 8)).sum(-1)  # [n, R, ns]
         neg = -(dmin.view(n, 1, ns) * dx.view(1, R, ns))
     else:  # Q6_K: unsigned 6-bit values u (q = u - 32), one int8 scale per 16
-        ql, qh = b[..., 0:128].reshape(n, ns, 2, 64), b[..., 128:192].reshape(n, ns, 2, 32).long()
-        lo = _nibbles(ql).long().reshape(n, ns, 2, 128)
-        hi = ((qh[..., None, :] >> (2 * torch.arange(4))[:, None]) & 3).reshape(n, ns, 2, 128)
-        u = (lo | (hi << 4)).reshape(n, ns, 8, 32)
         sc = b[..., 192:208].contiguous().view(torch.int8).long()  # [n, ns, 16]
         d = _f16(b[..., 208:210])
         lane_scale = sc.view(n, ns, 8, 2).repeat_interleave(4, dim=-1)  # lanes 0..3: first 16, 4..7: second
         bsum16 = qx.view(R, ns, 16, 16).sum(-1)
         big_m = (sc.view(n, 1, ns, 16) * bsum16.view(1, R, ns, 16)).sum(-1)
         neg = None
+    u = _k_unsigned(b, name)
     prod = (u.view(n, 1, ns, 8, 8, 4) * qx.view(1, R, ns, 8, 8, 4)).sum(-1)  # [n, R, ns, sub, lane]
     lanes = (prod * lane_scale.view(n, 1, ns, 8, 8)).sum(3)  # exact integers [n, R, ns, 8]
     ddx = d.view(n, 1, ns) * dx.view(1, R, ns)

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "isa.h"
 #include "linear.h"
 
@@ -37,11 +38,6 @@ namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per work item
 
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-}
 
 // The int8 activations of one row: q [K], d and d * sum(q) per block of 32, and the eight 4-value
 // lane sums of q per block (for the formats whose integers carry an offset).
@@ -56,52 +52,36 @@ struct QRow {
   const int32_t* bsum16;
 };
 
+// One block of n activations -> int8 q[n] (nearbyint(x / d), ties to even); returns d = max|x| / 127.
+inline float quantize_block(const float* x, int n, int8_t* q) {
+  float amax = 0.f;
+  for (int j = 0; j < n; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  for (int j = 0; j < n; ++j) q[j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[j] * inv))));
+  return d;
+}
+
+inline int32_t sum_q(const int8_t* q, int n) {
+  int32_t s = 0;
+  for (int j = 0; j < n; ++j) s += q[j];
+  return s;
+}
+
+// Per 256 (the K-quant formats): q, d per 256 and the sums of q per 16.
 void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int32_t* bsum16) {
   for (int64_t b = 0; b < K / 256; ++b) {
-    const float* xb = x + 256 * b;
-    float amax = 0.f;
-    for (int j = 0; j < 256; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float db = amax / 127.f;
-    const float inv = db > 0.f ? 1.f / db : 0.f;
-    for (int j = 0; j < 256; ++j)
-      q[256 * b + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[j] * inv))));
-    for (int g = 0; g < 16; ++g) {
-      int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += q[256 * b + 16 * g + j];
-      bsum16[16 * b + g] = sum;
-    }
-    d[b] = db;
+    d[b] = quantize_block(x + 256 * b, 256, q + 256 * b);
+    for (int g = 0; g < 16; ++g) bsum16[16 * b + g] = sum_q(q + 256 * b + 16 * g, 16);
   }
 }
 
+// Per 32: q, d, d * sum(q) per block and the eight 4-value lane sums of q per block.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum) {
   for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + 32 * b;
-    float amax = 0.f;
-    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float db = amax / 127.f;
-    const float inv = db > 0.f ? 1.f / db : 0.f;
-    int sum = 0;
-    for (int j = 0; j < 32; ++j) {
-      const float v = std::nearbyint(xb[j] * inv);
-      const int qi = static_cast<int>(std::min(127.f, std::max(-127.f, v)));
-      q[32 * b + j] = static_cast<int8_t>(qi);
-      sum += qi;
-    }
-    for (int l = 0; l < 8; ++l)
-      lsum[8 * b + l] = q[32 * b + 4 * l] + q[32 * b + 4 * l + 1] + q[32 * b + 4 * l + 2] + q[32 * b + 4 * l + 3];
-    d[b] = db;
-    s[b] = db * static_cast<float>(sum);
-  }
-}
-
-inline void k4_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    d[b] = quantize_block(x + 32 * b, 32, q + 32 * b);
+    s[b] = d[b] * static_cast<float>(sum_q(q + 32 * b, 32));
+    for (int l = 0; l < 8; ++l) lsum[8 * b + l] = sum_q(q + 32 * b + 4 * l, 4);
   }
 }
 
@@ -117,7 +97,7 @@ inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* 
   *mn = 0.f;
   if constexpr (!is_k(F)) {
     const uint8_t* p = row + b * block_bytes(F);
-    sc[0] = sc[1] = f16(p);
+    sc[0] = sc[1] = half_at(p);
     if constexpr (F == kQ8_0) {
       for (int e = 0; e < 32; ++e) w[e] = static_cast<int8_t>(p[2 + e]);
     } else {
@@ -130,15 +110,15 @@ inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* 
         if constexpr (F == kQ4_0) q -= 8;
         w[e] = q;
       }
-      if constexpr (F == kQ4_1) *mn = f16(p + 2);
+      if constexpr (F == kQ4_1) *mn = half_at(p + 2);
     }
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     const uint8_t* p = row + (b >> 3) * block_bytes(F);
     const int j = static_cast<int>(b & 7);
     int s, m;
-    k4_scale_min(p + 4, j, &s, &m);
-    sc[0] = sc[1] = f16(p) * static_cast<float>(s);
-    *mn = -(f16(p + 2) * static_cast<float>(m));
+    scale_min_k4(p + 4, j, &s, &m);
+    sc[0] = sc[1] = half_at(p) * static_cast<float>(s);
+    *mn = -(half_at(p + 2) * static_cast<float>(m));
     const uint8_t* qs = p + (F == kQ4_K ? 16 : 48) + 32 * (j >> 1);
     for (int e = 0; e < 32; ++e) {
       int q = (j & 1) ? (qs[e] >> 4) : (qs[e] & 15);
@@ -148,7 +128,7 @@ inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* 
   } else {  // Q6_K
     const uint8_t* p = row + (b >> 3) * 210;
     const int e0 = static_cast<int>(b & 7) * 32, half = e0 >> 7, c = (e0 & 127) >> 5;
-    const float d = f16(p + 208);
+    const float d = half_at(p + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
     sc[0] = d * static_cast<float>(scales[e0 >> 4]);
     sc[1] = d * static_cast<float>(scales[(e0 >> 4) + 1]);
@@ -200,11 +180,11 @@ template <int64_t F>
 inline void superblock_ints(const uint8_t* row, int64_t s, uint8_t* u, int* sc, int* mn16, float* d, float* neg) {
   const uint8_t* p = row + s * block_bytes(F);
   if constexpr (F == kQ4_K || F == kQ5_K) {
-    *d = f16(p);
-    *neg = -f16(p + 2);
+    *d = half_at(p);
+    *neg = -half_at(p + 2);
     for (int l = 0; l < 8; ++l) {
       int a, m;
-      k4_scale_min(p + 4, l, &a, &m);
+      scale_min_k4(p + 4, l, &a, &m);
       sc[2 * l] = sc[2 * l + 1] = a;
       mn16[2 * l] = mn16[2 * l + 1] = m;
       const uint8_t* qs = p + (F == kQ4_K ? 16 : 48) + 32 * (l >> 1);
@@ -215,7 +195,7 @@ inline void superblock_ints(const uint8_t* row, int64_t s, uint8_t* u, int* sc, 
       }
     }
   } else {
-    *d = f16(p + 208);
+    *d = half_at(p + 208);
     *neg = 0.f;  // (-32 * (d_w * d_x): formed after the product)
     for (int g = 0; g < 16; ++g) sc[g] = mn16[g] = reinterpret_cast<const int8_t*>(p + 192)[g];
     for (int l = 0; l < 8; ++l) {
@@ -284,7 +264,7 @@ void rows_k_scalar(const uint8_t* const* wr, int64_t nw, const QRow* xr, int64_t
 TS_AVX2 __attribute__((always_inline)) inline float f16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);  // the same value as f16(p), in one instruction
+  return _cvtsh_ss(h);  // the same value as half_at(p), in one instruction
 }
 
 template <int64_t F>
@@ -316,7 +296,7 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i block_bytes_avx2(const uin
     const uint8_t* p = row + (b >> 3) * block_bytes(F);
     const int j = static_cast<int>(b & 7);
     int s, m;
-    k4_scale_min(p + 4, j, &s, &m);
+    scale_min_k4(p + 4, j, &s, &m);
     *sc = _mm_set1_ps(f16c(p) * static_cast<float>(s));
     *mn = -(f16c(p + 2) * static_cast<float>(m));
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (F == kQ4_K ? 16 : 48) + 32 * (j >> 1)));
@@ -435,7 +415,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
         neg = -f16c(p + 2);
         for (int l = 0; l < 8; ++l) {
           int a, mm;
-          k4_scale_min(p + 4, l, &a, &mm);
+          scale_min_k4(p + 4, l, &a, &mm);
           sc[2 * l] = sc[2 * l + 1] = a;
           mn16[2 * l] = mn16[2 * l + 1] = mm;
         }
@@ -603,10 +583,13 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
   TORCH_CHECK(!need256 || K % 256 == 0, "linear: K-quant weights need K % 256 == 0, got K = ", K);
   at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
   const size_t n32 = need32 ? static_cast<size_t>(R) : 0, n256 = need256 ? static_cast<size_t>(R) : 0;
-  std::vector<int8_t> q(n32 * K), q256(n256 * K);
-  std::vector<float> d(n32 * nb), s(n32 * nb), d256(n256 * (K / 256));
-  std::vector<int32_t> lsum(n32 * nb * 8), bsum16(n256 * (K / 16));
-  std::vector<QRow> xr(static_cast<size_t>(R));
+  // Reused between calls (a decode step makes ~200 of them): no allocation once they are big enough.
+  thread_local std::vector<int8_t> q, q256;
+  thread_local std::vector<float> d, s, d256;
+  thread_local std::vector<int32_t> lsum, bsum16;
+  thread_local std::vector<QRow> xr;
+  q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
+  lsum.resize(n32 * nb * 8), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
   const float* xp = xf.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     QRow& row = xr[r];
@@ -629,6 +612,7 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
   float* yp = yf.data_ptr<float>();
   const Isa isa = cpu_isa();
   const int64_t grain = std::max<int64_t>(1, items / (4 * std::max(1, at::get_num_threads())));
+  const QRow* rows_q = xr.data();  // (the buffers are this thread's: pass pointers to the workers)
   at::parallel_for(0, items, grain, [&](int64_t a, int64_t b) {
     size_t si = 0;
     for (int64_t it = a; it < b; ++it) {
@@ -637,7 +621,7 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
       const int64_t o0 = (it - sg.item0) * kRows, nw = std::min(kRows, sg.rows - o0);
       const uint8_t* wr[kRows];
       for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
-      sg.fn(wr, nw, sg.row_bytes, xr.data(), R, K, yp + sg.col0 + o0, N, isa);
+      sg.fn(wr, nw, sg.row_bytes, rows_q, R, K, yp + sg.col0 + o0, N, isa);
     }
   });
   if (bf) yf.add_(*bf);
