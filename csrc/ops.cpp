@@ -60,6 +60,9 @@ TORCH_LIBRARY(turbospec, m) {
   // activations=8: x quantized to int8 per 32 values, integer dot products (GGUF block weights only;
   // csrc/cpu/linear_int8.cpp, reference.linear_int8): faster, not exact; still batch-invariant.
   m.def("linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, int activations=0) -> Tensor");
+  // RMS norm of float32 rows on CPU in one fixed reduction order (csrc/cpu/rms_norm.cpp,
+  // reference.rms_norm): x [..., K], weight float32 [K] -> out [..., K] (contiguous; may be x).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // linear with one dense weight [N, K] float32 / float16 / bfloat16 (reference.small_linear).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).

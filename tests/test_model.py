@@ -350,7 +350,11 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype):
         cache = model.new_cache(64)
         a = model.forward(ids[:, :30], torch.arange(30)[None], cache, 0)
         b = model.forward(ids[:, 30:35], torch.tensor([[30, 31, 31, 32, 32]]), cache, 30, mask)
-        c = model.forward(ids[:, 35:36], torch.tensor([[33]]), cache, 35)
-        runs[use_cpp] = [a, b, c] + cache.tensors()
+        c, feats = model.forward(ids[:, 35:36], torch.tensor([[33]]), cache, 35, features=[0, 1])
+        # two sequences in one pass (B = 2), with one rotary table row per sequence
+        cache2 = model.new_cache(64, batch_size=2)
+        two = torch.cat([ids[:, :12], ids[:, 12:24]])
+        d = model.forward(two, torch.arange(12).expand(2, 12), cache2, 0)
+        runs[use_cpp] = [a, b, c, feats, d] + cache.tensors() + cache2.tensors()
     for x, y in zip(runs[False], runs[True]):
         assert torch.equal(x, y)

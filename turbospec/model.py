@@ -21,6 +21,8 @@ from .kv_cache import KVCache
 from .quant import QuantWeight
 from .reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
+_CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -156,8 +158,11 @@ class Linear:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below in float32
-        return F.rms_norm(x, weight.shape, weight, eps)
+    if x.dtype == torch.float32:
+        if _CPU_RMS_NORM and x.device.type == "cpu" and weight.dtype == torch.float32 \
+                and not (x.requires_grad or weight.requires_grad):
+            return ops.rms_norm(x, weight, eps)  # one fixed order (llama_layers runs the same kernel)
+        return F.rms_norm(x, weight.shape, weight, eps)  # bit-identical to the formula below
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)

@@ -222,6 +222,22 @@ def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | 
     return reference.linear(x, weights, formats, bias)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """RMS norm of float32 rows in one fixed order (reference: ``reference.rms_norm``): the same bits
+    on every instruction set and for a row whatever the other rows. x [..., K], weight float32 [K];
+    ``out`` (contiguous, x's shape) may be x."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: x must be float32 [..., K] and weight float32 [K], got x {x.dtype} "
+                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if _compiled(x.device) and has_op("rms_norm"):
+        torch.ops.turbospec.rms_norm.default(x, weight, float(eps), out)
+    else:
+        out.copy_(reference.rms_norm(x, weight, eps))
+    return out
+
+
 def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     """uint8 [N, row bytes] GGUF blocks of format ``fmt`` -> float32 [N, K] (``reference.dequantize``)."""
     if _compiled(raw.device) and has_op("dequantize"):
@@ -266,3 +282,8 @@ if _EXTENSION:
         def _dequantize_fake(raw, fmt, k):
             torch._check(raw.dim() == 2)
             return raw.new_empty(raw.shape[0], k, dtype=torch.float32)
+
+    if has_op("rms_norm"):
+        @torch.library.register_fake("turbospec::rms_norm")
+        def _rms_norm_fake(x, weight, eps, out):
+            return None

@@ -544,6 +544,29 @@ def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | 
     return small_linear(x, w, bias)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Specification of ``turbospec::rms_norm`` (float32): per row of K values, lane j in 0..7 sums
+    x[8t + j]^2 over t = 0, 1, ... in increasing t (x zero-padded to a multiple of 8; each step
+    rounds the square, then the sum), s = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)),
+    inv = 1 / sqrt(s / K + eps), y = weight * (x * inv); every operation in float32."""
+    k = x.shape[-1]
+    xf = x.float()
+    lanes = torch.nn.functional.pad(xf, (0, (-k) % 8)).unflatten(-1, (-1, 8))
+    acc = torch.zeros(lanes.shape[:-2] + (8,), dtype=torch.float32)
+    for t in range(lanes.shape[-2]):
+        v = lanes[..., t, :]
+        acc = acc + v * v
+    t4 = acc[..., :4] + acc[..., 4:]
+    t2 = t4[..., :2] + t4[..., 2:]
+    s = t2[..., 0] + t2[..., 1]
+    ms = s / torch.tensor(float(k), dtype=torch.float32)
+    # sqrt and 1 / . computed in float64 and rounded: exactly float32's correctly rounded results
+    # (torch's float32 sqrt is not correctly rounded on every CPU path)
+    root = torch.sqrt((ms + torch.tensor(eps, dtype=torch.float32)).double()).float()
+    inv = (1.0 / root.double()).float()
+    return weight.float() * (xf * inv[..., None])
+
+
 # ----------------------------------------------------------------------------------------------
 # tree_attention
 # ----------------------------------------------------------------------------------------------

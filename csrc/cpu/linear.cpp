@@ -695,22 +695,16 @@ int64_t dense_format(const at::Tensor& w) {
   }
 }
 
-at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                  const std::optional<at::Tensor>& bias, int64_t activations) {
-  TORCH_CHECK(x.dim() >= 1 && x.is_cpu(), "linear: x must be a CPU tensor [..., K], got ", x.sizes());
-  TORCH_CHECK(activations == 0 || activations == 8, "linear: activations must be 0 (exact) or 8 (int8), got ",
-              activations);
-  if (activations == 8 && !weights.empty() && weights.size() == formats.size() && x.size(-1) % 32 == 0 &&
-      std::all_of(formats.begin(), formats.end(), int8_format))
-    return linear_int8(x, weights, formats, bias);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "linear: x dtype must be float32, bfloat16 or float16, got ", x.scalar_type());
+namespace {
+
+// The weight segments of one linear (checked against K), as work items of kRowBlock rows; `keep`
+// holds the tensors the segments point into.
+std::vector<Segment> segments(at::TensorList weights, at::IntArrayRef formats, int64_t K, std::vector<at::Tensor>& keep,
+                              int64_t* N_out, int64_t* nblocks_out) {
   TORCH_CHECK(!weights.empty() && weights.size() == formats.size(), "linear: weights and formats must be non-empty "
               "lists of the same length, got ", weights.size(), " and ", formats.size());
-  const int64_t K = x.size(-1);
   TORCH_CHECK(K > 0, "linear: x must have K > 0 features");
   std::vector<Segment> segs;
-  std::vector<at::Tensor> keep;
   int64_t N = 0, nblocks = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
@@ -735,6 +729,42 @@ at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef f
     N += w.size(0);
     nblocks += (w.size(0) + kRowBlock - 1) / kRowBlock;
   }
+  *N_out = N;
+  *nblocks_out = nblocks;
+  return segs;
+}
+
+bool int8_path(int64_t K, at::TensorList weights, at::IntArrayRef formats, int64_t activations) {
+  return activations == 8 && !weights.empty() && weights.size() == formats.size() && K % 32 == 0 &&
+         std::all_of(formats.begin(), formats.end(), int8_format);
+}
+
+}  // namespace
+
+void linear_f32(const float* x, int64_t R, int64_t K, at::TensorList weights, at::IntArrayRef formats,
+                const float* bias, float* y, int64_t activations) {
+  if (int8_path(K, weights, formats, activations)) {
+    linear_int8_f32(x, R, K, weights, formats, bias, y);
+    return;
+  }
+  std::vector<at::Tensor> keep;
+  int64_t N, nblocks;
+  const std::vector<Segment> segs = segments(weights, formats, K, keep, &N, &nblocks);
+  if (R > 0 && N > 0) run(segs, nblocks, x, bias, y, N, K, R);
+}
+
+at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                  const std::optional<at::Tensor>& bias, int64_t activations) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_cpu(), "linear: x must be a CPU tensor [..., K], got ", x.sizes());
+  TORCH_CHECK(activations == 0 || activations == 8, "linear: activations must be 0 (exact) or 8 (int8), got ",
+              activations);
+  if (int8_path(x.size(-1), weights, formats, activations)) return linear_int8(x, weights, formats, bias);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "linear: x dtype must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  std::vector<at::Tensor> keep;
+  int64_t N, nblocks;
+  const std::vector<Segment> segs = segments(weights, formats, K, keep, &N, &nblocks);
   const int64_t R = x.numel() / K;
   at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
   std::optional<at::Tensor> bf;

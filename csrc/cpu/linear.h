@@ -22,6 +22,12 @@ enum WeightFormat : int64_t {
 // a call with any dense weight keeps exact activations).
 at::Tensor linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
                   const std::optional<at::Tensor>& bias, int64_t activations = 0);
+// linear on raw float32 rows: x [R, K] -> y [R, N] (N = sum N_i; bias float32 [N] or null), no
+// tensors allocated (the C++ layer loop's linears). Same results as linear for float32 x.
+void linear_f32(const float* x, int64_t R, int64_t K, at::TensorList weights, at::IntArrayRef formats,
+                const float* bias, float* y, int64_t activations);
+void linear_int8_f32(const float* x, int64_t R, int64_t K, at::TensorList weights, at::IntArrayRef formats,
+                     const float* bias, float* y);
 // linear with int8 activations, block formats only (csrc/cpu/linear_int8.cpp; reference.linear_int8).
 at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
                        const std::optional<at::Tensor>& bias);

@@ -551,9 +551,8 @@ RowsFn rows_fn(int64_t f) {
 
 bool int8_format(int64_t format) { return rows_fn(format) != nullptr; }
 
-at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                       const std::optional<at::Tensor>& bias) {
-  const int64_t K = x.size(-1);
+void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weights, at::IntArrayRef formats,
+                     const float* bias, float* yp) {
   TORCH_CHECK(K % 32 == 0, "linear: activations=8 needs K % 32 == 0, got K = ", K);
   struct Seg {
     const uint8_t* w;
@@ -577,11 +576,11 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
     N += w.size(0);
     items += (w.size(0) + kRows - 1) / kRows;
   }
-  const int64_t R = x.numel() / K, nb = K / 32;
+  const int64_t nb = K / 32;
   const bool need32 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return !is_k(f); });
   const bool need256 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return is_k(f); });
   TORCH_CHECK(!need256 || K % 256 == 0, "linear: K-quant weights need K % 256 == 0, got K = ", K);
-  at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
+  if (R == 0 || N == 0) return;
   const size_t n32 = need32 ? static_cast<size_t>(R) : 0, n256 = need256 ? static_cast<size_t>(R) : 0;
   // Reused between calls (a decode step makes ~200 of them): no allocation once they are big enough.
   thread_local std::vector<int8_t> q, q256;
@@ -590,7 +589,6 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
   thread_local std::vector<QRow> xr;
   q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
   lsum.resize(n32 * nb * 8), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
-  const float* xp = xf.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
     QRow& row = xr[r];
     row = {};
@@ -603,13 +601,6 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
       row.q256 = &q256[r * K], row.d256 = &d256[r * (K / 256)], row.bsum16 = &bsum16[r * (K / 16)];
     }
   }
-  std::optional<at::Tensor> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
-    bf = bias->to(at::kFloat).contiguous();
-  }
-  at::Tensor yf = at::empty({R, N}, xf.options());
-  float* yp = yf.data_ptr<float>();
   const Isa isa = cpu_isa();
   const int64_t grain = std::max<int64_t>(1, items / (4 * std::max(1, at::get_num_threads())));
   const QRow* rows_q = xr.data();  // (the buffers are this thread's: pass pointers to the workers)
@@ -624,7 +615,26 @@ at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArray
       sg.fn(wr, nw, sg.row_bytes, rows_q, R, K, yp + sg.col0 + o0, N, isa);
     }
   });
-  if (bf) yf.add_(*bf);
+  if (bias != nullptr)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t c = 0; c < N; ++c) yp[r * N + c] = yp[r * N + c] + bias[c];
+}
+
+at::Tensor linear_int8(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                       const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1);
+  int64_t N = 0;
+  for (const at::Tensor& w : weights) N += w.size(0);
+  const int64_t R = K == 0 ? 0 : x.numel() / K;
+  at::Tensor xf = x.reshape({R, K}).to(at::kFloat).contiguous();
+  std::optional<at::Tensor> bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor yf = at::empty({R, N}, xf.options());
+  linear_int8_f32(xf.data_ptr<float>(), R, K, weights, formats, bf ? bf->data_ptr<float>() : nullptr,
+                  yf.data_ptr<float>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   shape.push_back(N);
   return yf.to(x.scalar_type()).view(shape);

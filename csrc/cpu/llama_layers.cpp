@@ -10,10 +10,12 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
 #include "linear.h"
+#include "rms_norm.h"
 #include "tree_attention.h"
 
 namespace turbospec {
@@ -21,12 +23,138 @@ namespace {
 
 constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 
-// Same formula as model.rms_norm.
+// Same formula as model.rms_norm (float32: the turbospec::rms_norm kernel).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (x.scalar_type() == at::kFloat) return at::rms_norm(x, {weight.size(0)}, weight, eps);
+  if (x.scalar_type() == at::kFloat) {
+    if (weight.scalar_type() != at::kFloat) return at::rms_norm(x, {weight.size(0)}, weight, eps);
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    const at::Tensor xc = x.contiguous();
+    rms_norm_rows(xc.data_ptr<float>(), x.size(-1), weight.contiguous().data_ptr<float>(), x.numel() / x.size(-1),
+                  x.size(-1), static_cast<float>(eps), y.data_ptr<float>(), x.size(-1));
+    return y;
+  }
   at::Tensor h = x.to(at::kFloat);
   h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps);
   return weight * h.to(x.scalar_type());
+}
+
+bool all_float(at::TensorList ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
+}
+
+// The float32 layer loop on raw buffers: the same arithmetic as the ATen loop below, operation for
+// operation (element-wise float32 multiplies and adds are correctly rounded, so a loop gives the bits
+// the ATen op gives), without ~35 ATen calls per layer. Buffers are allocated once per call.
+std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                                   const at::Tensor& mask, const at::Tensor& lens, at::TensorList norms,
+                                   at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef counts,
+                                   at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
+                                   int64_t cache_len, int64_t H, int64_t Hkv, double eps_d, double scale,
+                                   at::IntArrayRef capture, int64_t activations) {
+  const int64_t L = static_cast<int64_t>(k_cache.size());
+  const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
+  const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
+  const float eps = static_cast<float>(eps_d);
+  const auto opts = x_in.options();
+  // Shapes the raw loops rely on (the ATen loop's views would check them).
+  TORCH_CHECK(cos_in.dim() == 4 && (cos_in.size(0) == 1 || cos_in.size(0) == B) && cos_in.size(1) == n &&
+                  cos_in.size(2) == 1 && sin_in.sizes() == cos_in.sizes(),
+              "llama_layers: cos / sin_signed must be [B or 1, n, 1, D], got ", cos_in.sizes(), " and ", sin_in.sizes());
+  for (int64_t l = 0, sg = 0; l < L; ++l) {
+    int64_t width[kLinears];
+    for (int64_t j = 0; j < kLinears; ++j) {
+      width[j] = 0;
+      for (int64_t k = 0; k < counts[l * kLinears + j]; ++k) width[j] += weights[sg++].size(0);
+    }
+    TORCH_CHECK(width[0] == nqkv && width[1] == hid && width[2] % 2 == 0 && width[3] == hid, "llama_layers: layer ",
+                l, " linears have ", width[0], ", ", width[1], ", ", width[2], ", ", width[3], " outputs; expected qkv ",
+                nqkv, ", o ", hid, ", gate_up 2 x I, down ", hid);
+    TORCH_CHECK(norms[2 * l].numel() == hid && norms[2 * l + 1].numel() == hid, "llama_layers: layer ", l,
+                " norms must have ", hid, " elements");
+    TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
+                " elements, got ", biases[l].numel());
+    for (const at::Tensor& c : {k_cache[l], v_cache[l]})
+      TORCH_CHECK(c.dim() == 4 && c.size(0) == B && c.size(1) == Hkv && c.size(2) >= cache_len + n && c.size(3) == d,
+                  "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", cache_len + n, ", ", d,
+                  "], got ", c.sizes());
+  }
+  at::Tensor x = x_in.contiguous().clone();
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const int64_t cos_b = cos.size(0) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
+  at::Tensor h = at::empty({R, hid}, opts), qkv = at::empty({R, nqkv}, opts), y = at::empty({R, hid}, opts);
+  at::Tensor q = at::empty({B, n, H, d}, opts), attn = at::empty({B, n, H, d}, opts);
+  float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  float* qkvp = qkv.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  std::vector<at::Tensor> out(1 + capture.size());
+  at::Tensor gu, act;
+  size_t seg = 0;
+  auto lin = [&](int64_t l, int64_t j, const float* in, int64_t K, const float* bias, float* dst) {
+    const int64_t c = counts[l * kLinears + j];
+    linear_f32(in, R, K, weights.slice(seg, c), formats.slice(seg, c), bias, dst, activations);
+    seg += c;
+  };
+  auto add_into = [&](float* dst, const float* src, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + src[i];
+  };
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor& kc = k_cache[l];
+    const at::Tensor& vc = v_cache[l];
+    float* kp = kc.data_ptr<float>();
+    float* vp = vc.data_ptr<float>();
+    const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
+    const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+    rms_norm_rows(xp, hid, norms[2 * l].contiguous().data_ptr<float>(), R, hid, eps, hp, hid);
+    lin(l, 0, hp, hid, biases.empty() ? nullptr : biases[l].contiguous().data_ptr<float>(), qkvp);
+    // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed); k and v into the cache
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t b = r / n, i = r % n;
+      const float* c = cp + b * cos_b + i * d;
+      const float* sn = sp + b * cos_b + i * d;
+      const float* src = qkvp + r * nqkv;
+      for (int64_t hh = 0; hh < H + Hkv; ++hh) {
+        const float* xs = src + hh * d;
+        float* dst = hh < H ? qp + (r * H + hh) * d : kp + b * ks0 + (hh - H) * ks1 + (cache_len + i) * ks2;
+        for (int64_t e = 0; e < d; ++e) {
+          const float a = xs[e] * c[e];
+          const float rot = xs[e < half ? e + half : e - half] * sn[e];
+          dst[e] = a + rot;
+        }
+      }
+      for (int64_t hv = 0; hv < Hkv; ++hv)
+        std::copy(src + (H + Hkv + hv) * d, src + (H + Hkv + hv + 1) * d,
+                  vp + b * vs0 + hv * vs1 + (cache_len + i) * vs2);
+    }
+    tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);
+    lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
+    add_into(xp, yp, R * hid);
+    rms_norm_rows(xp, hid, norms[2 * l + 1].contiguous().data_ptr<float>(), R, hid, eps, hp, hid);
+    // gate_up: width 2I, known once its segments are
+    int64_t width = 0;
+    const int64_t c2 = counts[l * kLinears + 2];
+    for (int64_t k = 0; k < c2; ++k) width += weights[seg + k].size(0);
+    if (!gu.defined() || gu.size(-1) != width) {
+      gu = at::empty({B, n, width}, opts);
+      act = at::empty({B, n, width / 2}, opts);
+    }
+    lin(l, 2, hp, hid, nullptr, gu.data_ptr<float>());
+    const int64_t I = width / 2;
+    at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
+    float* ap = act.data_ptr<float>();
+    const float* up = gu.data_ptr<float>() + I;
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+    lin(l, 3, ap, I, nullptr, yp);
+    add_into(xp, yp, R * hid);
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == l) out[1 + c] = x.clone();
+  }
+  out[0] = x;
+  return out;
 }
 
 std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin_signed,
@@ -65,6 +193,10 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   const auto dtype = x_in.scalar_type();
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
   const at::Tensor lens = at::full({B}, cache_len, x_in.options().dtype(at::kLong));
+  if (dtype == at::kFloat && cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat &&
+      all_float(norms) && all_float(biases) && all_float(k_cache) && all_float(v_cache) && d % 2 == 0)
+    return layers_f32(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache, v_cache,
+                      cache_len, num_heads, num_kv_heads, eps, scale, capture, activations);
   at::Tensor x = x_in;
   std::vector<at::Tensor> out(1 + capture.size());
   size_t seg = 0;
