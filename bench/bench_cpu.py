@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -134,7 +135,9 @@ def main() -> int:
                    help="q (the GGUF as stored), q-int8 (the same, int8 activations), f32, bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=96, help="decode tokens for the plain rows (llama-bench -n)")
-    p.add_argument("--reps", type=int, default=3, help="llama-bench repetitions")
+    p.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (verify cost curve)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="plain decode: rounds of turbospec then llama.cpp, alternated (medians reported)")
     p.add_argument("--no-curve", action="store_true", help="skip the verify cost curve")
     p.add_argument("--spec-prompts", type=int, default=2, help="Spec-Bench prompts per category (0: skip)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -161,22 +164,33 @@ def main() -> int:
 
     for fmt in formats:
         model = ts_model(src, fmt)
-        row = {"turbospec": ts_decode_tps(model, args.tokens)}
+        gguf = (src if fmt.startswith("q") else peer_gguf(bin_dir, src, fmt)) if bin_dir else None
+        # Plain decode, the two systems alternated round by round (this machine's speed drifts by
+        # tens of percent over minutes): the median of each, and the median of the per-round ratios.
+        runs: dict = {"turbospec": [], "llama.cpp": []}
+        for _ in range(args.rounds):
+            runs["turbospec"].append(ts_decode_tps(model, args.tokens))
+            if gguf:
+                cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", "1",
+                       "-p", "0", "-n", str(args.tokens), "-o", "json"]
+                lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+                runs["llama.cpp"].append(lb[("tg", args.tokens)])
+        row = {k: statistics.median(v) for k, v in runs.items() if v}
+        if gguf:
+            row["ratio"] = statistics.median(t / c for t, c in zip(runs["turbospec"], runs["llama.cpp"]))
+        row["rounds"] = runs
         if not args.no_curve:
             res["curve"].setdefault(fmt, {})["turbospec"] = ts_verify_curve(model)
         del model
-        if bin_dir:
-            gguf = src if fmt.startswith("q") else peer_gguf(bin_dir, src, fmt)
-            ns = ",".join(str(n) for n in VERIFY_TOKENS) if not args.no_curve else "0"
+        if gguf and not args.no_curve:
+            ns = ",".join(str(n) for n in VERIFY_TOKENS)
             cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", str(args.reps),
                    "-p", ns, "-n", str(args.tokens), "-o", "json"]
             lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            row["llama.cpp"] = lb[("tg", args.tokens)]
-            if not args.no_curve:
-                tg_ms = 1e3 / lb[("tg", args.tokens)]
-                res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
+            tg_ms = 1e3 / lb[("tg", args.tokens)]
+            res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
         res["plain"][fmt] = row
-        print(f"plain decode {fmt}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in row.items()), flush=True)
+        print(f"plain decode {fmt}: " + ", ".join(f"{k} {v}" for k, v in runs.items() if v), flush=True)
 
     if args.spec_prompts > 0 and args.draft_model:
         res["pair"] = pair_run(src, args.draft_model, bin_dir, args)
@@ -318,12 +332,12 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
 
 def markdown(meta: dict, res: dict) -> str:
     lines = [f"CPU: {meta['cpu']}; {meta['threads']} threads; {meta['date']}; turbospec ISA path "
-             f"{meta['kernels'].get('cpu_isa')}", "", "| weights | turbospec tok/s | llama.cpp tok/s | ratio |",
+             f"{meta['kernels'].get('cpu_isa')}", "", "| weights | turbospec tok/s | llama.cpp tok/s | ratio (median of rounds) |",
              "|---|---|---|---|"]
     for fmt, row in res["plain"].items():
         lc = row.get("llama.cpp")
         ts = row["turbospec"]
-        lines.append(f"| {fmt} | {ts:.1f} | " + (f"{lc:.1f} | {ts / lc:.2f}x |" if lc else "- | - |"))
+        lines.append(f"| {fmt} | {ts:.1f} | " + (f"{lc:.1f} | {row['ratio']:.2f}x |" if lc else "- | - |"))
     if res["curve"]:
         lines += ["", "Verify cost: time of an N-token pass / a 1-token step", "",
                   "| weights | system | " + " | ".join(f"N={n}" for n in VERIFY_TOKENS) + " |",

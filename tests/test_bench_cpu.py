@@ -37,7 +37,7 @@ def test_turbospec_measurements_on_a_tiny_model():
     curve = bench_cpu.ts_verify_curve(model, context=16, reps=1)
     assert sorted(curve) == list(bench_cpu.VERIFY_TOKENS) and all(v > 0 for v in curve.values())
     md = bench_cpu.markdown({"cpu": "x", "threads": 1, "date": "d", "kernels": {"cpu_isa": "avx2"}},
-                            {"plain": {"q": {"turbospec": 50.0, "llama.cpp": 100.0}},
+                            {"plain": {"q": {"turbospec": 50.0, "llama.cpp": 100.0, "ratio": 0.5}},
                              "curve": {"q": {"turbospec": curve}}, "spec": {}})
     assert "| q | 50.0 | 100.0 | 0.50x |" in md and "N=64" in md
 
