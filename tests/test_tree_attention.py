@@ -95,6 +95,22 @@ def test_long_prefix_many_tiles(device):
     assert_close(out, lse, *reference.tree_attention(*inputs, 0.125), torch.float32)
 
 
+def test_cpu_scores_kept_or_recomputed_give_the_same_bits():
+    """Pass 1 keeps the scores for pass 2 while they fit (1M floats per work item); a 64-token chain
+    behind a 9k-key prefix with 4 query heads per kv head (256 rows, 128 per item on 2 threads) does
+    not fit and recomputes them. Each of its rows must equal the same token attended alone (kept scores), bit for bit,
+    in float32 and bfloat16 caches."""
+    dev = need_op("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, cache_len, _ = make_inputs(1, 64, 4, 1, 9100, 16, [9000], "chain", dtype, seed=5)
+        packed = reference.build_tree(torch.arange(-1, 63)[None])[1]  # a chain: token i sees 0..i
+        out, lse = run_op(dev, q, k, v, cache_len, packed, 0.25)
+        assert_close(out, lse, *reference.tree_attention(q, k, v, cache_len, packed, 0.25), dtype)
+        for i in (0, 17, 63):
+            alone, alone_lse = run_op(dev, q[:, i:i + 1], k, v, cache_len + i, torch.tensor([[1]]), 0.25)
+            assert torch.equal(alone, out[:, i:i + 1]) and torch.equal(alone_lse, lse[:, :, i:i + 1]), (dtype, i)
+
+
 @pytest.mark.parametrize("d", [1, 5, 20])
 def test_cpu_odd_head_dims(d):
     """The CPU kernel takes any D <= 256 (the CUDA kernel needs a multiple of 8)."""

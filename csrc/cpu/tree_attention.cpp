@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../checks.h"
@@ -127,16 +128,22 @@ struct Args {
 
 // Per-item buffers (float32): Q and O [rows, Dp], S / P [rows, kTile], the key tile transposed
 // [Dp, kTile], the value tile [kTile, Dp], running max and sum [rows].
+// Kept per thread between calls (no allocation per layer once sized). kt and v only ever hold
+// finite values (zeros, then widened keys / values), which is all their unused columns need.
+// s_all: every tile's scores from pass 1, reused by pass 2 when they fit (kScoreCap floats).
+constexpr int64_t kScoreCap = int64_t{1} << 20;
+
 struct Scratch {
-  std::vector<float> q, o, s, kt, v, m, l;
-  void reset(int64_t rows, int64_t Dp) {
+  std::vector<float> q, o, kt, v, m, l, s_all;
+  void reset(int64_t rows, int64_t Dp, int64_t tiles) {
     q.assign(rows * Dp, 0.f);
     o.assign(rows * Dp, 0.f);
-    s.assign(rows * kTile, 0.f);
-    kt.assign(Dp * kTile, 0.f);
-    v.assign(kTile * Dp, 0.f);
+    if (static_cast<int64_t>(kt.size()) < Dp * kTile) kt.resize(Dp * kTile, 0.f);
+    if (static_cast<int64_t>(v.size()) < kTile * Dp) v.resize(kTile * Dp, 0.f);
     m.assign(rows, kNegInf);
     l.assign(rows, 0.f);
+    const int64_t keep = std::max<int64_t>(1, rows * kTile * tiles <= kScoreCap ? tiles : 1);
+    if (static_cast<int64_t>(s_all.size()) < rows * kTile * keep) s_all.resize(rows * kTile * keep, 0.f);
   }
 };
 
@@ -144,7 +151,7 @@ struct Scratch {
 template <typename T, typename V>
 TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
   const int64_t rows = r1 - r0, Rp = round_up(rows, kMr), D = a.D, Dp = a.Dp, G = a.G, n = a.n;
-  float *q = sc.q.data(), *o = sc.o.data(), *s = sc.s.data(), *kt = sc.kt.data(), *vt = sc.v.data();
+  float *q = sc.q.data(), *o = sc.o.data(), *kt = sc.kt.data(), *vt = sc.v.data();
   float *m = sc.m.data(), *l = sc.l.data();
   const T* qb = static_cast<const T*>(a.q) + b * a.qs0;
   for (int64_t rr = 0; rr < rows; ++rr) {
@@ -163,16 +170,18 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   // after another in key order. Masked keys add exact zeros. A token verified inside a tree (its
   // ancestors scattered among siblings) thus gets the bits it gets decoded alone after its path.
   // The scores are recomputed in pass 2 (identically) rather than stored.
-  auto scores = [&](int64_t p0, int64_t nk, bool with_v) {
+  // Pass 1 keeps every tile's scores when they fit (s_all), so pass 2 reads them back instead of
+  // recomputing them: the same values, half the work.
+  const int64_t tiles = (end - start + kTile - 1) / kTile;
+  const bool keep_scores = static_cast<int64_t>(sc.s_all.size()) >= Rp * kTile * tiles;
+  float* s_all = sc.s_all.data();
+  auto tile_scores = [&](int64_t p0) { return keep_scores ? s_all + (p0 - start) / kTile * Rp * kTile : s_all; };
+  auto scores = [&](int64_t p0, int64_t nk, float* s) {
     const int64_t nkp = round_up(nk, kNr);
-    // Widen the tile; columns >= nk of kt keep finite stale values (their scores are never used).
+    // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
     for (int64_t t = 0; t < nk; ++t) {
       const T* kr = kb + (p0 + t) * a.ks2;
       for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
-      if (with_v) {
-        const T* vr = vb + (p0 + t) * a.vs2;
-        for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
-      }
     }
     // S = Q K^T (log2 units), then the tree mask
     std::fill(s, s + Rp * kTile, 0.f);
@@ -189,13 +198,29 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   };
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
-    scores(p0, nk, false);
+    float* s = tile_scores(p0);
+    scores(p0, nk, s);
     for (int64_t rr = 0; rr < rows; ++rr)
       for (int64_t t = 0; t < nk; ++t) m[rr] = std::max(m[rr], s[rr * kTile + t]);
   }
+  // float32 values with D a multiple of the micro-kernel width are read in place from the cache
+  constexpr bool kF32 = std::is_same_v<T, float>;
+  const bool v_in_place = kF32 && Dp == D;
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
-    scores(p0, nk, true);
+    float* s = tile_scores(p0);
+    if (!keep_scores) scores(p0, nk, s);
+    const float* vsrc = vt;
+    int64_t ldv = Dp;
+    if (v_in_place) {
+      vsrc = reinterpret_cast<const float*>(vb + p0 * a.vs2);
+      ldv = a.vs2;
+    } else {
+      for (int64_t t = 0; t < nk; ++t) {
+        const T* vr = vb + (p0 + t) * a.vs2;
+        for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
+      }
+    }
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* srow = s + rr * kTile;
       if (m[rr] == kNegInf) {  // the row attends nothing
@@ -205,9 +230,9 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
       for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - m[rr]);
       for (int64_t t = 0; t < nk; ++t) l[rr] += srow[t];
     }
-    // O += P V, key by key (padding rows of S hold finite scores of zero queries: never written out)
+    // O += P V, key by key (padding rows of S hold the scores of zero queries, 0: never written out)
     for (int64_t rb = 0; rb < Rp; rb += kMr)
-      for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vt + c, Dp, nk, o + rb * Dp + c, Dp);
+      for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vsrc + c, ldv, nk, o + rb * Dp + c, Dp);
   }
   T* out = static_cast<T*>(a.out);
   for (int64_t rr = 0; rr < rows; ++rr) {
@@ -309,12 +334,15 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
     chunk_rows = round_up((R + chunks - 1) / chunks, kMr);
   }
   const int64_t chunks = (R + chunk_rows - 1) / chunk_rows;
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < d.B; ++b) max_keys = std::max(max_keys, (include_prefix ? len[b] : 0) + d.n);
+  const int64_t tiles = (max_keys + kTile - 1) / kTile;
   at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
-    Scratch sc;
+    thread_local Scratch sc;
     for (int64_t it = begin; it < end; ++it) {
       const int64_t b = it / (d.Hkv * chunks), hk = (it / chunks) % d.Hkv, c = it % chunks;
       const int64_t r0 = c * chunk_rows, r1 = std::min(R, r0 + chunk_rows);
-      sc.reset(round_up(r1 - r0, kMr), a.Dp);
+      sc.reset(round_up(r1 - r0, kMr), a.Dp, tiles);
       fn(a, b, hk, r0, r1, sc);
     }
   });
