@@ -217,27 +217,31 @@ def spec_prompts(tok, args) -> tuple[list[str], list[list[int]]]:
 
 def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
     """Decode tok/s (prefill excluded), tau and equality with plain greedy, per turbospec system;
-    the first system must be plain decoding."""
+    the first system must be plain decoding. Prompt by prompt, every system in turn (this machine's
+    speed drifts over minutes: interleaving spreads the drift over all systems alike)."""
     import turbospec
     max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
-    out: dict = {}
-    plain_tokens = []
-    for name, opts in systems.items():
-        eng = turbospec.Engine(target, tokenizer=tok, max_seq_len=max_seq, **opts)
+    engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=max_seq, **opts)
+               for name, opts in systems.items()}
+    for eng in engines.values():
         eng.generate(encoded[0][:16], max_new_tokens=8)  # warm-up
-        toks = dec_s = 0.0
-        steps = 0
-        equal = True
-        for i, ids in enumerate(encoded):
+    sums = {name: {"toks": 0.0, "dec_s": 0.0, "steps": 0, "equal": True} for name in systems}
+    for ids in encoded:
+        plain_tokens = None
+        for name, eng in engines.items():
             g = eng.generate(ids, max_new_tokens=args.max_new_tokens)
-            toks += len(g.token_ids)
-            dec_s += g.stats["total_s"] - g.stats["prefill_s"]
-            steps += g.stats["verify_steps"]
-            if not plain_tokens or len(plain_tokens) <= i:
-                plain_tokens.append(g.token_ids)
+            r = sums[name]
+            r["toks"] += len(g.token_ids)
+            r["dec_s"] += g.stats["total_s"] - g.stats["prefill_s"]
+            r["steps"] += g.stats["verify_steps"]
+            if plain_tokens is None:
+                plain_tokens = g.token_ids
             else:
-                equal &= g.token_ids == plain_tokens[i]
-        out[name] = {"tok_s": toks / dec_s, "tau": toks / max(steps, 1), "equal_to_plain": equal, "tokens": toks}
+                r["equal"] &= g.token_ids == plain_tokens
+    out: dict = {}
+    for name, r in sums.items():
+        out[name] = {"tok_s": r["toks"] / r["dec_s"], "tau": r["toks"] / max(r["steps"], 1),
+                     "equal_to_plain": r["equal"], "tokens": r["toks"]}
         print(f"spec {name}: {out[name]}", flush=True)
     return out
 
