@@ -178,6 +178,41 @@ def test_draft_model_observe_without_propose_after_begin(tiny_target):
     assert d.propose(t2, 4, GREEDY, None).token_ids == ref2[1:5]
 
 
+def test_draft_model_catches_up_only_on_new_tokens(tiny_target):
+    """Steps without a proposal (the budget drafting nothing) leave the draft's cache as it was: the
+    next proposal forwards only the tokens committed since, never the whole context again (a
+    regression: each probe after plain steps re-read the prompt, ~15 decode steps of draft time
+    on the Qwen pair), and accepted drafts are not recomputed."""
+    draft = layer_skip_draft(tiny_target, tiny_target.cfg.num_layers)
+    d = DraftModelDrafter(draft, max_seq_len=256)
+    forwarded = []
+    real_forward = draft.forward
+
+    def counting_forward(ids, *args, **kwargs):
+        forwarded.append(ids.shape[1])
+        return real_forward(ids, *args, **kwargs)
+
+    draft.forward = counting_forward
+    prompt = list(range(10, 50))
+    ref = greedy_reference(tiny_target, prompt, 20)
+    d.begin(prompt)
+    assert forwarded == [len(prompt) - 1]
+    tokens = list(prompt)
+    for i in range(3):  # three plain steps
+        tokens.append(ref[i])
+        d.observe(tokens, 0)
+    forwarded.clear()
+    assert d.propose(tokens, 2, GREEDY, None).token_ids == ref[3:5]
+    assert forwarded == [4, 1]  # the last prompt token + 3 new ones, then the second draft token
+    tokens += ref[3:6]  # both drafts accepted + the target's token
+    d.observe(tokens, 2)
+    d.observe(tokens + ref[6:7], 0)  # a plain step
+    tokens += ref[6:7]
+    forwarded.clear()
+    assert d.propose(tokens, 1, GREEDY, None).token_ids == ref[7:8]
+    assert forwarded == [3]  # the second draft (its K/V was not written), the target's token, the new one
+
+
 def test_draft_model_sampling_probs(tiny_target):
     d = DraftModelDrafter(layer_skip_draft(tiny_target, 1), max_seq_len=64)
     params = SamplingParams(temperature=0.8, top_k=20)

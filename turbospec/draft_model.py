@@ -61,6 +61,7 @@ class DraftModelDrafter(Drafter):
         self._cached = 0
         self._base = 0
         self._speculative = 0
+        self._proposed = False
 
     @torch.inference_mode()
     def begin(self, prompt_ids: list[int]) -> None:
@@ -68,12 +69,13 @@ class DraftModelDrafter(Drafter):
         that the first proposal costs what every later one does: the draft budget must not judge
         the drafter by a prompt-length catch-up."""
         self._cached = self._base = self._speculative = 0
+        self._proposed = False
         if len(prompt_ids) > 1:
             dev = self.model.device
             ids = torch.tensor([prompt_ids[:-1]], dtype=torch.int64, device=dev)
             pos = torch.arange(len(prompt_ids) - 1, device=dev)[None]
             self.model.forward(ids, pos, self.cache, 0, logits="last")
-            self._cached = len(prompt_ids) - 1
+            self._cached = self._base = len(prompt_ids) - 1
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
@@ -81,6 +83,7 @@ class DraftModelDrafter(Drafter):
         self._base, self._speculative = self._cached, 0
         if max_tokens <= 0:
             return None
+        self._proposed = True
         m = self.model
         dev = m.device
         pending = torch.tensor([tokens[self._cached:]], dtype=torch.int64, device=dev)
@@ -112,4 +115,9 @@ class DraftModelDrafter(Drafter):
         return self.model.forward(ids, pos, self.cache, cache_len, logits="last")[0, -1]
 
     def observe(self, tokens: list[int], num_accepted: int) -> None:
-        self._cached = self._base + min(num_accepted, self._speculative)
+        # Only a step that proposed moves the cached prefix (its accepted drafts' K/V are valid);
+        # after a plain step the draft's cache is as it was, and the next proposal catches up on
+        # the tokens committed since (not on the whole context).
+        if self._proposed:
+            self._cached = self._base + min(num_accepted, self._speculative)
+            self._proposed = False
