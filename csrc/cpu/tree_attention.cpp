@@ -91,30 +91,6 @@ TS_INLINE void micro_4x16(const float* __restrict A, int64_t lda, const float* _
     for (int v = 0; v < NV; ++v) store_vec<V>(C + i * ldc + v * W, c[i][v]);
 }
 
-// dst[j * ldd + i] = src[i * lds + j], i, j < 8, with generic vector shuffles (unpack, shuffle,
-// 128-bit lane swap: what the compiler emits for the ISA of the caller it is inlined into).
-TS_INLINE void transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  typedef int32_t VecI8 __attribute__((vector_size(32)));
-  VecF8 r[8], u[8], v[8];
-  for (int i = 0; i < 8; ++i) r[i] = load_vec<VecF8>(src + i * lds);
-  for (int i = 0; i < 8; i += 2) {
-    u[i] = __builtin_shuffle(r[i], r[i + 1], VecI8{0, 8, 1, 9, 4, 12, 5, 13});
-    u[i + 1] = __builtin_shuffle(r[i], r[i + 1], VecI8{2, 10, 3, 11, 6, 14, 7, 15});
-  }
-  for (int i = 0; i < 8; i += 4)
-    for (int j = 0; j < 2; ++j) {
-      v[i + j] = __builtin_shuffle(u[i + j], u[i + j + 2], VecI8{0, 1, 8, 9, 4, 5, 12, 13});
-      v[i + j + 2] = __builtin_shuffle(u[i + j], u[i + j + 2], VecI8{2, 3, 10, 11, 6, 7, 14, 15});
-    }
-  // v[0]: column 0 (rows 0-1 | 4-5 split by lane), ...: combine the 128-bit halves of rows 0-3 / 4-7
-  const int order[4] = {0, 2, 1, 3};
-  for (int c = 0; c < 4; ++c) {
-    const VecF8 lo = v[order[c]], hi = v[4 + order[c]];
-    store_vec<VecF8>(dst + c * ldd, __builtin_shuffle(lo, hi, VecI8{0, 1, 2, 3, 8, 9, 10, 11}));
-    store_vec<VecF8>(dst + (c + 4) * ldd, __builtin_shuffle(lo, hi, VecI8{4, 5, 6, 7, 12, 13, 14, 15}));
-  }
-}
-
 // 2^x for x <= 0 (-inf -> 0; below -127 -> 0): x = k + f with k integer, |f| <= 1/2, and 2^f by its
 // degree-7 Taylor polynomial (error < 1e-8). Branch-free, so that loops over it vectorise.
 TS_INLINE float exp2_neg(float x) {
@@ -203,16 +179,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   auto scores = [&](int64_t p0, int64_t nk, float* s) {
     const int64_t nkp = round_up(nk, kNr);
     // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
-    // float32 keys: 8 x 8 blocks transposed in registers (a value copy: the same kt).
-    int64_t t0 = 0, d8 = 0;
-    if constexpr (std::is_same_v<T, float>) {
-      d8 = D / 8 * 8;
-      for (; t0 + 8 <= nk; t0 += 8)
-        for (int64_t d = 0; d < d8; d += 8) transpose8x8(kb + (p0 + t0) * a.ks2 + d, a.ks2, kt + d * kTile + t0, kTile);
-      for (int64_t t = 0; t < t0; ++t)  // the columns of d8..D of the blocked keys
-        for (int64_t d = d8; d < D; ++d) kt[d * kTile + t] = kb[(p0 + t) * a.ks2 + d];
-    }
-    for (int64_t t = t0; t < nk; ++t) {
+    for (int64_t t = 0; t < nk; ++t) {
       const T* kr = kb + (p0 + t) * a.ks2;
       for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
     }
