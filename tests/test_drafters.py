@@ -426,3 +426,15 @@ def test_budget_carries_costs_over_between_generations():
     assert untimed.verify_time == {} and untimed.draft_time == []
     carried.carry_over(None)  # nothing to carry: unchanged
     assert carried.costs() == last.costs()
+    # a generation that ended with speculation off (a useless drafter) passes on its probe back-off
+    useless = DraftBudget(4)
+    simulate(useless, steps=200, accept=0.05, draft=2.0)
+    while not (useless._off_steps > 0 and useless.draft_time):  # end on a plain step, draft cost known
+        k = useless.choose()
+        useless.record(k, 0, k + 1, 1.0 + 0.1 * k, 2.0 * k)
+    assert useless._probe_interval == DraftBudget.MAX_PROBE_INTERVAL
+    nxt = DraftBudget(4)
+    nxt.carry_over(useless)
+    assert nxt._probe_interval == DraftBudget.MAX_PROBE_INTERVAL
+    steps = [nxt.choose() for _ in range(60)]
+    assert steps == [0] * 60  # no probe within the first 60 plain steps
