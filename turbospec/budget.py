@@ -79,10 +79,9 @@ class DraftBudget:
         self.verify_time = {w: list(v) for w, v in last.verify_time.items()}
         self.draft_time = list(last.draft_time)
         self.accepted, self.rejected = 0.5 * last.accepted, 0.5 * last.rejected
-        # Speculation was off at the end of the last generation: keep backing off the probes (each
-        # costs a draft catch-up), instead of probing after 4 plain steps again.
-        if last._off_steps > 0 or last._probe_interval > 4:
-            self._probe_interval = last._probe_interval
+        # The probe back-off (4 while drafting; longer when the last generation ended with
+        # speculation off): a useless drafter is not probed after 4 plain steps of every generation.
+        self._probe_interval = last._probe_interval
         self._cost = None
 
     @staticmethod

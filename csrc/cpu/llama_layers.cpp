@@ -42,6 +42,12 @@ bool all_float(at::TensorList ts) {
   return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
 }
 
+// float32 caches whose head dimension is contiguous (the raw loops write K/V rows with stride 1).
+bool raw_caches(at::TensorList ts) {
+  return all_float(ts) &&
+         std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.dim() == 4 && t.stride(3) == 1; });
+}
+
 // The float32 layer loop on raw buffers: the same arithmetic as the ATen loop below, operation for
 // operation (element-wise float32 multiplies and adds are correctly rounded, so a loop gives the bits
 // the ATen op gives), without ~35 ATen calls per layer. Buffers are allocated once per call.
@@ -60,12 +66,14 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
   TORCH_CHECK(cos_in.dim() == 4 && (cos_in.size(0) == 1 || cos_in.size(0) == B) && cos_in.size(1) == n &&
                   cos_in.size(2) == 1 && sin_in.sizes() == cos_in.sizes(),
               "llama_layers: cos / sin_signed must be [B or 1, n, 1, D], got ", cos_in.sizes(), " and ", sin_in.sizes());
+  std::vector<int64_t> gu_width(L);  // per layer: gate_up's outputs (2 x I)
   for (int64_t l = 0, sg = 0; l < L; ++l) {
     int64_t width[kLinears];
     for (int64_t j = 0; j < kLinears; ++j) {
       width[j] = 0;
       for (int64_t k = 0; k < counts[l * kLinears + j]; ++k) width[j] += weights[sg++].size(0);
     }
+    gu_width[l] = width[2];
     TORCH_CHECK(width[0] == nqkv && width[1] == hid && width[2] % 2 == 0 && width[3] == hid, "llama_layers: layer ",
                 l, " linears have ", width[0], ", ", width[1], ", ", width[2], ", ", width[3], " outputs; expected qkv ",
                 nqkv, ", o ", hid, ", gate_up 2 x I, down ", hid);
@@ -133,10 +141,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
     add_into(xp, yp, R * hid);
     rms_norm_rows(xp, hid, norms[2 * l + 1].contiguous().data_ptr<float>(), R, hid, eps, hp, hid);
-    // gate_up: width 2I, known once its segments are
-    int64_t width = 0;
-    const int64_t c2 = counts[l * kLinears + 2];
-    for (int64_t k = 0; k < c2; ++k) width += weights[seg + k].size(0);
+    const int64_t width = gu_width[l];
     if (!gu.defined() || gu.size(-1) != width) {
       gu = at::empty({B, n, width}, opts);
       act = at::empty({B, n, width / 2}, opts);
@@ -194,7 +199,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
   const at::Tensor lens = at::full({B}, cache_len, x_in.options().dtype(at::kLong));
   if (dtype == at::kFloat && cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat &&
-      all_float(norms) && all_float(biases) && all_float(k_cache) && all_float(v_cache) && d % 2 == 0)
+      all_float(norms) && all_float(biases) && raw_caches(k_cache) && raw_caches(v_cache) && d % 2 == 0)
     return layers_f32(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache, v_cache,
                       cache_len, num_heads, num_kv_heads, eps, scale, capture, activations);
   at::Tensor x = x_in;
