@@ -26,4 +26,20 @@ inline void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
   }
 }
 
+// All 8 scales and 8 mins of a Q4_K / Q5_K super-block (the 12 packed bytes at s), byte j of sc / mn
+// for sub-block j: the values scale_min_k4 gives, with word operations.
+inline void scale_min_k4_all(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+  uint64_t a;
+  uint32_t b;
+  std::memcpy(&a, s, 8);
+  std::memcpy(&b, s + 8, 4);
+  const uint32_t lo = static_cast<uint32_t>(a), hi = static_cast<uint32_t>(a >> 32);
+  // sub-blocks 0..3: the low 6 bits of bytes 0..3 (scales) and 4..7 (mins); 4..7: a nibble of bytes
+  // 8..11 and, as bits 4..5, the top 2 bits of bytes 0..3 (scales) and 4..7 (mins)
+  const uint32_t sc_hi = (b & 0x0F0F0F0Fu) | ((lo >> 2) & 0x30303030u);
+  const uint32_t mn_hi = ((b >> 4) & 0x0F0F0F0Fu) | ((hi >> 2) & 0x30303030u);
+  *sc = (lo & 0x3F3F3F3Fu) | (static_cast<uint64_t>(sc_hi) << 32);
+  *mn = (hi & 0x3F3F3F3Fu) | (static_cast<uint64_t>(mn_hi) << 32);
+}
+
 }  // namespace turbospec

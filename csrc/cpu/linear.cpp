@@ -378,7 +378,9 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t
 
 // Q4_K / Q5_K: one 256-weight super-block of NW weight rows x NX input rows, the same values and the
 // same lane order as 8 calls of accumulate_step, with the scales decoded once per super-block and
-// the 4-bit values widened by byte shuffles (no per-sub-block scalar work, no branches).
+// the 4-bit values widened by byte shuffles (no per-sub-block scalar work, no branches). Rows are
+// interleaved 64 weights at a time: each lane's sum is a chain of dependent FMAs, and NW rows give
+// the core NW independent chains per lane to overlap.
 template <int64_t F, int NW, int NX>
 TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8_t* const* wr, const float* const* xr,
                                                                      int64_t k, int64_t pf, __m256 (&lo)[NW][NX],
@@ -388,20 +390,24 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
                                       4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));
   const __m256i m4 = _mm256_set1_epi32(0x0F);
+  // d * scale and -(dmin * min) of the 8 sub-blocks of each row (exact products: 11 x 6 bits)
+  alignas(32) float d1[NW][8], m1[NW][8];
+  const uint8_t* b[NW];
   for (int i = 0; i < NW; ++i) {
-    const uint8_t* b = wr[i] + (k >> 8) * bytes;
+    b[i] = wr[i] + (k >> 8) * bytes;
     _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf + 64), _MM_HINT_T0);
-    const float d = half_avx2(b), dmin = half_avx2(b + 2);
-    float d1[8], m1[8];
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scale_min_k4(b + 4, j, &sc, &mn);
-      d1[j] = d * static_cast<float>(sc);
-      m1[j] = -(dmin * static_cast<float>(mn));
-    }
-    const uint8_t* qs = b + (F == kQ4_K ? 16 : 48);
-    for (int p = 0; p < 4; ++p) {  // 64 weights: sub-block 2p (low nibbles), 2p + 1 (high nibbles)
+    uint64_t sc8, mn8;
+    scale_min_k4_all(b[i] + 4, &sc8, &mn8);
+    _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
+    _mm256_store_ps(m1[i], _mm256_mul_ps(_mm256_set1_ps(-half_avx2(b[i] + 2)),
+                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn8))))));
+  }
+  for (int p = 0; p < 4; ++p) {  // 64 weights: sub-block 2p (low nibbles), 2p + 1 (high nibbles)
+#pragma GCC unroll 4
+    for (int i = 0; i < NW; ++i) {
+      const uint8_t* qs = b[i] + (F == kQ4_K ? 16 : 48);
       __m256i q[2][4];  // [sub-block][8-weight group]
       for (int h = 0; h < 2; ++h) {  // bytes 16h..16h+15 of the 32: weights 16h..16h+15 of both sub-blocks
         const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * p + 16 * h)));
@@ -411,7 +417,7 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
         q[1][2 * h] = _mm256_srli_epi32(b0, 4);
         q[1][2 * h + 1] = _mm256_srli_epi32(b1, 4);
         if constexpr (F == kQ5_K) {  // the fifth bit: bit (2p + sub) of qh[weight]
-          const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * h)));
+          const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 16 + 16 * h)));
           const __m256i h0 = _mm256_shuffle_epi8(hv, s0), h1 = _mm256_shuffle_epi8(hv, s1);
           const __m256i one = _mm256_set1_epi32(1);
           for (int sub = 0; sub < 2; ++sub) {
@@ -424,7 +430,7 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
       }
       for (int sub = 0; sub < 2; ++sub) {
         const int j = 2 * p + sub;
-        const __m256 dv = _mm256_set1_ps(d1[j]), mv = _mm256_set1_ps(m1[j]);
+        const __m256 dv = _mm256_set1_ps(d1[i][j]), mv = _mm256_set1_ps(m1[i][j]);
         const int64_t kk = k + 32 * j;
         for (int g = 0; g < 2; ++g) {  // lane group g: weights kk + 16g .. kk + 16g + 15
           const __m256 wl = _mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[sub][2 * g]), mv);

@@ -49,7 +49,7 @@ struct QRow {
   // per 256 (the K-quant formats): q256 [K], d256 [K / 256], sums of q256 per 16 [K / 16]
   const int8_t* q256;
   const float* d256;
-  const int32_t* bsum16;
+  const int16_t* bsum16;  // |sum of 16 int8| <= 2032
 };
 
 // One block of n activations -> int8 q[n] (nearbyint(x / d), ties to even); returns d = max|x| / 127.
@@ -69,10 +69,10 @@ inline int32_t sum_q(const int8_t* q, int n) {
 }
 
 // Per 256 (the K-quant formats): q, d per 256 and the sums of q per 16.
-void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int32_t* bsum16) {
+void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum16) {
   for (int64_t b = 0; b < K / 256; ++b) {
     d[b] = quantize_block(x + 256 * b, 256, q + 256 * b);
-    for (int g = 0; g < 16; ++g) bsum16[16 * b + g] = sum_q(q + 256 * b + 16 * g, 16);
+    for (int g = 0; g < 16; ++g) bsum16[16 * b + g] = static_cast<int16_t>(sum_q(q + 256 * b + 16 * g, 16));
   }
 }
 
@@ -139,6 +139,18 @@ inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* 
       w[e] = (lo | (((qh[e] >> (2 * c)) & 3) << 4)) - 32;
     }
   }
+}
+
+inline uint32_t load_u32_le(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint16_t load_u16_le(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
 }
 
 inline float combine8(const float* a) {
@@ -211,7 +223,7 @@ inline void superblock_ints(const uint8_t* row, int64_t s, uint8_t* u, int* sc, 
 // The min term's integer: sum over the super-block of (min per 32, Q4_K / Q5_K; scale per 16, Q6_K)
 // times the sum of q_x under it.
 template <int64_t F>
-inline int32_t min_sum(const int* mn16, const int32_t* bsum16) {
+inline int32_t min_sum(const int* mn16, const int16_t* bsum16) {
   int32_t M = 0;
   if constexpr (F == kQ6_K) {
     for (int g = 0; g < 16; ++g) M += mn16[g] * bsum16[g];
@@ -387,7 +399,25 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
 }
 
 // K-quant formats: NW weight rows x NX input rows; per super-block the integer lanes are summed over
-// the 8 sub-blocks (scales folded in by madd), then one float FMA per lane.
+// the 8 sub-blocks (scales folded in by madd), then one float FMA per lane. The 6-bit scales and mins
+// are unpacked with word operations and broadcast by byte shuffles, and the min term's integer is one
+// madd against the activations' sums per 16: the same integers as rows_k_scalar, with no per-sub-block
+// scalar work.
+TS_AVX2 __attribute__((always_inline)) inline int32_t hsum_epi32(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x55));
+  return _mm_cvtsi128_si32(t);
+}
+
+// Byte-shuffle patterns over 8 int16 broadcast to both halves: pick_word(a, b) fills the low half
+// with word a and the high half with word b.
+TS_AVX2 __attribute__((always_inline)) inline __m256i pick_words(int a, int b) {
+  const __m128i lo = _mm_set1_epi16(static_cast<short>((2 * a) | ((2 * a + 1) << 8)));
+  const __m128i hi = _mm_set1_epi16(static_cast<short>((2 * b) | ((2 * b + 1) << 8)));
+  return _mm256_set_m128i(hi, lo);
+}
+
 template <int64_t F, int NW, int NX>
 TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
                          int64_t ldo) {
@@ -401,40 +431,43 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
       m[i][r] = 0.f;
     }
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i pick[8];  // Q4_K / Q5_K: sub-block l's scale in every word; Q6_K: scales 2l', 2l'+1 (l' = l % 4)
+  for (int l = 0; l < 8; ++l) pick[l] = F == kQ6_K ? pick_words(2 * (l & 3), 2 * (l & 3) + 1) : pick_words(l, l);
   for (int64_t s = 0; s < K / 256; ++s) {
     for (int i = 0; i < NW; ++i) {
       const uint8_t* p = wr[i] + s * bytes;
       for (int64_t c = 0; c < bytes; c += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p + ahead + c), _MM_HINT_T0);
-      int sc[16], mn16[16];
-      float d, neg;
+      float d, neg = 0.f;
+      __m256i mins;  // the min term's 16 int16 weights (per 16 activations)
       __m256i L[NX];
       for (int r = 0; r < NX; ++r) L[r] = _mm256_setzero_si256();
       if constexpr (F == kQ4_K || F == kQ5_K) {
-        d = f16c(p);
-        neg = -f16c(p + 2);
-        for (int l = 0; l < 8; ++l) {
-          int a, mm;
-          scale_min_k4(p + 4, l, &a, &mm);
-          sc[2 * l] = sc[2 * l + 1] = a;
-          mn16[2 * l] = mn16[2 * l + 1] = mm;
-        }
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32_le(p))));
+        d = _mm_cvtss_f32(dm);
+        neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
+        uint64_t sc8, mn8;
+        scale_min_k4_all(p + 4, &sc8, &mn8);
+        const __m128i mnb = _mm_cvtsi64_si128(static_cast<long long>(mn8));
+        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnb, mnb));  // min per 32 on both halves
+        const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
         const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
         __m256i h = _mm256_setzero_si256();
         if constexpr (F == kQ5_K) h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+        const __m256i bit5 = _mm256_set1_epi8(0x10);
         for (int pp = 0; pp < 4; ++pp) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * pp));
           __m256i u[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
-          if constexpr (F == kQ5_K) {
+          if constexpr (F == kQ5_K) {  // bit l of qh[e] -> bit 4 of byte e
             for (int t = 0; t < 2; ++t) {
-              const __m256i sel = _mm256_set1_epi8(static_cast<char>(1 << (2 * pp + t)));
-              u[t] = _mm256_or_si256(u[t], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel), sel),
-                                                            _mm256_set1_epi8(0x10)));
+              const int l = 2 * pp + t;
+              const __m256i hb = l <= 4 ? _mm256_slli_epi16(h, 4 - l) : _mm256_srli_epi16(h, l - 4);
+              u[t] = _mm256_or_si256(u[t], _mm256_and_si256(hb, bit5));
             }
           }
           for (int t = 0; t < 2; ++t) {
             const int l = 2 * pp + t;
-            const __m256i scv = _mm256_set1_epi16(static_cast<short>(sc[2 * l]));
+            const __m256i scv = _mm256_shuffle_epi8(scw, pick[l]);
             for (int r = 0; r < NX; ++r) {
               const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q256 + 256 * s + 32 * l));
               L[r] = _mm256_add_epi32(L[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], qx), scv));
@@ -442,10 +475,11 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
           }
         }
       } else {  // Q6_K
-        d = f16c(p + 208);
-        neg = 0.f;
-        const int8_t* s8 = reinterpret_cast<const int8_t*>(p + 192);
-        for (int g = 0; g < 16; ++g) sc[g] = mn16[g] = s8[g];
+        d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16_le(p + 208))));
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        mins = _mm256_cvtepi8_epi16(s8);  // scale per 16 (times the -32 offset, in the factor)
+        const __m256i scw[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)),
+                                _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_srli_si128(s8, 8)))};
         for (int half = 0; half < 2; ++half) {
           const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half));
           const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32));
@@ -454,11 +488,10 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
             const int l = 4 * half + c;
             const __m256i ql = (c & 1) ? ql1 : ql0;
             const __m256i lo = _mm256_and_si256((c >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
-            const __m256i hi =
-                _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
-            const __m256i u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-            const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(sc[2 * l + 1])),
-                                                 _mm_set1_epi16(static_cast<short>(sc[2 * l])));
+            // bits 2c, 2c+1 of qh -> bits 4, 5
+            const __m256i hb = c <= 1 ? _mm256_slli_epi16(qh, 4 - 2 * c) : _mm256_srli_epi16(qh, 2 * c - 4);
+            const __m256i u = _mm256_or_si256(lo, _mm256_and_si256(hb, _mm256_set1_epi8(0x30)));
+            const __m256i scv = _mm256_shuffle_epi8(scw[half], pick[l]);
             for (int r = 0; r < NX; ++r) {
               const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q256 + 256 * s + 32 * l));
               L[r] = _mm256_add_epi32(L[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), scv));
@@ -469,8 +502,10 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
       for (int r = 0; r < NX; ++r) {
         float ddx, nm;
         k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
+        const int32_t M =
+            hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].bsum16 + 16 * s))));
         acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L[r]), acc[i][r]);
-        m[i][r] = std::fma(nm, static_cast<float>(min_sum<F>(mn16, xr[r].bsum16 + 16 * s)), m[i][r]);
+        m[i][r] = std::fma(nm, static_cast<float>(M), m[i][r]);
       }
     }
   }
@@ -585,7 +620,8 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   // Reused between calls (a decode step makes ~200 of them): no allocation once they are big enough.
   thread_local std::vector<int8_t> q, q256;
   thread_local std::vector<float> d, s, d256;
-  thread_local std::vector<int32_t> lsum, bsum16;
+  thread_local std::vector<int32_t> lsum;
+  thread_local std::vector<int16_t> bsum16;
   thread_local std::vector<QRow> xr;
   q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
   lsum.resize(n32 * nb * 8), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
