@@ -445,6 +445,53 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
   }
 }
 
+// Q6_K: one 256-weight super-block of NW weight rows x NX input rows, the same values and lane
+// order as 8 calls of accumulate_step. Per 32 weights (half h, quarter c): 6-bit values from a nibble
+// of ql and two bits of qh, minus 32 in bytes, sign-extended to dwords; each weight is the exact
+// product (d * scale) * (q - 32). Rows interleaved as in accumulate_kquant.
+template <int NW, int NX>
+TS_AVX2 __attribute__((always_inline)) inline void accumulate_q6k(const uint8_t* const* wr, const float* const* xr,
+                                                                  int64_t k, int64_t pf, __m256 (&lo)[NW][NX],
+                                                                  __m256 (&hi)[NW][NX]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  alignas(32) float d1[NW][16];  // d * scale per 16 weights (exact: 11 x 8 bits)
+  const uint8_t* b[NW];
+  for (int i = 0; i < NW; ++i) {
+    b[i] = wr[i] + (k >> 8) * 210;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf + 64 * c), _MM_HINT_T0);
+    const __m256 d = _mm256_set1_ps(half_avx2(b[i] + 208));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 192));
+    _mm256_store_ps(d1[i], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_store_ps(d1[i] + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 4; ++c) {  // weights 128h + 32c .. + 31
+#pragma GCC unroll 4
+      for (int i = 0; i < NW; ++i) {
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 64 * h + 32 * (c & 1)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 128 + 32 * h));
+        const __m256i lo4 = _mm256_and_si256((c >> 1) ? _mm256_srli_epi16(ql, 4) : ql, m4);
+        // bits 2c, 2c + 1 of qh -> bits 4, 5
+        const __m256i hb = c == 0 ? _mm256_slli_epi16(qh, 4) : c == 1 ? _mm256_slli_epi16(qh, 2)
+                           : c == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo4, _mm256_and_si256(hb, m30)), off);
+        const __m128i qa = _mm256_castsi256_si128(q), qb = _mm256_extracti128_si256(q, 1);
+        const __m256i qd[4] = {_mm256_cvtepi8_epi32(qa), _mm256_cvtepi8_epi32(_mm_srli_si128(qa, 8)),
+                               _mm256_cvtepi8_epi32(qb), _mm256_cvtepi8_epi32(_mm_srli_si128(qb, 8))};
+        const int64_t kk = k + 128 * h + 32 * c;
+        for (int g = 0; g < 2; ++g) {  // lane group g: weights kk + 16g .. + 15, scale 8h + 2c + g
+          const __m256 dv = _mm256_set1_ps(d1[i][8 * h + 2 * c + g]);
+          const __m256 wl = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(qd[2 * g]));
+          const __m256 wh = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(qd[2 * g + 1]));
+          for (int r = 0; r < NX; ++r) {
+            lo[i][r] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xr[r] + kk + 16 * g), lo[i][r]);
+            hi[i][r] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xr[r] + kk + 16 * g + 8), hi[i][r]);
+          }
+        }
+      }
+    }
+}
+
 // NW weight rows x NX input rows over all of K (16 lanes as two 8-wide halves, in registers).
 template <int64_t F, int NW, int NX>
 TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
@@ -460,6 +507,8 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   int64_t k = 0, pf = 0;
   if constexpr (F == kQ4_K || F == kQ5_K) {  // K % 256 == 0
     for (; k < K; k += 256, pf += 8 * pf_step) accumulate_kquant<F, NW, NX>(wr, xr, k, ahead + pf, lo, hi);
+  } else if constexpr (F == kQ6_K) {  // K % 256 == 0
+    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_q6k<NW, NX>(wr, xr, k, ahead + pf, lo, hi);
   } else {
     for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, step, lo, hi);
     if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, K - k, lo, hi);
