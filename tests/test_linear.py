@@ -259,6 +259,27 @@ def test_int8_rows_isas_and_threads_give_identical_bits(name):
     assert torch.equal(y, reference.linear_int8(x, [raw], [fmt]))
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+def test_int8_activation_quantization_isas_agree_on_edge_values(name):
+    """The vectorised activation quantizer rounds ties to even, clamps, and treats zeros, inf and NaN
+    exactly as the scalar one (the bits of the output, NaNs included, are the same on every path)."""
+    k = 512
+    raw = random_blocks(name, 5, k, seed=9)
+    fmt = BLOCK_FORMATS[name]
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(10))
+    x[0] = torch.arange(k) % 7 - 3.5          # exact ties after scaling by 127 / 3.5
+    x[1] = 0.0                                # d = 0
+    x[2, 7] = float("inf")
+    x[3, 40] = float("nan")
+    x[4, :256] = 1e-30                        # subnormal scale products
+    x[5, 100] = -1e30
+    ys = on_every_isa(lambda: ops.linear(x, [raw], [fmt], activations=8).view(torch.int32))
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    finite = [0, 1, 4, 5]
+    assert torch.equal(ys[0][finite].view(torch.float32), reference.linear_int8(x[finite], [raw], [fmt]))
+
+
 def test_int8_mixed_segments_and_dense_weights():
     """A fused linear of Q4_K + Q6_K segments takes int8 activations segment by segment; a call with
     a dense segment keeps exact activations (dense weights have no integer form)."""

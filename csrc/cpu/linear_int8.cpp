@@ -68,18 +68,68 @@ inline int32_t sum_q(const int8_t* q, int n) {
   return s;
 }
 
+#ifdef TS_X86
+// AVX2 quantize_block: the same max (a NaN is skipped, as std::max skips it), the same products and
+// round-to-nearest-even, the same clamp (a NaN product gives -127, as std::max(-127, NaN) does).
+TS_AVX2 float quantize_block_avx2(const float* x, int n, int8_t* q) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 mx = _mm256_setzero_ps();
+  for (int j = 0; j < n; j += 8) mx = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), abs_mask), mx);
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m256 hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+  for (int j = 0; j < n; j += 32) {
+    __m256i v[4];
+    for (int t = 0; t < 4; ++t) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * t), inv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[t] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+    }
+    // dwords -> words -> bytes; the packs interleave 128-bit halves, the permute restores the order
+    const __m256i w01 = _mm256_packs_epi32(v[0], v[1]), w23 = _mm256_packs_epi32(v[2], v[3]);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j), b);
+  }
+  return d;
+}
+
+// The eight 4-value sums of 32 int8 (lsum[l]: bytes 4l..4l+3); returns their total.
+TS_AVX2 int32_t quad_sums_avx2(const int8_t* q, int32_t* lsum) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), v), _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lsum), l);
+  return lsum[0] + lsum[1] + lsum[2] + lsum[3] + lsum[4] + lsum[5] + lsum[6] + lsum[7];
+}
+#endif
+
+inline float quantize_block_isa(const float* x, int n, int8_t* q, Isa isa) {
+#ifdef TS_X86
+  if (isa != Isa::kScalar) return quantize_block_avx2(x, n, q);
+#endif
+  return quantize_block(x, n, q);
+}
+
 // Per 256 (the K-quant formats): q, d per 256 and the sums of q per 16.
-void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum16) {
+void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int16_t* bsum16, Isa isa) {
   for (int64_t b = 0; b < K / 256; ++b) {
-    d[b] = quantize_block(x + 256 * b, 256, q + 256 * b);
+    d[b] = quantize_block_isa(x + 256 * b, 256, q + 256 * b, isa);
     for (int g = 0; g < 16; ++g) bsum16[16 * b + g] = static_cast<int16_t>(sum_q(q + 256 * b + 16 * g, 16));
   }
 }
 
 // Per 32: q, d, d * sum(q) per block and the eight 4-value lane sums of q per block.
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum, Isa isa) {
   for (int64_t b = 0; b < K / 32; ++b) {
-    d[b] = quantize_block(x + 32 * b, 32, q + 32 * b);
+    d[b] = quantize_block_isa(x + 32 * b, 32, q + 32 * b, isa);
+#ifdef TS_X86
+    if (isa != Isa::kScalar) {
+      s[b] = d[b] * static_cast<float>(quad_sums_avx2(q + 32 * b, lsum + 8 * b));
+      continue;
+    }
+#endif
     s[b] = d[b] * static_cast<float>(sum_q(q + 32 * b, 32));
     for (int l = 0; l < 8; ++l) lsum[8 * b + l] = sum_q(q + 32 * b + 4 * l, 4);
   }
@@ -625,19 +675,19 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   thread_local std::vector<QRow> xr;
   q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
   lsum.resize(n32 * nb * 8), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
+  const Isa isa = cpu_isa();
   for (int64_t r = 0; r < R; ++r) {
     QRow& row = xr[r];
     row = {};
     if (need32) {
-      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8]);
+      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8], isa);
       row.q = &q[r * K], row.d = &d[r * nb], row.s = &s[r * nb], row.lsum = &lsum[r * nb * 8];
     }
     if (need256) {
-      quantize_row_256(xp + r * K, K, &q256[r * K], &d256[r * (K / 256)], &bsum16[r * (K / 16)]);
+      quantize_row_256(xp + r * K, K, &q256[r * K], &d256[r * (K / 256)], &bsum16[r * (K / 16)], isa);
       row.q256 = &q256[r * K], row.d256 = &d256[r * (K / 256)], row.bsum16 = &bsum16[r * (K / 16)];
     }
   }
-  const Isa isa = cpu_isa();
   const int64_t grain = std::max<int64_t>(1, items / (4 * std::max(1, at::get_num_threads())));
   const QRow* rows_q = xr.data();  // (the buffers are this thread's: pass pointers to the workers)
   at::parallel_for(0, items, grain, [&](int64_t a, int64_t b) {
