@@ -250,7 +250,9 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
     // The 16 bytes in both 128-bit lanes; byte j -> the low byte of dword j (shuffle), so the low
     // nibbles are weights 0..15 and the high nibbles (a dword shift) weights 16..31.
     const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
-    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
+    // Q4_1: d and m are adjacent halves: one conversion, two broadcasts
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))));
+    const __m256 d = _mm256_broadcastss_ps(dm);
     const __m256i v =
         _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
     const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
@@ -261,7 +263,7 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
     const __m256i q[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4), _mm256_srli_epi32(b0, 4),
                           _mm256_srli_epi32(b1, 4)};
     if constexpr (F == kQ4_1) {
-      const __m256 m = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b + 2))));
+      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
       for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
     } else {
       const __m256i eight = _mm256_set1_epi32(8);
