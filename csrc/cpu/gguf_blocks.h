@@ -8,6 +8,19 @@
 
 namespace turbospec {
 
+// Unaligned little-endian loads (GGUF is little endian, as is every CPU these kernels build for).
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // The float32 value of the IEEE half stored (little endian) at p.
 inline float half_at(const uint8_t* p) {
   uint16_t h;

@@ -87,17 +87,6 @@ inline float combine_lanes(const float* s) {
   return t2[0] + t2[1];
 }
 
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
-inline uint32_t load_u32(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
 
 
 // ---------------------------------------------------------------------------------------------

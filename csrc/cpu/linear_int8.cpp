@@ -191,18 +191,6 @@ inline void block_ints(const uint8_t* row, int64_t b, int* w, float* sc, float* 
   }
 }
 
-inline uint32_t load_u32_le(const uint8_t* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-inline uint16_t load_u16_le(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
 inline float combine8(const float* a) {
   float t4[4], t2[2];
   for (int j = 0; j < 4; ++j) t4[j] = a[j] + a[j + 4];
@@ -493,7 +481,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
       __m256i L[NX];
       for (int r = 0; r < NX; ++r) L[r] = _mm256_setzero_si256();
       if constexpr (F == kQ4_K || F == kQ5_K) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32_le(p))));
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
         d = _mm_cvtss_f32(dm);
         neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
         uint64_t sc8, mn8;
@@ -525,7 +513,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
           }
         }
       } else {  // Q6_K
-        d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16_le(p + 208))));
+        d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p + 208))));
         const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
         mins = _mm256_cvtepi8_epi16(s8);  // scale per 16 (times the -32 offset, in the factor)
         const __m256i scw[2] = {_mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(s8)),
