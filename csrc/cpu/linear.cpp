@@ -88,7 +88,6 @@ inline float combine_lanes(const float* s) {
 }
 
 
-
 // ---------------------------------------------------------------------------------------------
 // Scalar dequantization: the 16 weights of a row starting at element k (k % 16 == 0). left = K - k;
 // dense formats may end in a partial group (the missing lanes are 0); block formats never do.

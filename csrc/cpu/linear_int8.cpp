@@ -309,8 +309,9 @@ void rows_k_scalar(const uint8_t* const* wr, int64_t nw, const QRow* xr, int64_t
 }
 
 #ifdef TS_X86
-// One block of weights as 32 bytes in weight order: unsigned values u (0..63) with an integer
-// offset subtracted afterwards (q_w = u - off), or for Q8_0 the signed bytes themselves.
+// One block of weights as 32 bytes in weight order: unsigned values u (0..31) with an integer
+// offset subtracted afterwards (q_w = u - off), or for Q8_0 the signed bytes themselves (the
+// 32-weight formats; the K-quant formats decode whole super-blocks in tile_k_avx2).
 TS_AVX2 __attribute__((always_inline)) inline float f16c(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -342,32 +343,9 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i block_bytes_avx2(const uin
       if constexpr (F == kQ4_1) *mn = f16c(p + 2);
       return u;
     }
-  } else if constexpr (F == kQ4_K || F == kQ5_K) {
-    const uint8_t* p = row + (b >> 3) * block_bytes(F);
-    const int j = static_cast<int>(b & 7);
-    int s, m;
-    scale_min_k4(p + 4, j, &s, &m);
-    *sc = _mm_set1_ps(f16c(p) * static_cast<float>(s));
-    *mn = -(f16c(p + 2) * static_cast<float>(m));
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (F == kQ4_K ? 16 : 48) + 32 * (j >> 1)));
-    __m256i u = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
-    if constexpr (F == kQ5_K) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
-      const __m256i sel = _mm256_set1_epi8(static_cast<char>(1 << j));
-      u = _mm256_or_si256(u, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel), sel), _mm256_set1_epi8(0x10)));
-    }
-    return u;
-  } else {  // Q6_K
-    const uint8_t* p = row + (b >> 3) * 210;
-    const int e0 = static_cast<int>(b & 7) * 32, half = e0 >> 7, c = (e0 & 127) >> 5;
-    const float d = f16c(p + 208);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192);
-    *sc = _mm_set_ps(0.f, 0.f, d * static_cast<float>(scales[(e0 >> 4) + 1]), d * static_cast<float>(scales[e0 >> 4]));
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * half + 32 * (c & 1)));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half));
-    const __m256i lo = _mm256_and_si256((c >> 1) ? _mm256_srli_epi16(ql, 4) : ql, _mm256_set1_epi8(0x0F));
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), _mm256_set1_epi8(3));
-    return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  } else {
+    static_assert(!is_k(F), "K-quant formats run in tile_k_avx2");
+    return _mm256_setzero_si256();
   }
 }
 
@@ -416,11 +394,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
       for (int r = 0; r < NX; ++r) {
         const __m256i L = lane_sums<F>(u, qx[r], xr[r].lsum + 8 * b);
         const __m128 s4 = _mm_mul_ps(sc, _mm_set1_ps(xr[r].d[b]));  // scale_w * d_x, per 16 weights
-        __m256 s;
-        if constexpr (F == kQ6_K)
-          s = _mm256_set_m128(_mm_shuffle_ps(s4, s4, 0x55), _mm_shuffle_ps(s4, s4, 0x00));
-        else
-          s = _mm256_set_m128(s4, s4);
+        const __m256 s = _mm256_set_m128(s4, s4);
         acc[i][r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(L), acc[i][r]);
         if constexpr (has_min(F)) m[i][r] = std::fma(mn, xr[r].s[b], m[i][r]);
       }
