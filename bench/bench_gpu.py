@@ -272,9 +272,9 @@ def make_engine(target, args, graphs: bool, max_seq_len: int, drafter="none", **
 def shipped_head_kwargs(method: str, hf_config) -> dict:
     """Engine options for the head shipped for SmolLM2 (``method`` "eagle" or "medusa"), with the
     tree options it was tuned for; raises if none is shipped or it does not fit the model."""
-    from turbospec.checkpoints import load_head
-    from turbospec.model import ModelConfig
-    from turbospec.shipped import shipped_heads
+    from turbospec.heads.formats import load_head
+    from turbospec.model.transformer import ModelConfig
+    from turbospec.heads.shipped import shipped_heads
     heads = shipped_heads()
     # "eagle": the shipped EAGLE-3 head when there is one (what Engine(drafter="eagle") picks)
     path = next((heads[m] for m in (("eagle3", "eagle") if method == "eagle" else (method,)) if m in heads), None)

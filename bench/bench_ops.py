@@ -17,7 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from turbospec import ops, reference  # noqa: E402
+from turbospec import ops
+from turbospec.ops import reference  # noqa: E402
 
 
 def timeit(fn, device: str, iters: int, warmup: int = 3) -> float:

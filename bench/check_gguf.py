@@ -40,7 +40,8 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from turbospec import loader, reference
+    from turbospec.model import loader
+    from turbospec.ops import reference
     torch.set_num_threads(args.threads)
     t = time.time()
     q = loader.load_model(args.model)

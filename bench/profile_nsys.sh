@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Systems timeline of turbospec's end-to-end decoding on a GPU: the engine's NVTX ranges
-# (draft / verify / accept / compact, from turbospec.nvtx) and the CUDA kernels under them, including
+# (draft / verify / accept / compact, from turbospec.ops.nvtx) and the CUDA kernels under them, including
 # the kernels inside CUDA-graph replays (--cuda-graph-trace=node).
 #
 # One nsys process per system: bench/bench_gpu.py builds the random-weight model, does a warm-up

@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from turbospec.heads import draft_vocab_from_counts  # noqa: E402
-from turbospec.shipped import HEADS_DIR  # noqa: E402
+from turbospec.heads.layers import draft_vocab_from_counts  # noqa: E402
+from turbospec.heads.shipped import HEADS_DIR  # noqa: E402
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 // The one place turbospec's op schemas are declared. Kernels register per device:
 // csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(turbospec, CPU, m), csrc/cuda/*.cu with
 // TORCH_LIBRARY_IMPL(turbospec, CUDA, m). Importing turbospec._C runs these static registrations;
-// the Python wrappers (turbospec/ops.py) call torch.ops.turbospec.<op>.default.
+// the Python wrappers (turbospec/ops/wrappers.py) call torch.ops.turbospec.<op>.default.
 //
 // Every op writes into caller-provided buffers (the Tensor(x!) arguments) and returns nothing, and
 // takes its randomness as a tensor (uniform), so a decode step built from them is CUDA-graph safe.

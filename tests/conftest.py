@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "extension not built" warning: the reference ops are used
     import turbospec  # noqa: E402
-    from turbospec import loader  # noqa: E402
+    from turbospec.model import loader  # noqa: E402
 
 TINY_DEFAULTS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,

@@ -31,7 +31,7 @@ def test_parse_llama_lookup_log():
 
 
 def test_turbospec_measurements_on_a_tiny_model():
-    from turbospec import loader
+    from turbospec.model import loader
     model = loader.load_model(make_tiny_model("llama"), weights="q8_0")
     assert bench_cpu.ts_decode_tps(model, 4) > 0
     curve = bench_cpu.ts_verify_curve(model, context=16, reps=1)
@@ -45,7 +45,7 @@ def test_turbospec_measurements_on_a_tiny_model():
 def test_target_draft_systems_on_tiny_models():
     """The pair section's turbospec rows: a draft model at fixed lengths and adaptive, each output
     compared with plain greedy (the draft is the target itself, so every draft token is accepted)."""
-    from turbospec import loader
+    from turbospec.model import loader
     target = loader.load_model(make_tiny_model("llama", seed=1), weights="q8_0")
     draft = loader.load_model(make_tiny_model("llama", seed=1), weights="q8_0")  # the same model
     args = bench_cpu.argparse.Namespace(max_new_tokens=12)

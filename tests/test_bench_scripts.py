@@ -47,8 +47,8 @@ def missing_engine_api() -> list[str]:
     missing = []
     params = inspect.signature(turbospec.Engine.__init__).parameters
     missing += [f"Engine({p}=)" for p in ("device", "cuda_graphs") if p not in params]
-    if not importlib.util.find_spec("turbospec.nvtx"):
-        missing.append("turbospec.nvtx")
+    if not importlib.util.find_spec("turbospec.ops.nvtx"):
+        missing.append("turbospec.ops.nvtx")
     if not missing:
         model = bench_gpu.build_random_llama(bench_gpu.tiny_config(False), "cpu", torch.float32)
         engine = turbospec.Engine(model, drafter="none", device="cpu", max_seq_len=32)
@@ -188,7 +188,7 @@ def test_model_configs_have_the_published_shapes():
     assert (small.hidden_size, small.intermediate_size, small.num_hidden_layers, small.num_attention_heads,
             small.num_key_value_heads, small.vocab_size, small.max_position_embeddings,
             small.tie_word_embeddings) == (576, 1536, 30, 9, 3, 49152, 8192, True)
-    from turbospec.model import ModelConfig
+    from turbospec.model.transformer import ModelConfig
     assert ModelConfig.from_hf(big).rope_theta == 500000.0
     assert ModelConfig.from_hf(small).rope_theta == 100000.0
     assert big.eos_token_id is None and small.eos_token_id is None  # random models never stop early

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from turbospec.checkpoints import (check_head_compatible, detect_layout, eagle3_default_feature_layers,
+from turbospec.heads.formats import (check_head_compatible, detect_layout, eagle3_default_feature_layers,
                                    export_head, load_head, save_head)
-from turbospec.heads import HeadConfig
-from turbospec.model import ModelConfig
+from turbospec.heads.layers import HeadConfig
+from turbospec.model.transformer import ModelConfig
 
 H, NH, NKV, HD, I, V = 64, 4, 2, 16, 128, 256
 MF = "medusa_lm_head.safetensors"
@@ -170,7 +170,7 @@ def assert_state_equal(a, b):
 
 
 def random_head(cfg: HeadConfig, seed: int = 0):
-    from turbospec.checkpoints import build_head
+    from turbospec.heads.formats import build_head
     head = build_head(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -20,7 +20,7 @@ import torch
 
 from test_ops import SAMPLING, gen, make_verify_inputs, random_parents, random_paths
 from test_tree_attention import assert_close, make_inputs
-from turbospec import reference
+from turbospec.ops import reference
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,10 @@ import torch
 
 import turbospec
 from turbospec import Engine
-from turbospec.budget import DraftBudget
-from turbospec.draft_model import DraftModelDrafter, layer_skip_draft
-from turbospec.ngram import NgramDrafter
-from turbospec.sampling import SamplingParams
+from turbospec.drafters.budget import DraftBudget
+from turbospec.drafters.draft_model import DraftModelDrafter, layer_skip_draft
+from turbospec.drafters.ngram import NgramDrafter
+from turbospec.ops.sampling import SamplingParams
 
 from conftest import make_tiny_model
 
@@ -394,7 +394,7 @@ def test_budget_expected_tokens():
 
 def test_depth_budget_follows_acceptance_and_cost():
     """Deep rounds that are never accepted stop being drafted; once they pay again they come back."""
-    from turbospec.budget import DepthBudget
+    from turbospec.drafters.budget import DepthBudget
     b = DepthBudget(6)
     assert b.choose(6) == 6  # nothing measured: the configured depth
     for _ in range(40):  # paths stop at depth 1; a round costs a fifth of the rest of a step

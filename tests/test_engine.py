@@ -10,7 +10,7 @@ import torch
 
 import turbospec
 from turbospec import Draft, Drafter, Engine, NonFiniteLogitsError
-from turbospec.draft_model import layer_skip_draft
+from turbospec.drafters.draft_model import layer_skip_draft
 
 from conftest import make_tiny_model, make_tiny_tokenizer
 

@@ -16,9 +16,9 @@ from scipy.stats import chi2
 
 import turbospec
 from turbospec import Engine
-from turbospec.checkpoints import build_head, save_head
-from turbospec.heads import HeadConfig, init_weights
-from turbospec.reference import logits_to_probs
+from turbospec.heads.formats import build_head, save_head
+from turbospec.heads.layers import HeadConfig, init_weights
+from turbospec.ops.reference import logits_to_probs
 
 from conftest import make_tiny_model
 
@@ -144,7 +144,7 @@ def test_head_kv_is_rolled_back(cyc):
                               features="final")
     with torch.inference_mode():
         out = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None])
-        from turbospec.heads import HeadKV
+        from turbospec.heads.layers import HeadKV
         kv = HeadKV(head.cfg, 128)
         out2 = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None], kv, 0)
     torch.testing.assert_close(out, out2)
@@ -241,8 +241,8 @@ def test_sampling_negative_control_drafts_not_drawn_from_q(small, monkeypatch):
     """Power of the test above: a drafter that reports q but picks its children as the top-k of q
     instead of drawing them from q (the reported q is then not the distribution the drafts came
     from) is biased, and the same test must reject it."""
-    import turbospec.eagle as eagle_mod
-    from turbospec.sampling import SamplingParams
+    import turbospec.drafters.eagle as eagle_mod
+    from turbospec.ops.sampling import SamplingParams
     target = small
     prompt = [1, 5, 7, 2, 9, 4]
     joint = _target_joint(target, prompt, 1.0, 1.0)
@@ -345,7 +345,7 @@ def test_bench_summary_acceptance_table_and_plots(tmp_path):
 def test_steps_without_a_proposal_keep_the_head_in_sync(cyc, monkeypatch):
     """When the budget chooses plain decoding for some steps, the committed tokens' features queue
     up and the next proposal feeds them all (regression: they were dropped)."""
-    from turbospec import budget
+    from turbospec.drafters import budget
     _, target, ref, vocab = cyc
     calls = {"n": 0}
 
@@ -364,8 +364,8 @@ def test_shipped_head_loads_and_drafts_exactly(smollm2):
     """The EAGLE-3 head in the package fits the default model, records its provenance, is what
     --drafter eagle uses on the default model, and drafts exactly; 'auto' picks it only when its
     config says the benchmark showed it beating n-gram lookup."""
-    from turbospec.checkpoints import load_head
-    from turbospec.shipped import best_shipped_head, shipped_heads
+    from turbospec.heads.formats import load_head
+    from turbospec.heads.shipped import best_shipped_head, shipped_heads
     model, tok = smollm2
     heads = shipped_heads()
     assert "eagle3" in heads

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbospec import Engine, ops
-from turbospec.drafter import Draft
-from turbospec.hybrid import HybridDrafter, merge_chain
+from turbospec import Engine
+from turbospec import ops
+from turbospec.drafters.base import Draft
+from turbospec.drafters.hybrid import HybridDrafter, merge_chain
 
 from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from turbospec import ops, quant, reference
+from turbospec import ops
+from turbospec.model import quant
+from turbospec.ops import reference
 
 from conftest import on_every_isa
 

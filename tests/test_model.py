@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import turbospec
-from turbospec import loader, ops
-from turbospec.model import ModelConfig, Transformer
+from turbospec.model import loader
+from turbospec import ops
+from turbospec.model.transformer import ModelConfig, Transformer
 
 from conftest import make_tiny_model
 

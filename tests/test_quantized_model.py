@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import turbospec
-from turbospec import loader, ops
-from turbospec.model import Transformer
+from turbospec.model import loader
+from turbospec import ops
+from turbospec.model.transformer import Transformer
 
 from conftest import make_tiny_model, on_every_isa
 
@@ -146,8 +147,8 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     import numpy as np
     from gguf import quants
 
-    from turbospec.model import ModelConfig
-    from turbospec.quant import QuantWeight
+    from turbospec.model.transformer import ModelConfig
+    from turbospec.model.quant import QuantWeight
     hf = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
     cfg = ModelConfig.from_hf(hf.config)
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from turbospec import ops, reference
+from turbospec import ops
+from turbospec.ops import reference
 
 from conftest import on_every_isa
 

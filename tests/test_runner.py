@@ -1,4 +1,4 @@
-"""The fixed-shape verify path (``turbospec.runner``) that CUDA graphs capture.
+"""The fixed-shape verify path (``turbospec.model.runner``) that CUDA graphs capture.
 
 On CPU the static path runs eagerly (``Engine(static_shapes=True)``): the same bucket padding,
 packed tree masks, device-side prefix length and K/V slot writes as the graphs replay, so its
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import turbospec
-from turbospec import Engine, ops
-from turbospec.runner import DEFAULT_BUCKETS, TargetRunner, chain_mask_packed
+from turbospec import Engine
+from turbospec import ops
+from turbospec.model.runner import DEFAULT_BUCKETS, TargetRunner, chain_mask_packed
 
 from conftest import make_tiny_model
 from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)

@@ -69,7 +69,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "extension not built" warning: the reference path is tested too
     import turbospec  # noqa: F401
     from turbospec import ops
-    from turbospec.reference import logits_to_probs
+    from turbospec.ops.reference import logits_to_probs
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tiny_tokenizer
-from turbospec import Engine, checkpoints, cli, distill, load_model, train
-from turbospec.checkpoints import build_head
-from turbospec.heads import HeadConfig, HeadKV, init_weights
+from turbospec import Engine, cli, load_model
+from turbospec.heads import formats as checkpoints
+from turbospec.train import data as distill
+from turbospec.train import trainer as train
+from turbospec.heads.formats import build_head
+from turbospec.heads.layers import HeadConfig, HeadKV, init_weights
 
 VOCAB = 64
 

@@ -19,7 +19,8 @@ from test_ops import gen, random_parents
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from turbospec import ops, reference
+    from turbospec import ops
+    from turbospec.ops import reference
 
 DEVICES = ["cpu", "cuda"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

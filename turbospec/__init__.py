@@ -1,7 +1,7 @@
 """turbospec: exact speculative decoding for Hugging Face causal language models."""
-from .drafter import Draft, Drafter
-from .engine import Engine, Generation, NonFiniteLogitsError
-from .loader import default_model_path, load_model, load_tokenizer
+from .drafters.base import Draft, Drafter
+from .decode.engine import Engine, Generation, NonFiniteLogitsError
+from .model.loader import default_model_path, load_model, load_tokenizer
 from .ops import kernels_available
 
 __all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Draft", "Drafter", "kernels_available",

@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="most draft nodes per step for the head drafters (default: their own default)")
     p.add_argument("--head-ngram", type=int, default=0,
                    help="also run each head with up to N prompt-lookup tokens merged into its tree "
-                        "(ts_<method>_ngram; see turbospec.hybrid)")
+                        "(ts_<method>_ngram; see turbospec.drafters.hybrid)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=os.path.join("bench", "out"), help="folder for JSON and markdown")
 
@@ -107,8 +107,8 @@ def run(args) -> int:
     from transformers import AutoModelForCausalLM
 
     import turbospec
-    from turbospec.draft_model import layer_skip_draft
-    from turbospec.loader import default_model_path, load_tokenizer, resolve_model_dir
+    from .drafters.draft_model import layer_skip_draft
+    from .model.loader import default_model_path, load_tokenizer, resolve_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -207,8 +207,8 @@ def run(args) -> int:
 
 def head_systems(args, target) -> dict:
     """ts_<method> -> (head path, Engine options) for --head (or the shipped heads by default)."""
-    from .checkpoints import load_head
-    from .shipped import shipped_heads
+    from .heads.formats import load_head
+    from .heads.shipped import shipped_heads
     paths = list(args.head) or (list(shipped_heads().values()) if args.model == "default" else [])
     out = {}
     for path in paths:

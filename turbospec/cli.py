@@ -29,7 +29,7 @@ def _generate(args) -> int:
     import torch
 
     import turbospec
-    from .sampling import SamplingParams
+    from .ops.sampling import SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="train a draft head (medusa, eagle, eagle3) by self-distillation",
                        description="Self-distillation: the target answers training prompts greedily, its "
                                    "features are recorded, and a draft head learns to predict its tokens.")
-    from .train import add_args as add_train_args
+    from .train.trainer import add_args as add_train_args
     add_train_args(t)
 
     args = parser.parse_args(argv)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             return _generate(args)
         if args.cmd == "train":
-            from .train import run_cli as run_train
+            from .train.trainer import run_cli as run_train
             return run_train(args, argv)
         from .benchmark import run as run_bench
         return run_bench(args)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .reference import WEIGHT_FORMATS
+from ..ops.reference import WEIGHT_FORMATS
 
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 _STRING, _ARRAY = 8, 9

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams
+from ..ops.sampling import SamplingParams
 
 
 @dataclass

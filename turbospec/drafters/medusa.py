@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import Draft, Drafter
-from .heads import HeadConfig
-from .sampling import SamplingParams
-from .tree_draft import DraftLMHead, Node, choose_children, inference_copy, to_draft
+from .base import Draft, Drafter
+from ..heads.layers import HeadConfig
+from ..ops.sampling import SamplingParams
+from .tree import DraftLMHead, Node, choose_children, inference_copy, to_draft
 
 
 class ResBlock(nn.Module):
@@ -103,7 +103,7 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads: MedusaHeads, choices: list[list[int]] | None = None,
                  num_nodes: int = 32, draft_vocab: Tensor | None = None,
                  draft_dtype: torch.dtype | None = None):
-        from .checkpoints import check_head_compatible
+        from ..heads.formats import check_head_compatible
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
         self.heads = inference_copy(heads, dtype, target.device)  # the heads draft where the target runs

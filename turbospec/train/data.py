@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from .model import Transformer, rms_norm
+from ..model.transformer import Transformer, rms_norm
 
 PROMPT_KEYS = ("prompt", "text", "instruction", "question")
 EVAL_DATA_NAMES = ("specbench", "spec_bench", "spec-bench", "humaneval", "human_eval", "human-eval")

@@ -68,8 +68,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .heads import HeadConfig
-from .model import ModelConfig
+from .layers import HeadConfig
+from ..model.transformer import ModelConfig
 
 LAYOUTS = ("turbospec", "eagle", "eagle3", "medusa")
 EXPORT_LAYOUTS = ("eagle", "eagle3", "medusa")
@@ -158,9 +158,9 @@ def _write_json(obj: dict, file: str) -> None:
 def build_head(cfg: HeadConfig) -> nn.Module:
     """A fresh (uninitialised) head module for ``cfg``."""
     if cfg.method == "medusa":
-        from .medusa import MedusaHeads
+        from ..drafters.medusa import MedusaHeads
         return MedusaHeads(cfg)
-    from .eagle import EagleHead
+    from ..drafters.eagle import EagleHead
     return EagleHead(cfg)
 
 

@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops
+from .. import ops
 from .kv_cache import KVCache
 from .quant import QuantWeight
-from .reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
+from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
@@ -110,7 +110,7 @@ class Linear:
     one-token step computes); elsewhere F.linear on the dense (dequantized) weight."""
 
     def __init__(self, weight, bias: Tensor | None = None):
-        from .ops import has_op
+        from ..ops import has_op
         parts = weight if isinstance(weight, (list, tuple)) else [weight]
         self.bias = bias
         self.weights: list[Tensor] = []
@@ -140,7 +140,7 @@ class Linear:
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
         (default: float32 if any part is quantized, else the stored dtype)."""
-        from .ops import dequantize
+        from ..ops import dequantize
         parts = [dequantize(w, f, self.in_features) if is_block_format(f) else w
                  for w, f in zip(self.weights, self.formats)]
         if dtype is None:
@@ -151,7 +151,7 @@ class Linear:
         if self.kernel:
             return torch.ops.turbospec.linear(x, self.weights, self.formats, self.bias, self.activations)
         if self.activations == 8 and self.quantized:
-            from .ops import linear
+            from ..ops import linear
             return linear(x, self.weights, self.formats, self.bias, activations=8)
         w = self._dense if self._dense is not None else self.dense(x.dtype)
         return F.linear(x, w.to(x.dtype), self.bias)
@@ -388,7 +388,7 @@ class Transformer:
         return x, captured
 
     # ------------------------------------------------------------------------------------------
-    # The static-shape path: what a CUDA graph captures (turbospec.runner).
+    # The static-shape path: what a CUDA graph captures (turbospec.model.runner).
     def ensure_rope(self, length: int) -> None:
         """Make the rotary table cover positions [0, length), so that the static path never grows it."""
         if length > self._rope_len:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-HEADS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heads_data")
+HEADS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "heads_data")
 #: the drafter the default model uses when a shipped head exists for it, best first
 PREFERENCE = ("eagle3", "eagle", "medusa")
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import Draft, Drafter
+from .base import Draft, Drafter
 from .ngram import NgramDrafter
-from .sampling import SamplingParams
+from ..ops.sampling import SamplingParams
 
 
 def merge_chain(draft: Draft | None, chain: list[int], max_tokens: int) -> Draft | None:

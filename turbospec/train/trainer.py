@@ -58,11 +58,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from . import distill
-from .distill import FeatureStore, _log, collate
-from .heads import METHODS, HeadConfig, HeadKV, draft_vocab_from_counts, init_weights
+from . import data as distill
+from .data import FeatureStore, _log, collate
+from ..heads.layers import METHODS, HeadConfig, HeadKV, draft_vocab_from_counts, init_weights
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(_REPO_ROOT, "..", "shared", "data", "train_prompts.jsonl")
 # tuned for short runs (a few hundred steps of 8 sequences) on SmolLM2-135M
 DEFAULT_LR = {"medusa": 3e-3, "eagle": 2e-3, "eagle3": 2e-3}
@@ -428,7 +428,7 @@ def format_eval(ev: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = "") -> nn.Module:
     """A freshly initialised head for ``target`` (``source``: its path, recorded in the config)."""
-    from .checkpoints import build_head as _build
+    from ..heads.formats import build_head as _build
     kw = {"target": str(source or cfg.target)}
     if cfg.method == "medusa":
         kw.update(medusa_num_heads=cfg.medusa_heads, medusa_num_layers=cfg.medusa_layers)
@@ -494,8 +494,8 @@ def run(cfg: TrainConfig) -> dict:
     work = cfg.work_dir or os.path.join(cfg.out, "work")
     os.makedirs(work, exist_ok=True)
 
-    from .engine import Engine, _dtype
-    from .loader import default_model_path, load_model, load_tokenizer
+    from ..decode.engine import Engine, _dtype
+    from ..model.loader import default_model_path, load_model, load_tokenizer
     source = default_model_path() if cfg.target == "default" else cfg.target
     target = load_model(source, _dtype(cfg.dtype), device=cfg.device)
     tok = load_tokenizer(source)
@@ -620,7 +620,7 @@ def run(cfg: TrainConfig) -> dict:
         return ev
 
     def save(ev, partial: bool) -> None:
-        from .checkpoints import save_head
+        from ..heads.formats import save_head
         save_head(head, cfg.out, extra=provenance(ev, partial))
         torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                     "step": step, "history": history, "train_seconds": t_train,

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor, nn
 
 from .budget import DepthBudget
-from .drafter import Draft, Drafter
-from .heads import MLP, Attention, HeadConfig, HeadKV, RMSNorm, Rotary
-from .sampling import SamplingParams
-from .tree_draft import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
+from .base import Draft, Drafter
+from ..heads.layers import MLP, Attention, HeadConfig, HeadKV, RMSNorm, Rotary
+from ..ops.sampling import SamplingParams
+from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
 
 
 class EagleLayer(nn.Module):
@@ -137,7 +137,7 @@ class EagleDrafter(Drafter):
     def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int = 4,
                  draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
                  adaptive_depth: bool = True):
-        from .checkpoints import check_head_compatible
+        from ..heads.formats import check_head_compatible
         check_head_compatible(head, target.cfg)
         if depth < 1 or top_k < 1:
             raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")

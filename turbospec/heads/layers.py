@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .model import ModelConfig, rope_inv_freq
+from ..model.transformer import ModelConfig, rope_inv_freq
 
 METHODS = ("medusa", "eagle", "eagle3")
 

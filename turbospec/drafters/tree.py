@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .drafter import Draft
-from .model import Linear
-from .reference import logits_to_probs
-from .sampling import SamplingParams
+from .base import Draft
+from ..model.transformer import Linear
+from ..ops.reference import logits_to_probs
+from ..ops.sampling import SamplingParams
 
 
 class DraftLMHead:

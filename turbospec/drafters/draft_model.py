@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import torch
 
-from .drafter import Draft, Drafter
-from .model import Transformer
-from .reference import logits_are_valid
-from .sampling import SamplingParams, draft_sample
+from .base import Draft, Drafter
+from ..model.transformer import Transformer
+from ..ops.reference import logits_are_valid
+from ..ops.sampling import SamplingParams, draft_sample
 
 
 def check_compatible(target: Transformer, draft: Transformer, target_tokenizer=None, draft_tokenizer=None):
@@ -53,7 +53,7 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model: Transformer, max_seq_len: int, static: bool | None = None,
                  graphs: bool | None = None):
-        from .runner import TargetRunner
+        from ..model.runner import TargetRunner
         self.model = model
         static = model.device.type != "cpu" if static is None else static
         self.cache = model.new_cache(max_seq_len + (64 if static else 0))

@@ -22,7 +22,7 @@ _BUILD_HINT = ("turbospec: the C++ extension turbospec._C is not built; using th
                "`python setup.py build_ext --inplace`.")
 
 try:
-    from . import _C  # noqa: F401  (registers the turbospec::* kernels)
+    from .. import _C  # noqa: F401  (registers the turbospec::* kernels)
     _EXTENSION = True
     _EXTENSION_ERROR = None
 except ImportError as e:  # pragma: no cover - depends on the build

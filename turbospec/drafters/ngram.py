@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .drafter import Draft, Drafter
-from .sampling import SamplingParams
+from .base import Draft, Drafter
+from ..ops.sampling import SamplingParams
 
 
 class NgramDrafter(Drafter):

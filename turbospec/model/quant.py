@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import ops, reference
+from .. import ops
+from ..ops import reference
 
 FORMAT_IDS = {v[0].lower(): k for k, v in reference.WEIGHT_FORMATS.items()}  # "q4_1" -> 3
 # What ``weights=`` may say besides these: keep the checkpoint's storage ("auto": GGUF blocks as

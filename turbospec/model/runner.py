@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .kv_cache import KVCache
-from .model import Transformer
+from .transformer import Transformer
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
