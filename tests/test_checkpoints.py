@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from turbospec.heads.formats import (check_head_compatible, detect_layout, eagle3_default_feature_layers,
+from turbospec.heads.config import HeadConfig, check_head_compatible
+from turbospec.heads.formats import (detect_layout, eagle3_default_feature_layers,
                                    export_head, load_head, save_head)
-from turbospec.heads.layers import HeadConfig
 from turbospec.model.transformer import ModelConfig
 
 H, NH, NKV, HD, I, V = 64, 4, 2, 16, 128, 256

@@ -17,7 +17,8 @@ from scipy.stats import chi2
 import turbospec
 from turbospec import Engine
 from turbospec.heads.formats import build_head, save_head
-from turbospec.heads.layers import HeadConfig, init_weights
+from turbospec.heads.config import HeadConfig
+from turbospec.heads.layers import init_weights
 from turbospec.ops.reference import logits_to_probs
 
 from conftest import make_tiny_model

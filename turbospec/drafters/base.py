@@ -6,6 +6,8 @@ cache); draft nodes are 1..k in topological order.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +34,22 @@ class Drafter:
     name = "drafter"
     #: target features the drafter reads (``Transformer.forward(features=...)``): None (none),
     #: "final" (the final-normed hidden state: Medusa, EAGLE-1/2) or a tuple of layer indices
-    #: (EAGLE-3). When set, ``begin`` and ``observe`` also receive ``features=``: in ``begin`` the
-    #: features of the prefilled prompt positions [len(prompt) - 1, F]; in ``observe`` those of the
-    #: root and the accepted nodes of the step, in path order [num_accepted + 1, F].
+    #: (EAGLE-3). ``begin`` and ``observe`` receive them as ``features=`` (None when not set): in
+    #: ``begin`` the features of the prefilled prompt positions [len(prompt) - 1, F]; in ``observe``
+    #: those of the root and the accepted nodes of the step, in path order [num_accepted + 1, F].
     features = None
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def __init_subclass__(cls, **kw):
+        # A drafter that reads no features may override begin / observe without the ``features``
+        # parameter; the engine always passes it, so such an override gets it dropped here.
+        super().__init_subclass__(**kw)
+        for name in ("begin", "observe"):
+            fn = cls.__dict__.get(name)
+            if fn is not None and "features" not in inspect.signature(fn).parameters and not any(
+                    p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
+                setattr(cls, name, _drop_features(fn))
+
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         """Called once per generation before the first proposal."""
 
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
@@ -45,6 +57,16 @@ class Drafter:
         """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none."""
         raise NotImplementedError
 
-    def observe(self, tokens: list[int], num_accepted: int) -> None:
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         """After verification: ``tokens`` is the new committed sequence (its last element is the
         next root), ``num_accepted`` how many of the last proposal's tokens were kept."""
+
+
+def _drop_features(fn):
+    @functools.wraps(fn)
+    def call(self, *args, features=None, **kw):
+        if features is not None and self.features is not None:
+            raise TypeError(f"{type(self).__name__}.{fn.__name__} reads target features "
+                            f"(features={self.features!r}) but takes no features= argument")
+        return fn(self, *args, **kw)
+    return call

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from torch import Tensor
 
 from .base import Draft, Drafter
 from ..model.transformer import Transformer
@@ -64,7 +65,7 @@ class DraftModelDrafter(Drafter):
         self._proposed = False
 
     @torch.inference_mode()
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         """Reads the prompt into the draft's cache (no state from an earlier generation is kept), so
         that the first proposal costs what every later one does: the draft budget must not judge
         the drafter by a prompt-length catch-up."""
@@ -114,7 +115,7 @@ class DraftModelDrafter(Drafter):
             return self.runner.forward(ids, pos, cache_len)[0, -1]
         return self.model.forward(ids, pos, self.cache, cache_len, logits="last")[0, -1]
 
-    def observe(self, tokens: list[int], num_accepted: int) -> None:
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         # Only a step that proposed moves the cached prefix (its accepted drafts' K/V are valid);
         # after a plain step the draft's cache is as it was, and the next proposal catches up on
         # the tokens committed since (not on the whole context).

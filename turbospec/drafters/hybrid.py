@@ -13,6 +13,7 @@ way). The head gets the node budget left after the n-gram chain.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .base import Draft, Drafter
 from .ngram import NgramDrafter
@@ -59,12 +60,12 @@ class HybridDrafter(Drafter):
         self.name = f"{head.name}+ngram"
         self.features = head.features
 
-    def begin(self, prompt_ids: list[int], **kw) -> None:
-        self.head.begin(prompt_ids, **kw)
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
+        self.head.begin(prompt_ids, features=features)
         self.ngram.begin(prompt_ids)
 
-    def observe(self, tokens: list[int], num_accepted: int, **kw) -> None:
-        self.head.observe(tokens, num_accepted, **kw)
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
+        self.head.observe(tokens, num_accepted, features=features)
         self.ngram.observe(tokens, num_accepted)
 
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,

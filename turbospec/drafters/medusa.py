@@ -11,51 +11,13 @@ candidate of head 1.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from .base import Draft, Drafter
-from ..heads.layers import HeadConfig
+from ..heads.config import check_head_compatible
+from ..heads.medusa import MedusaHeads
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, choose_children, inference_copy, to_draft
-
-
-class ResBlock(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.linear = nn.Linear(hidden, hidden)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class MedusaHeads(nn.Module):
-    def __init__(self, cfg: HeadConfig):
-        super().__init__()
-        if cfg.method != "medusa" or cfg.medusa_num_heads < 1:
-            raise ValueError(f"MedusaHeads needs method 'medusa' and medusa_num_heads >= 1, got "
-                             f"{cfg.method!r} / {cfg.medusa_num_heads}")
-        self.cfg = cfg
-        self.blocks = nn.ModuleList([nn.Sequential(*[ResBlock(cfg.hidden_size)
-                                                     for _ in range(cfg.medusa_num_layers)])
-                                     for _ in range(cfg.medusa_num_heads)])
-        self.lm_heads: nn.ModuleList | None = None  # per-head LM heads (Medusa checkpoints), else shared
-
-    @property
-    def feature_spec(self):
-        return "final"
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] -> the heads' outputs [K, ..., H] (before the LM head)."""
-        return torch.stack([blk(hidden) for blk in self.blocks])
-
-    def init_identity(self) -> None:
-        """Medusa's init: the blocks start as (almost) the identity (zero linear), so every head
-        starts by predicting what the LM head predicts at the root."""
-        for blk in self.blocks:
-            for rb in blk:
-                nn.init.zeros_(rb.linear.weight)
-                nn.init.zeros_(rb.linear.bias)
 
 
 def default_choices(num_heads: int, num_nodes: int, head_accuracy: list[list[float]] | None = None
@@ -103,7 +65,6 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads: MedusaHeads, choices: list[list[int]] | None = None,
                  num_nodes: int = 32, draft_vocab: Tensor | None = None,
                  draft_dtype: torch.dtype | None = None):
-        from ..heads.formats import check_head_compatible
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
         self.heads = inference_copy(heads, dtype, target.device)  # the heads draft where the target runs

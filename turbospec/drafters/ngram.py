@@ -9,6 +9,7 @@ which keeps sampling exact.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .base import Draft, Drafter
 from ..ops.sampling import SamplingParams
@@ -25,7 +26,7 @@ class NgramDrafter(Drafter):
         self._index: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # tokens[:_indexed] have had their n-grams entered
 
-    def begin(self, prompt_ids: list[int]) -> None:
+    def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         self._index.clear()
         self._indexed = 0
 

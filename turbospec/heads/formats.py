@@ -68,7 +68,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from .layers import HeadConfig
+from .config import HeadConfig, check_head_compatible
+from .eagle import EagleHead
+from .medusa import MedusaHeads
+from ..model.rope import rope_parameters
 from ..model.transformer import ModelConfig
 
 LAYOUTS = ("turbospec", "eagle", "eagle3", "medusa")
@@ -158,9 +161,7 @@ def _write_json(obj: dict, file: str) -> None:
 def build_head(cfg: HeadConfig) -> nn.Module:
     """A fresh (uninitialised) head module for ``cfg``."""
     if cfg.method == "medusa":
-        from ..drafters.medusa import MedusaHeads
         return MedusaHeads(cfg)
-    from ..drafters.eagle import EagleHead
     return EagleHead(cfg)
 
 
@@ -207,18 +208,11 @@ def _get_int(raw: dict, key: str, cfg_file: str, default: int | None = None) -> 
 
 
 def _rope(raw: dict, cfg_file: str) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling in turbospec's form) from a HF config (v4 ``rope_theta`` +
-    ``rope_scaling`` with "type" or "rope_type", or v5 ``rope_parameters``)."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
-    rope_type = params.get("rope_type", params.get("type", "default")) if params else "default"
-    if rope_type == "default":
-        return float(theta), None
-    if rope_type not in ("linear", "llama3"):
-        raise ValueError(f"{cfg_file}: rope scaling type {rope_type!r} is not supported by turbospec heads; "
-                         f"supported: default, linear, llama3")
-    params.pop("type", None)
-    return float(theta), {**params, "rope_type": rope_type}
+    """(rope_theta, rope_scaling in turbospec's form) from a HF config (see ``rope_parameters``)."""
+    try:
+        return rope_parameters(raw)
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: {e}") from None
 
 
 def _rope_export(cfg: HeadConfig) -> dict | None:
@@ -768,32 +762,3 @@ def export_head(head: nn.Module, out_dir: str, layout: str, *, target_cfg: Model
     else:
         _export_medusa(head, out_dir, dtype, medusa_lm_head, medusa_file)
     return out_dir
-
-
-def check_head_compatible(head: nn.Module, target_cfg: ModelConfig) -> None:
-    """Raise ValueError listing every way ``head`` cannot draft for a target with ``target_cfg``:
-    hidden size, vocabulary, EAGLE-3 feature layers beyond the target's layers, LM head shapes."""
-    cfg: HeadConfig = head.cfg
-    problems = []
-    if cfg.hidden_size != target_cfg.hidden_size:
-        problems.append(f"head hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
-    if cfg.vocab_size != target_cfg.vocab_size:
-        problems.append(f"head vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
-    if cfg.method == "eagle3":
-        n = target_cfg.num_layers
-        bad = [i for i in cfg.feature_layers if not 0 <= i < n]
-        if bad:
-            problems.append(f"EAGLE-3 feature layer(s) {bad} (of {list(cfg.feature_layers)}) outside the target's "
-                            f"{n} layers [0, {n})")
-        ids = head.draft_vocab_ids()
-        if ids is not None and ids.numel() and int(ids.max()) >= target_cfg.vocab_size:
-            problems.append(f"EAGLE-3 draft vocabulary maps to target id {int(ids.max())} >= target vocab_size "
-                            f"{target_cfg.vocab_size}")
-    if cfg.method == "medusa" and getattr(head, "lm_heads", None) is not None:
-        for i, lin in enumerate(head.lm_heads):
-            if tuple(lin.weight.shape) != (target_cfg.vocab_size, target_cfg.hidden_size):
-                problems.append(f"Medusa head {i}'s LM head has shape {list(lin.weight.shape)}, expected "
-                                f"[{target_cfg.vocab_size}, {target_cfg.hidden_size}] (target vocab_size, hidden_size)")
-                break
-    if problems:
-        raise ValueError("; ".join(problems))

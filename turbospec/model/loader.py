@@ -214,6 +214,19 @@ def _place(w, dtype: torch.dtype, device, mode: str, linear: bool):
     return w.to(device=device, dtype=dtype).contiguous()
 
 
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(d) -> torch.dtype:
+    """A torch dtype, or one of the names in ``DTYPES`` -> the torch dtype."""
+    if isinstance(d, torch.dtype):
+        return d
+    if d not in DTYPES:
+        raise ValueError(f"dtype {d!r} is not supported; choose one of {sorted(DTYPES)}")
+    return DTYPES[d]
+
+
 def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                weights: str = "auto", activations: str = "exact") -> Transformer:
     """Build a ``Transformer`` from a directory, a .gguf file or an in-memory transformers model.

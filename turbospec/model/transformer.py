@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import ops
 from .kv_cache import KVCache
+from .rope import RopeTable, rope_inv_freq, rope_parameters, rotate
 from .quant import QuantWeight
 from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
@@ -54,12 +55,9 @@ class ModelConfig:
                              f"(Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
-        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-        theta = rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: default, "
-                             f"linear, llama3")
+        theta, scaling = rope_parameters({"rope_parameters": getattr(cfg, "rope_parameters", None),
+                                          "rope_scaling": getattr(cfg, "rope_scaling", None),
+                                          "rope_theta": getattr(cfg, "rope_theta", None)})
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         eos = getattr(cfg, "eos_token_id", None)
@@ -68,33 +66,11 @@ class ModelConfig:
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
             num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
-            head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
             qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
             model_type=mt, eos_token_ids=eos)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Rotary inverse frequencies [head_dim / 2], computed as transformers computes them."""
-    dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    sc = cfg.rope_scaling
-    if sc is None:
-        return inv
-    if sc["rope_type"] == "linear":
-        return inv / sc["factor"]
-    # llama3: long wavelengths divided by factor, short kept, smooth interpolation between.
-    factor, low, high = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-    old_ctx = sc.get("original_max_position_embeddings", 8192)
-    low_wl, high_wl = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv
-    out = torch.where(wavelen > low_wl, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * out / factor + smooth * out
-    mid = ~(wavelen < high_wl) & ~(wavelen > low_wl)
-    return torch.where(mid, smoothed, out)
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -168,13 +144,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """Rotary embedding in the half-split layout HF checkpoints use. x: [B, n, H, D].
-    ``sin_signed`` is sin with its first half negated, so x * cos + roll(x, D/2) * sin_signed equals
-    transformers' x * cos + rotate_half(x) * sin bit for bit, in fewer ops."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
-
-
 class Layer:
     def __init__(self, w: dict):
         self.qkv = Linear(w["qkv"], w.get("qkv_bias"))
@@ -221,9 +190,8 @@ class Transformer:
         # [V, H] dense; draft heads share it (tied: the embedding itself)
         self.lm_head_weight = self.embed if head is embed else (head.dequantize(self.dtype)
                                                                 if isinstance(head, QuantWeight) else head)
-        self._inv_freq = rope_inv_freq(cfg)
-        self._rope_len = 0
-        self._cos = self._sin = None
+        self.rope_table = RopeTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), self.dtype,
+                                    self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
@@ -254,16 +222,8 @@ class Transformer:
 
     def rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sign-folded sin [B, n, 1, D] at ``position_ids`` [B, n] (the table grows as needed)."""
-        need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-        if need > self._rope_len:
-            n = max(need, 2 * self._rope_len, 256)
-            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self._inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin()
-            sin[:, : sin.shape[1] // 2].neg_()
-            self._cos, self._sin = emb.cos().to(self.device, self.dtype), sin.to(self.device, self.dtype)
-            self._rope_len = n
-        return self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)  # [B, n, 1, D]
+        cos, sin = self.rope_table.lookup(position_ids)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
@@ -391,8 +351,7 @@ class Transformer:
     # The static-shape path: what a CUDA graph captures (turbospec.model.runner).
     def ensure_rope(self, length: int) -> None:
         """Make the rotary table cover positions [0, length), so that the static path never grows it."""
-        if length > self._rope_len:
-            self.rope(torch.tensor([[length - 1]]))
+        self.rope_table.ensure(length)
 
     @torch.inference_mode()
     def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
@@ -409,7 +368,7 @@ class Transformer:
         """
         cfg = self.cfg
         bsz, n = input_ids.shape
-        cos, sin = self._cos[position_ids].unsqueeze(2), self._sin[position_ids].unsqueeze(2)
+        cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
         slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
         capture = self._capture_layers(features)
 

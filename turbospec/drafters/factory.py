@@ -1,0 +1,121 @@
+"""Builds a drafter from the options users pass to ``Engine`` (``drafter=``, ``draft_model=``,
+``head=``, ``tree=``, ...), and chooses one for ``drafter="auto"``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..heads.formats import load_head
+from ..heads.shipped import best_shipped_head, shipped_heads
+from ..model.loader import load_model, load_tokenizer
+from ..model.transformer import Transformer
+from .base import Drafter
+from .draft_model import DraftModelDrafter, check_compatible
+from .eagle import EagleDrafter
+from .hybrid import HybridDrafter
+from .medusa import MedusaDrafter
+from .ngram import NgramDrafter
+
+DRAFTERS = ("auto", "none", "ngram", "draft_model", "eagle", "medusa")
+
+
+@dataclass
+class DraftSettings:
+    """What a drafter is built against: the target and the engine's settings."""
+    target: Transformer
+    tokenizer: object
+    max_seq_len: int
+    dtype: torch.dtype              # a draft model's dtype
+    draft_dtype: torch.dtype        # a head's dtype
+    weights: str = "auto"           # how a draft model stores its weights (see ``load_model``)
+    activations: str = "exact"
+    adaptive: bool = True           # EAGLE trees: choose the depth from measured acceptance
+    static: bool = False            # a draft model's fixed-shape path (CUDA graphs)
+    graphs: bool | None = False
+    default_target: bool = False    # the target is the default model (its shipped heads apply)
+
+
+def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
+    """drafter="auto": the default model gets its best shipped head with the options it was tuned
+    for (explicit arguments win); anything else gets n-gram lookup. Returns (drafter, head, tree,
+    num_draft, draft_dtype)."""
+    best = best_shipped_head(default_only=True) if default_target else None
+    if best is None:
+        return "ngram", head, tree, num_draft, draft_dtype
+    method, path = best
+    loaded = load_head(path)
+    opts = dict(getattr(loaded, "extra", {}).get("engine", {}))
+    tree = tree if tree is not None else opts.get("tree")
+    num_draft = num_draft if num_draft is not None else opts.get("num_draft")
+    draft_dtype = draft_dtype if draft_dtype is not None else opts.get("draft_dtype")
+    return ("medusa" if method == "medusa" else "eagle"), (head or loaded), tree, num_draft, draft_dtype
+
+
+def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
+                 tree: dict | None = None) -> Drafter | None:
+    """``drafter``: "none", "ngram", "draft_model", "eagle", "medusa" or a ``Drafter`` (returned as
+    is). None for no drafter."""
+    if isinstance(drafter, Drafter):
+        return drafter
+    if drafter is None or drafter == "none":
+        return None
+    if drafter in ("eagle", "medusa"):
+        return head_drafter(drafter, s, head, tree or {})
+    if drafter == "ngram":
+        return NgramDrafter()
+    if drafter == "draft_model":
+        if draft_model is None:
+            raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
+                             "turbospec Transformer)")
+        dm = draft_model if isinstance(draft_model, Transformer) else \
+            load_model(draft_model, s.dtype, device=s.target.device, weights=s.weights)
+        dm.set_activations(s.activations)
+        if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
+            draft_tokenizer = load_tokenizer(draft_model)
+        check_compatible(s.target, dm, s.tokenizer, draft_tokenizer)
+        return DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs)
+    raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
+                     f"turbospec.Drafter")
+
+
+def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
+    """An EAGLE or Medusa drafter from ``head`` (a checkpoint directory or a loaded head; for the
+    default target, None picks its shipped head) and the tree options."""
+    if head is None and s.default_target:
+        heads = shipped_heads()
+        head = next((heads[m] for m in (("medusa",) if kind == "medusa" else ("eagle3", "eagle")) if m in heads),
+                    None)
+        if head is not None:
+            head = load_head(head, target_cfg=s.target.cfg)
+            tree = tree or dict(head.extra.get("engine", {}).get("tree", {}))
+    if head is None:
+        raise ValueError(f"drafter={kind!r} needs head= (a head checkpoint directory or a loaded head)")
+    if isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):
+        head = load_head(head, target_cfg=s.target.cfg)
+    method = getattr(getattr(head, "cfg", None), "method", None)
+    want = ("medusa",) if kind == "medusa" else ("eagle", "eagle3")
+    if method not in want:
+        raise ValueError(f"drafter={kind!r} needs a {' or '.join(want)} head, got a {method!r} head")
+    opts = dict(tree)
+    vocab = opts.pop("draft_vocab", None)
+    ngram = opts.pop("ngram", 0)
+    if vocab is None and getattr(head, "extra", {}).get("draft_vocab") is not None:
+        vocab = head.extra["draft_vocab"]
+    vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64)
+    if kind == "medusa":
+        bad = set(opts) - {"choices", "num_nodes"}
+        if bad:
+            raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, "
+                             f"draft_vocab, ngram)")
+        drafter = MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype, **opts)
+    else:
+        bad = set(opts) - {"depth", "top_k"}
+        if bad:
+            raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab, "
+                             f"ngram)")
+        drafter = EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab,
+                               draft_dtype=s.draft_dtype, adaptive_depth=s.adaptive, **opts)
+    if ngram:
+        return HybridDrafter(drafter, ngram_tokens=ngram)
+    return drafter

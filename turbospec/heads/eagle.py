@@ -1,0 +1,116 @@
+"""EAGLE draft heads (EAGLE-1/2 and EAGLE-3): the modules (``EagleHead``); drafting with them is
+``drafters.eagle``.
+
+EAGLE drafts at the feature level. For every committed position i the target leaves a feature f_i
+(EAGLE-1/2: the final-normed hidden state the LM head reads; EAGLE-3: the outputs of a low, a middle
+and a high layer, fused by ``fc``). The head reads the pair (f_i, embed(x_{i+1})) at position i and
+predicts f_{i+1}; the target's LM head (EAGLE-1/2) or the head's own (EAGLE-3) turns that into the
+distribution of x_{i+2}. Drafting further feeds the head its own prediction in place of f.
+
+Layouts (parameter names are those of the public checkpoints):
+- "eagle": ``fc`` (2H -> H, bias) over cat(embed, feature), then ``layers.0`` = a Llama decoder layer
+  without its input norm. Logits: the target's LM head on the output.
+- "eagle3": ``fc`` (kH -> H) fuses the k target features; ``midlayer`` = a decoder layer whose
+  attention reads cat(input_layernorm(embed), hidden_norm(hidden)) (2H); ``norm`` + ``lm_head`` over a
+  draft vocabulary (``d2t``: draft id -> target id offset, ``t2d``: target ids in the draft vocab).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .config import HeadConfig
+from .layers import MLP, Attention, HeadKV, RMSNorm, Rotary
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig, eagle3: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.eagle3 = eagle3
+        self.self_attn = Attention(cfg, 2 * h if eagle3 else h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        if eagle3:
+            self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+            self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, kv: HeadKV | None,
+                cache_len: int, mask: Tensor | None) -> Tensor:
+        if self.eagle3:
+            x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        else:
+            x = hidden  # EAGLE-1/2: fc already mixed the embedding in; no input norm
+        h = hidden + self.self_attn(x, cos, sin, kv, cache_len, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(nn.Module):
+    """One EAGLE head; ``cfg.method`` is "eagle" (EAGLE-1/2) or "eagle3"."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        if cfg.method not in ("eagle", "eagle3"):
+            raise ValueError(f"EagleHead: method must be 'eagle' or 'eagle3', got {cfg.method!r}")
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.eagle3 = cfg.method == "eagle3"
+        if self.eagle3:
+            if not cfg.feature_layers:
+                raise ValueError("eagle3 head config needs feature_layers (the target layers fc fuses)")
+            self.fc = nn.Linear(len(cfg.feature_layers) * h, h, bias=False)
+            self.midlayer = EagleLayer(cfg, eagle3=True)
+            self.norm = RMSNorm(h, cfg.rms_norm_eps)
+            dv = cfg.draft_vocab_size or cfg.vocab_size
+            self.lm_head = nn.Linear(h, dv, bias=False)
+            self.register_buffer("d2t", torch.zeros(dv, dtype=torch.int64))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+            self.t2d[:dv] = True  # identity map until a draft vocabulary is set
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=cfg.fc_bias)
+            self.layers = nn.ModuleList([EagleLayer(cfg, eagle3=False)])
+        self.rotary = Rotary(cfg)
+
+    @property
+    def layer(self) -> EagleLayer:
+        return self.midlayer if self.eagle3 else self.layers[0]
+
+    @property
+    def feature_spec(self):
+        """What the target must return (``Transformer.forward(features=...)``)."""
+        return tuple(self.cfg.feature_layers) if self.eagle3 else "final"
+
+    def set_draft_vocab(self, ids: Tensor) -> None:
+        """EAGLE-3: the target ids [draft_vocab_size] (ascending) its LM head rows stand for."""
+        ids = ids.to(torch.int64)
+        if ids.numel() != self.d2t.numel():
+            raise ValueError(f"draft vocab has {ids.numel()} ids, the head's lm_head has {self.d2t.numel()} rows")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_vocab_ids(self) -> Tensor | None:
+        """EAGLE-3: target id of each draft-vocab row; None for EAGLE-1/2 (the drafter decides)."""
+        if not self.eagle3:
+            return None
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def forward(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, kv: HeadKV | None = None,
+                cache_len: int = 0, mask: Tensor | None = None, fused: bool = False) -> Tensor:
+        """One pass over n pairs -> the head's output [B, n, H] (the predicted next feature).
+
+        hidden: the target features [B, n, F] (eagle: F = H; eagle3: F = k*H, fused by fc), or with
+            ``fused=True`` the head's own earlier outputs [B, n, H] (drafting deeper; eagle3 skips fc).
+        embeds: the target's embedding of the token after each position [B, n, H].
+        kv / cache_len / mask: see ``heads.Attention`` (None: causal over these n only, training).
+        """
+        cos, sin = self.rotary(position_ids, embeds.dtype)
+        if self.eagle3:
+            g = hidden if fused else self.fc(hidden)
+            return self.midlayer(embeds, g, cos, sin, kv, cache_len, mask)
+        g = self.fc(torch.cat((embeds, hidden), dim=-1))
+        return self.layers[0](embeds, g, cos, sin, kv, cache_len, mask)
+
+    def logits(self, out: Tensor) -> Tensor:
+        """EAGLE-3 only: draft-vocab logits of the head's output (EAGLE-1/2 use the target's LM head)."""
+        return self.lm_head(self.norm(out))
