@@ -7,14 +7,12 @@ keeps only for the accepted prefix.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
 from ..model.transformer import Transformer
-from ..ops.reference import logits_are_valid
+from ..ops.reference import MAX_TREE_NODES, logits_are_valid
 from ..ops.sampling import SamplingParams, draft_sample
 
 
@@ -35,13 +33,7 @@ def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
     (shares the target's weights; no extra memory for weights)."""
     if not 1 <= num_layers <= target.cfg.num_layers:
         raise ValueError(f"num_layers must be in [1, {target.cfg.num_layers}], got {num_layers}")
-    draft = object.__new__(Transformer)
-    draft.__dict__.update(target.__dict__)
-    draft.cfg = replace(target.cfg, num_layers=num_layers)
-    draft.layers = target.layers[:num_layers]
-    draft.flatten_layers()
-    draft._rope_len, draft._cos, draft._sin = 0, None, None
-    return draft
+    return target.first_layers(num_layers)
 
 
 class DraftModelDrafter(Drafter):
@@ -57,7 +49,7 @@ class DraftModelDrafter(Drafter):
         from ..model.runner import TargetRunner
         self.model = model
         static = model.device.type != "cpu" if static is None else static
-        self.cache = model.new_cache(max_seq_len + (64 if static else 0))
+        self.cache = model.new_cache(max_seq_len + (MAX_TREE_NODES if static else 0))  # a bucket of slack
         self.runner = TargetRunner(model, self.cache, static=True, graphs=graphs) if static else None
         self._cached = 0
         self._base = 0

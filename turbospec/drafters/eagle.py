@@ -25,6 +25,7 @@ from .base import Draft, Drafter
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import HeadKV
+from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
 
@@ -54,7 +55,8 @@ class EagleDrafter(Drafter):
         self.head = inference_copy(head, dtype, dev)
         self.dtype = dtype
         self.features = head.feature_spec
-        self.kv = HeadKV(head.cfg, max_seq_len + 2 * 64, dtype=dtype, device=dev)
+        # committed pairs + the tree grown after them (up to two trees' worth of nodes ahead)
+        self.kv = HeadKV(head.cfg, max_seq_len + 2 * MAX_TREE_NODES, dtype=dtype, device=dev)
         if head.eagle3:
             self.lm = None
             self.vocab_ids = self.head.draft_vocab_ids()

@@ -16,6 +16,7 @@ from torch import Tensor
 from .base import Draft, Drafter
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
+from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, choose_children, inference_copy, to_draft
 
@@ -139,6 +140,6 @@ def _check_choices(choices, num_heads: int) -> list[list[int]]:
     for c in out:
         if len(c) > 1 and tuple(c[:-1]) not in have:
             raise ValueError(f"medusa choices: path {c} has no parent {c[:-1]} in the tree")
-    if len(out) > 63:
-        raise ValueError(f"medusa choices: {len(out)} nodes; at most 63 (64 with the root)")
+    if len(out) > MAX_TREE_NODES - 1:
+        raise ValueError(f"medusa choices: {len(out)} nodes; at most {MAX_TREE_NODES - 1} ({MAX_TREE_NODES} with the root)")
     return out

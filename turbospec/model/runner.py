@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..ops.reference import MAX_TREE_NODES
 from .kv_cache import KVCache
 from .transformer import Transformer
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, MAX_TREE_NODES)
 
 
 def chain_mask_packed(n: int, device=None) -> Tensor:
@@ -40,7 +41,7 @@ class TargetRunner:
         features: what the drafter reads back (None, "final" or layer indices; see ``Transformer.forward``).
         static: use the fixed-shape path (default: on any device but CPU).
         graphs: capture the static path in CUDA graphs (CUDA only; default: on CUDA).
-        buckets: token counts the static path is built for (ascending, at most 64).
+        buckets: token counts the static path is built for (ascending, at most ``MAX_TREE_NODES``).
     """
 
     def __init__(self, target: Transformer, cache: KVCache, features=None, static: bool | None = None,
@@ -53,8 +54,8 @@ class TargetRunner:
         self.graphs = on_cuda if graphs is None else bool(graphs)
         self.static = self.graphs or (dev.type != "cpu" if static is None else bool(static))
         buckets = tuple(sorted(set(int(b) for b in buckets)))
-        if not buckets or buckets[0] < 1 or buckets[-1] > 64:
-            raise ValueError(f"buckets must be token counts in [1, 64], got {buckets}")
+        if not buckets or buckets[0] < 1 or buckets[-1] > MAX_TREE_NODES:
+            raise ValueError(f"buckets must be token counts in [1, {MAX_TREE_NODES}], got {buckets}")
         self.buckets = buckets
         self._graphs: dict[int, tuple] = {}
         if self.static:
@@ -72,7 +73,7 @@ class TargetRunner:
 
     @property
     def max_tokens(self) -> int:
-        return self.buckets[-1] if self.static else 64
+        return self.buckets[-1] if self.static else MAX_TREE_NODES
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:

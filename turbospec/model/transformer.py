@@ -10,7 +10,7 @@ token's numbers do not depend on how many tokens share the pass.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +212,17 @@ class Transformer:
         for lin in [self.lm_head] + [l for layer in self.layers for l in layer.linears()]:
             lin.activations = ACTIVATION_MODES[mode]
         return self
+
+    def first_layers(self, num_layers: int) -> "Transformer":
+        """A model of this one's first ``num_layers`` layers, final norm and LM head, sharing its weights
+        (a layer-skip self-speculative draft); its rotary table is its own."""
+        m = object.__new__(Transformer)
+        m.__dict__.update(self.__dict__)
+        m.cfg = replace(self.cfg, num_layers=num_layers)
+        m.layers = self.layers[:num_layers]
+        m.flatten_layers()
+        m.rope_table = RopeTable(self.rope_table.inv_freq, self.dtype, self.device)
+        return m
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
         # On CPU, 16-bit models keep K/V in float32: the CPU's bf16 batched matmuls are about twice as
