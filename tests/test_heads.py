@@ -145,12 +145,12 @@ def test_head_kv_is_rolled_back(cyc):
                               features="final")
     with torch.inference_mode():
         out = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None])
-        from turbospec.heads.layers import HeadKV
-        kv = HeadKV(head.cfg, 128)
+        from turbospec.heads.layers import head_cache
+        kv = head_cache(head.cfg, 128)
         out2 = head(feats, target.embed[torch.tensor(toks[1:n + 1])][None], torch.arange(n)[None], kv, 0)
     torch.testing.assert_close(out, out2)
-    torch.testing.assert_close(dr.kv.k[:, :, :n], kv.k[:, :, :n], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(dr.kv.v[:, :, :n], kv.v[:, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dr.kv.k[0][:, :, :n], kv.k[0][:, :, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dr.kv.v[0][:, :, :n], kv.v[0][:, :, :n], rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------

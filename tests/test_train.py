@@ -15,10 +15,12 @@ import torch
 from conftest import make_tiny_model, make_tiny_tokenizer
 from turbospec import Engine, cli, load_model
 from turbospec.heads import formats as checkpoints
+from turbospec.train import config, objectives
 from turbospec.train import data as distill
 from turbospec.train import trainer as train
 from turbospec.heads.formats import build_head
-from turbospec.heads.layers import HeadConfig, HeadKV, init_weights
+from turbospec.heads.config import HeadConfig
+from turbospec.heads.layers import head_cache, init_weights
 
 VOCAB = 64
 
@@ -96,13 +98,13 @@ def test_pipeline_end_to_end_learns(bigram, method, capsys):
     # The saved head really is the trained one: re-evaluating it gives the recorded acceptance.
     store = distill.FeatureStore(*_manifest(d / "work", method))
     t = load_model(target)
-    fz = train.Frozen(t.embed.float(), train.lm_head_weight(t).float(), None)
+    fz = objectives.Frozen(t.embed.float(), objectives.lm_head_weight(t).float(), None)
     if method == "eagle3":
         ids = head.draft_vocab_ids()
         fz.t2d = torch.full((VOCAB,), -100, dtype=torch.int64)
         fz.t2d[ids] = torch.arange(ids.numel())
-    cfg = train.TrainConfig(method=method, out=str(out))
-    ev = train.Method(head.float().train(), fz, cfg, 1.0).evaluate(store.eval_batches(8), "cpu")
+    cfg = config.TrainConfig(method=method, out=str(out))
+    ev = objectives.Method(head.float().train(), fz, cfg, 1.0).evaluate(store.eval_batches(8), "cpu")
     assert ev["acceptance"] == pytest.approx(final["acceptance"], abs=0.03)  # final ran under autocast
 
 
@@ -123,16 +125,16 @@ def test_generation_and_features_are_reused(tmp_path):
     data = _write_prompts(tmp_path / "p.jsonl", 6)
     cfg = dict(method="eagle", out=str(tmp_path / "o"), target=target, data=data, num_prompts=6,
                max_new_tokens=8, eval_samples=1, stop_after="features", threads=1)
-    s1 = train.run(train.TrainConfig(**cfg))
+    s1 = train.run(config.TrainConfig(**cfg))
     assert s1["generation"]["generated"] == 6
     samples = os.path.join(s1["generation_dir"], "samples.jsonl")
     shard = os.path.join(s1["features_dir"], "train-00000.safetensors")
     mtimes = os.path.getmtime(samples), os.path.getmtime(shard)
-    s2 = train.run(train.TrainConfig(**cfg))
+    s2 = train.run(config.TrainConfig(**cfg))
     assert s2["generation"]["generated"] == 0 and s2["generation"]["reused"] == 6
     assert (os.path.getmtime(samples), os.path.getmtime(shard)) == mtimes
     # A different setting is a different generation; an interrupted one resumes.
-    s3 = train.run(train.TrainConfig(**{**cfg, "max_new_tokens": 9, "stop_after": "generate"}))
+    s3 = train.run(config.TrainConfig(**{**cfg, "max_new_tokens": 9, "stop_after": "generate"}))
     assert s3["generation_dir"] != s1["generation_dir"] and s3["generation"]["generated"] == 6
     path = os.path.join(s3["generation_dir"], "samples.jsonl")
     with open(path) as f:
@@ -140,7 +142,7 @@ def test_generation_and_features_are_reused(tmp_path):
     with open(path, "w") as f:
         f.writelines(lines[:4] + [lines[4][:10]])  # 4 whole samples and a torn line
     os.remove(os.path.join(s3["generation_dir"], "meta.json"))
-    s4 = train.run(train.TrainConfig(**{**cfg, "max_new_tokens": 9, "stop_after": "generate"}))
+    s4 = train.run(config.TrainConfig(**{**cfg, "max_new_tokens": 9, "stop_after": "generate"}))
     assert s4["generation"]["generated"] == 2
     assert sorted(s["index"] for s in distill.read_samples(path)) == list(range(6))
 
@@ -158,19 +160,19 @@ def test_interrupted_training_resumes_exactly(tmp_path, bigram, monkeypatch):
     argv = _args("eagle", target, data, tmp_path / "b", tmp_path / "work", "--eval-every", "0")
     argv[argv.index("--epochs") + 1] = "2"
     calls = {"n": 0}
-    real_loss = train.Method.loss
+    real_loss = objectives.Method.loss
 
     def interrupted(self, batch):
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
         return real_loss(self, batch)
-    monkeypatch.setattr(train.Method, "loss", interrupted)
+    monkeypatch.setattr(objectives.Method, "loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         cli.main(argv)
     partial = checkpoints.load_head(str(tmp_path / "b"))
     assert partial.extra["partial"] is True and partial.extra["steps"] == 5
-    monkeypatch.setattr(train.Method, "loss", real_loss)
+    monkeypatch.setattr(objectives.Method, "loss", real_loss)
     assert cli.main(argv + ["--resume"]) == 0
     got = load_file(str(tmp_path / "b" / "model.safetensors"))
     assert checkpoints.load_head(str(tmp_path / "b")).extra["steps"] == 8
@@ -187,7 +189,7 @@ def test_resume_continues_training(tmp_path, bigram):
     assert cli.main(base + ["--save-every", "4"]) == 0
     assert checkpoints.load_head(str(out)).extra["steps"] == 8
     # resuming a finished run does no further step and keeps its result
-    s = train.run(train.config_from_args(_parse(base + ["--resume"])))
+    s = train.run(config.config_from_args(_parse(base + ["--resume"])))
     assert s["steps"] == 8
 
 
@@ -212,7 +214,7 @@ def test_options_run(tmp_path, bigram, method, extra):
 def _parse(argv):
     import argparse
     p = argparse.ArgumentParser()
-    train.add_args(p)
+    config.add_args(p)
     return p.parse_args(argv[1:])
 
 
@@ -233,9 +235,9 @@ def test_unrolled_steps_see_what_drafting_sees(method):
     ids = torch.randint(0, VOCAB, (1, n))
     embed = t.embed.float()
     with torch.no_grad():
-        outs = train.unroll(head, feats, ids, embed, steps)
+        outs = objectives.unroll(head, feats, ids, embed, steps)
         for i in range(n - steps):
-            kv = HeadKV(hcfg, n + steps)
+            kv = head_cache(hcfg, n + steps)
             o = head(feats[:, :i + 1], embed[ids[:, 1:i + 2]], torch.arange(i + 1)[None], kv=kv, cache_len=0)
             got = [o[:, -1]]
             for j in range(1, steps):
@@ -254,7 +256,7 @@ def test_unrolled_gradients_do_not_leak_future():
     init_weights(head, std=0.2)
     feats = torch.randn(1, 8, 2 * hcfg.hidden_size, requires_grad=True)
     ids = torch.randint(0, VOCAB, (1, 8))
-    outs = train.unroll(head, feats, ids, t.embed.float(), 3)
+    outs = objectives.unroll(head, feats, ids, t.embed.float(), 3)
     i = 3
     outs[2][0, i].sum().backward()
     g = feats.grad[0].abs().sum(-1)
@@ -281,10 +283,10 @@ def test_greedy_batch_matches_engine():
 def test_lm_head_weight_is_exact(tied):
     hf = make_tiny_model("llama", tie_word_embeddings=tied)
     t = load_model(hf)
-    assert torch.equal(train.lm_head_weight(t), hf.lm_head.weight.detach())
+    assert torch.equal(objectives.lm_head_weight(t), hf.lm_head.weight.detach())
     if hasattr(t, "lm_head_weight"):  # the fallback: the LM head's own (dense) weight
         del t.lm_head_weight
-        assert torch.equal(train.lm_head_weight(t), hf.lm_head.weight.detach())
+        assert torch.equal(objectives.lm_head_weight(t), hf.lm_head.weight.detach())
 
 
 def test_prompt_formats():
@@ -305,27 +307,27 @@ def test_bad_inputs_name_the_parameter(tmp_path, capsys):
     cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, threads=1)
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match="--data.*nope.jsonl"):
-        train.run(train.TrainConfig(**{**cfg, "data": missing}))
+        train.run(config.TrainConfig(**{**cfg, "data": missing}))
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="--data.*empty"):
-        train.run(train.TrainConfig(**{**cfg, "data": str(empty)}))
+        train.run(config.TrainConfig(**{**cfg, "data": str(empty)}))
     useless = tmp_path / "useless.jsonl"
     useless.write_text('{"foo": 1}\n')
     with pytest.raises(ValueError, match="--data.*'prompt'"):
-        train.run(train.TrainConfig(**{**cfg, "data": str(useless)}))
+        train.run(config.TrainConfig(**{**cfg, "data": str(useless)}))
     with pytest.raises(ValueError, match="--method 'lora'"):
-        train.run(train.TrainConfig(**{**cfg, "method": "lora"}))
+        train.run(config.TrainConfig(**{**cfg, "method": "lora"}))
     with pytest.raises(ValueError, match="--draft-vocab 300 .*vocabulary \\(64\\)"):
-        train.run(train.TrainConfig(**{**cfg, "draft_vocab": 300}))
+        train.run(config.TrainConfig(**{**cfg, "draft_vocab": 300}))
     with pytest.raises(ValueError, match="--loss-on-prompt"):
-        train.run(train.TrainConfig(**{**cfg, "method": "medusa", "loss_on_prompt": True}))
+        train.run(config.TrainConfig(**{**cfg, "method": "medusa", "loss_on_prompt": True}))
     with pytest.raises(ValueError, match="--epochs must be an integer >= 1, got 0"):
-        train.run(train.TrainConfig(**{**cfg, "epochs": 0}))
+        train.run(config.TrainConfig(**{**cfg, "epochs": 0}))
     with pytest.raises(ValueError, match="--data .*evaluation data"):
         spec = tmp_path / "specbench_dev.jsonl"
         spec.write_text('{"turns": ["q"]}\n')
-        train.run(train.TrainConfig(**{**cfg, "data": str(spec)}))
+        train.run(config.TrainConfig(**{**cfg, "data": str(spec)}))
     # the command line: exit status 2 and the message
     assert cli.main(["train", "--method", "eagle", "--target", target, "--data", missing,
                      "--out", str(tmp_path / "o")]) == 2

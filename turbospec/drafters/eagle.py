@@ -24,7 +24,7 @@ from .budget import DepthBudget
 from .base import Draft, Drafter
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
-from ..heads.layers import HeadKV
+from ..heads.layers import head_cache
 from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
@@ -56,7 +56,7 @@ class EagleDrafter(Drafter):
         self.dtype = dtype
         self.features = head.feature_spec
         # committed pairs + the tree grown after them (up to two trees' worth of nodes ahead)
-        self.kv = HeadKV(head.cfg, max_seq_len + 2 * MAX_TREE_NODES, dtype=dtype, device=dev)
+        self.kv = head_cache(head.cfg, max_seq_len + 2 * MAX_TREE_NODES, dtype=dtype, device=dev)
         if head.eagle3:
             self.lm = None
             self.vocab_ids = self.head.draft_vocab_ids()

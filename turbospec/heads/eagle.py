@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import HeadConfig
-from .layers import MLP, Attention, HeadKV, RMSNorm, Rotary
+from ..model.kv_cache import KVCache
+from .layers import MLP, Attention, RMSNorm, Rotary
 
 
 class EagleLayer(nn.Module):
@@ -35,7 +36,7 @@ class EagleLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, kv: HeadKV | None,
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None,
                 cache_len: int, mask: Tensor | None) -> Tensor:
         if self.eagle3:
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
@@ -95,7 +96,7 @@ class EagleHead(nn.Module):
             return None
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
-    def forward(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, kv: HeadKV | None = None,
+    def forward(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, kv: KVCache | None = None,
                 cache_len: int = 0, mask: Tensor | None = None, fused: bool = False) -> Tensor:
         """One pass over n pairs -> the head's output [B, n, H] (the predicted next feature).
 

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..model.kv_cache import KVCache
 from ..model.rope import RopeTable, rope_inv_freq, rotate
 from ..model.transformer import rms_norm
-from .config import METHODS, HeadConfig  # noqa: F401  (METHODS: re-export, removed when train imports config)
+from .config import HeadConfig
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -42,15 +43,9 @@ class Rotary:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
-class HeadKV:
-    """A head's KV cache: one layer, [B, H_kv, S, D] K and V."""
-
-    def __init__(self, cfg: HeadConfig, max_seq_len: int, batch_size: int = 1, dtype=torch.float32,
-                 device="cpu"):
-        shape = (batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_seq_len = max_seq_len
+def head_cache(cfg: HeadConfig, max_seq_len: int, batch_size: int = 1, dtype=torch.float32, device="cpu") -> KVCache:
+    """A head's KV cache: the target's cache type with one layer ([B, H_kv, S, D] K and V)."""
+    return KVCache(1, batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim, dtype, device)
 
 
 class Attention(nn.Module):
@@ -62,7 +57,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.nkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: HeadKV | None, cache_len: int,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None, cache_len: int,
                 mask: Tensor | None) -> Tensor:
         """x [B, n, in_dim]. With ``kv``: K/V written at [cache_len, cache_len + n), attention over
         the prefix [0, cache_len) (all of it) and the new tokens under ``mask`` (bool [B or 1, n, n],
@@ -80,9 +75,10 @@ class Attention(nn.Module):
         else:
             allowed = torch.ones(1, 1, n, n, dtype=torch.bool, device=x.device).tril_()
         if kv is not None:
-            kv.k[:, :, cache_len:cache_len + n] = k.to(kv.k.dtype)
-            kv.v[:, :, cache_len:cache_len + n] = v.to(kv.v.dtype)
-            k, v = kv.k[:, :, :cache_len + n].to(q.dtype), kv.v[:, :, :cache_len + n].to(q.dtype)
+            kc, vc = kv.k[0], kv.v[0]
+            kc[:, :, cache_len:cache_len + n] = k.to(kc.dtype)
+            vc[:, :, cache_len:cache_len + n] = v.to(vc.dtype)
+            k, v = kc[:, :, :cache_len + n].to(q.dtype), vc[:, :, :cache_len + n].to(q.dtype)
             if allowed.shape[-1] != cache_len + n:
                 prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=x.device)
                 allowed = torch.cat((prefix, allowed), dim=-1)

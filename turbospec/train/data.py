@@ -1,6 +1,6 @@
 """Self-distillation data for draft heads (stages 1 and 2 of ``turbospec train``).
 
-Stage 1, ``generate``: training prompts (JSONL) get the target's chat template (``Engine.encode``)
+Stage 1, ``generate``: training prompts (JSONL) get the target's chat template (``decode.text.encode``)
 and the TARGET answers them greedily, in batches (left-padded prompts, one attention mask per row,
 the model's own layer loop), so a head learns the target's own distribution. Stored in
 ``<work>/gen-<key>/samples.jsonl`` (one ``{"index", "prompt_ids", "response_ids", "finish"}`` per
@@ -43,11 +43,13 @@ EVAL_DATA_NAMES = ("specbench", "spec_bench", "spec-bench", "humaneval", "human_
 BAR = dict(dynamic_ncols=True, mininterval=0.1 if sys.stderr.isatty() else 5.0)
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """A progress line on stderr, prefixed ``[turbospec train]``."""
     print(f"[turbospec train] {msg}", file=sys.stderr, flush=True)
 
 
-def _sha1(obj) -> str:
+def sha1(obj) -> str:
+    """A short key (12 hex digits) of a JSON-serialisable object (its settings)."""
     return hashlib.sha1(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -88,7 +90,7 @@ def stage_lock(folder: str):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            _log(f"waiting for another run using {folder} ...")
+            log(f"waiting for another run using {folder} ...")
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -277,20 +279,21 @@ def read_samples(path: str) -> list[dict]:
     return out
 
 
-def generate(target: Transformer, engine, prompts: list, work_dir: str, *, data_sha1: str,
-             num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int, truncate: bool,
-             batch_size: int, dtype: str) -> tuple[str, list[dict], dict]:
-    """Stage 1. Returns (the generation folder, its samples sorted by index, info) where info says
-    how many samples this call generated (0 when the stored file was re-used)."""
+def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list, work_dir: str, *,
+             data_sha1: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int,
+             truncate: bool, batch_size: int, dtype: str) -> tuple[str, list[dict], dict]:
+    """Stage 1. ``encode``: prompt -> token ids (with the chat template); ``eos_token_ids``: the tokens
+    that end a response. Returns (the generation folder, its samples sorted by index, info) where info
+    says how many samples this call generated (0 when the stored file was re-used)."""
     settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
-    gen_dir = os.path.join(work_dir, f"gen-{_sha1(settings)}")
+    gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
     with stage_lock(gen_dir):
-        return _generate(target, engine, prompts, gen_dir, settings, batch_size)
+        return _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size)
 
 
-def _generate(target, engine, prompts, gen_dir, settings, batch_size):
+def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size):
     from tqdm import tqdm
     num_prompts, max_new_tokens = settings["num_prompts"], settings["max_new_tokens"]
     max_prompt_tokens, seed, truncate = settings["max_prompt_tokens"], settings["seed"], settings["truncate"]
@@ -301,13 +304,13 @@ def _generate(target, engine, prompts, gen_dir, settings, batch_size):
         if meta.get("complete") and meta.get("settings") == settings:
             samples = sorted(read_samples(samples_path), key=lambda s: s["index"])
             if len(samples) == meta["num_samples"]:
-                _log(f"generation: re-using {len(samples)} samples in {gen_dir}")
+                log(f"generation: re-using {len(samples)} samples in {gen_dir}")
                 return gen_dir, samples, {"generated": 0, "reused": len(samples), **meta["info"]}
     os.makedirs(gen_dir, exist_ok=True)
     t0 = time.perf_counter()
-    encoded, skipped = select_prompts(prompts, engine.encode, num_prompts, max_prompt_tokens, seed, truncate)
+    encoded, skipped = select_prompts(prompts, encode, num_prompts, max_prompt_tokens, seed, truncate)
     if num_prompts and len(encoded) < num_prompts:
-        _log(f"generation: only {len(encoded)} of --num-prompts {num_prompts} prompts fit "
+        log(f"generation: only {len(encoded)} of --num-prompts {num_prompts} prompts fit "
              f"--max-prompt-tokens {max_prompt_tokens}")
     done = {s["index"]: s for s in read_samples(samples_path)}
     if any(i >= len(encoded) or s["prompt_ids"] != encoded[i] for i, s in done.items()):
@@ -320,14 +323,14 @@ def _generate(target, engine, prompts, gen_dir, settings, batch_size):
     batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
     random.Random(seed).shuffle(batches)
     mean_len = sum(map(len, encoded)) / len(encoded)
-    _log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
+    log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
          f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}"
          + (f"; resuming, {len(done)} already done" if done else ""))
     new_tokens = 0
     with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
                                              desc="generate", **BAR) as bar:
         for idx in batches:
-            results = greedy_batch(target, [encoded[i] for i in idx], max_new_tokens, engine.eos_token_ids)
+            results = greedy_batch(target, [encoded[i] for i in idx], max_new_tokens, eos_token_ids)
             for i, (resp, fin) in zip(idx, results):
                 rec = {"index": i, "prompt_ids": encoded[i], "response_ids": resp, "finish": fin}
                 done[i] = rec
@@ -344,7 +347,7 @@ def _generate(target, engine, prompts, gen_dir, settings, batch_size):
             "seconds": round(time.perf_counter() - t0, 1)}
     _write_json(meta_path, {"settings": settings, "complete": True, "num_samples": len(samples),
                             "info": info})
-    _log(f"generation: {info['response_tokens']} response tokens in {info['seconds']} s -> {gen_dir}")
+    log(f"generation: {info['response_tokens']} response tokens in {info['seconds']} s -> {gen_dir}")
     return gen_dir, samples, {"generated": len(todo), "reused": len(encoded) - len(todo), **info}
 
 
@@ -353,7 +356,8 @@ def _generate(target, engine, prompts, gen_dir, settings, batch_size):
 FEATURE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _split(samples: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
+def split(samples: list[dict], eval_samples: int) -> tuple[list[dict], list[dict]]:
+    """(train, held-out): the last ``eval_samples`` samples are held out, leaving at least one to train on."""
     n_eval = min(eval_samples, len(samples) - 1) if len(samples) > 1 else 0
     return samples[:len(samples) - n_eval], samples[len(samples) - n_eval:]
 
@@ -385,7 +389,7 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
     spec_key = "final" if spec == "final" else [int(i) for i in spec]
     settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
-    feat_dir = os.path.join(work_dir, f"feat-{_sha1(settings)}")
+    feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
     with stage_lock(feat_dir):
         return _collect(target, samples, feat_dir, settings, spec)
 
@@ -402,12 +406,12 @@ def _collect(target, samples, feat_dir, settings, spec):
         if manifest.get("settings") != settings:
             manifest = None
         elif manifest.get("complete"):
-            _log(f"features: re-using {manifest['train_samples']} + {manifest['eval_samples']} samples "
+            log(f"features: re-using {manifest['train_samples']} + {manifest['eval_samples']} samples "
                  f"in {feat_dir}")
             return feat_dir, manifest
     os.makedirs(feat_dir, exist_ok=True)
     fdtype = FEATURE_DTYPES[feature_dtype]
-    train, held = _split(samples, eval_samples)
+    train, held = split(samples, eval_samples)
     if manifest is None:
         manifest = {"settings": settings, "complete": False, "shards": [], "eval": None,
                     "train_samples": len(train), "eval_samples": len(held), "sumsq": 0.0, "numel": 0,
@@ -418,7 +422,7 @@ def _collect(target, samples, feat_dir, settings, spec):
     total_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     width = target.cfg.hidden_size * (1 if spec == "final" else len(spec))
     mib = total_tokens * width * fdtype.itemsize / 2**20
-    _log(f"features: {len(train)} train + {len(held)} eval samples, {total_tokens} tokens, "
+    log(f"features: {len(train)} train + {len(held)} eval samples, {total_tokens} tokens, "
          f"{width} {feature_dtype} values per token (~{mib:.0f} MiB)"
          + (f"; resuming at sample {start}" if start else ""))
     t0 = time.perf_counter()
@@ -473,7 +477,7 @@ def _collect(target, samples, feat_dir, settings, spec):
     manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
     _write_json(man_path, manifest)
-    _log(f"features: done in {manifest['seconds']} s; the target's argmax equals the generated token at "
+    log(f"features: done in {manifest['seconds']} s; the target's argmax equals the generated token at "
          f"{100 * manifest['argmax_agreement']:.2f}% of response positions -> {feat_dir}")
     return feat_dir, manifest
 

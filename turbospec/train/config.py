@@ -1,0 +1,222 @@
+"""The settings of a ``turbospec train`` run (``TrainConfig``), their checks, and the command-line
+options that set them."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .data import FEATURE_DTYPES
+from ..heads.config import METHODS
+
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_DATA = os.path.join(_REPO_ROOT, "..", "shared", "data", "train_prompts.jsonl")
+# tuned for short runs (a few hundred steps of 8 sequences) on SmolLM2-135M
+DEFAULT_LR = {"medusa": 3e-3, "eagle": 2e-3, "eagle3": 2e-3}
+EVAL_DEPTH = 3
+TOPK_TABLE = 8
+
+
+@dataclass
+class TrainConfig:
+    method: str
+    out: str
+    target: str = "default"
+    data: str | None = None            # None: ../shared/data/train_prompts.jsonl next to the repo
+    work_dir: str | None = None        # None: <out>/work
+    # stage 1
+    num_prompts: int = 1000            # 0: all
+    max_new_tokens: int = 128
+    max_prompt_tokens: int = 512
+    truncate_long_prompts: bool = False
+    gen_batch_size: int = 16
+    seed: int = 0
+    dtype: str = "float32"             # the target's
+    # stage 2
+    eval_samples: int | None = None    # None: 5% of the samples, 1..64
+    shard_tokens: int = 65536
+    feature_dtype: str = "bfloat16"
+    # stage 3
+    epochs: int = 1
+    lr: float | None = None            # None: DEFAULT_LR[method]
+    batch_size: int = 8
+    schedule: str = "cosine"
+    warmup_steps: int | None = None    # None: 3% of the steps
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    eval_every: int = 200
+    save_every: int = 500
+    resume: bool = False
+    loss_on_prompt: bool = False
+    step_decay: float = 0.8
+    medusa_heads: int = 4
+    medusa_layers: int = 1
+    ttt_steps: int | None = None       # None: eagle 1, eagle3 3
+    draft_vocab: int = 8192
+    feature_layers: list[int] | None = None
+    feature_noise: float | None = None  # None: eagle 0.05, else 0
+    w_reg: float = 1.0
+    w_cls: float = 0.1
+    device: str = "cpu"
+    amp: str = "auto"                  # "auto" | "bfloat16" | "none": autocast of the head's math
+    threads: int | None = None
+    stop_after: str | None = None      # "generate" | "features"
+    command: str = ""                  # recorded in the checkpoint
+    extra: dict = field(default_factory=dict)
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Option checks that need no model; errors name the option and the value."""
+    if cfg.method not in METHODS:
+        raise ValueError(f"--method {cfg.method!r} is not supported; choose one of {', '.join(METHODS)}")
+    ints = dict(num_prompts=(cfg.num_prompts, 0), max_new_tokens=(cfg.max_new_tokens, 1),
+                max_prompt_tokens=(cfg.max_prompt_tokens, 1), gen_batch_size=(cfg.gen_batch_size, 1),
+                shard_tokens=(cfg.shard_tokens, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
+                eval_every=(cfg.eval_every, 0), save_every=(cfg.save_every, 0),
+                medusa_heads=(cfg.medusa_heads, 1), medusa_layers=(cfg.medusa_layers, 1),
+                draft_vocab=(cfg.draft_vocab, 1))
+    if cfg.ttt_steps is not None:
+        ints["ttt_steps"] = (cfg.ttt_steps, 1)
+    if cfg.eval_samples is not None:
+        ints["eval_samples"] = (cfg.eval_samples, 0)
+    if cfg.warmup_steps is not None:
+        ints["warmup_steps"] = (cfg.warmup_steps, 0)
+    for name, (v, lo) in ints.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+    for name, v in (("lr", cfg.lr), ("grad_clip", cfg.grad_clip)):
+        if v is not None and not v > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v!r}")
+    for name, v in (("weight_decay", cfg.weight_decay), ("w_reg", cfg.w_reg), ("w_cls", cfg.w_cls),
+                    ("feature_noise", cfg.feature_noise or 0.0)):
+        if not v >= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v!r}")
+    if not 0 < cfg.step_decay <= 1:
+        raise ValueError(f"--step-decay must be in (0, 1], got {cfg.step_decay!r}")
+    if cfg.schedule not in ("cosine", "linear", "constant"):
+        raise ValueError(f"--schedule {cfg.schedule!r}: choose cosine, linear or constant")
+    if cfg.feature_dtype not in FEATURE_DTYPES:
+        raise ValueError(f"--feature-dtype {cfg.feature_dtype!r}: choose one of {list(FEATURE_DTYPES)}")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--dtype {cfg.dtype!r}: choose float32, bfloat16 or float16")
+    if cfg.loss_on_prompt and cfg.method == "medusa":
+        raise ValueError("--loss-on-prompt is for eagle / eagle3 only: a Medusa head reads one feature and "
+                         "would learn the user's text, not the target's own continuation")
+    if cfg.amp not in ("auto", "bfloat16", "none"):
+        raise ValueError(f"--amp {cfg.amp!r}: choose auto, bfloat16 or none")
+    if cfg.stop_after not in (None, "generate", "features"):
+        raise ValueError(f"--stop-after {cfg.stop_after!r}: choose generate or features")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {cfg.device!r}: CUDA is not available on this machine")
+
+
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for training and eval: bfloat16 where the hardware has fast bfloat16
+    matmuls ("auto": CUDA with bf16 support, or a CPU with AVX512-BF16 / AMX, where the LM-head
+    products run about 4x faster than in float32), else None (float32)."""
+    if amp == "none":
+        return None
+    if amp == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type == "cpu" and os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+        if "avx512_bf16" in flags or "amx_bf16" in flags:
+            return torch.bfloat16
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", required=True, choices=list(METHODS), help="head type to train")
+    p.add_argument("--target", default="default",
+                   help="target model: 'default' (SmolLM2-135M-Instruct), a model directory or a .gguf")
+    p.add_argument("--data", default=None,
+                   help="training prompts, JSONL with 'prompt' (or 'text', 'turns', 'messages') per line "
+                        "(default: ../shared/data/train_prompts.jsonl next to the repo). "
+                        "Never evaluation data.")
+    p.add_argument("--out", required=True,
+                   help="output folder for the head (config.json + model.safetensors)")
+    p.add_argument("--work-dir", default=None,
+                   help="where generations, features and training state are kept (default: OUT/work); "
+                        "share it between methods to generate once")
+    g = p.add_argument_group("stage 1: self-distillation data")
+    g.add_argument("--num-prompts", type=int, default=1000, help="prompts to answer (0: all)")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="response length limit")
+    g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
+    g.add_argument("--truncate-long-prompts", action="store_true",
+                   help="keep the last --max-prompt-tokens tokens of long prompts instead of skipping them")
+    g.add_argument("--gen-batch-size", type=int, default=16, help="prompts generated together")
+    g.add_argument("--seed", type=int, default=0, help="prompt sampling, split, init and batch order")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype for generation and features")
+    g = p.add_argument_group("stage 2: features")
+    g.add_argument("--eval-samples", type=int, default=None,
+                   help="held-out samples for eval (default: 5%% of the samples, 1..64)")
+    g.add_argument("--shard-tokens", type=int, default=65536, help="tokens per feature shard (bounds memory)")
+    g.add_argument("--feature-dtype", default="bfloat16", choices=list(FEATURE_DTYPES))
+    g = p.add_argument_group("stage 3: training")
+    g.add_argument("--epochs", type=int, default=1)
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: medusa 3e-3, eagle 2e-3, eagle3 2e-3)")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step (padded)")
+    g.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"],
+                   help="decay after the linear warmup")
+    g.add_argument("--warmup-steps", type=int, default=None, help="default: 3%% of the steps")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=0.5, help="max gradient norm")
+    g.add_argument("--eval-every", type=int, default=200,
+                   help="steps between held-out evals (0: only at the start and the end)")
+    g.add_argument("--save-every", type=int, default=500,
+                   help="steps between checkpoints (also after each eval)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the saved training state of the same settings")
+    g.add_argument("--loss-on-prompt", action="store_true",
+                   help="eagle/eagle3: also train on prompt positions (the head reads the true tokens there, "
+                        "so the target's argmax is a valid target; default: only the response, where "
+                        "drafting happens)")
+    g.add_argument("--step-decay", type=float, default=0.8,
+                   help="loss weight decay^j of Medusa head j / unrolled step j")
+    g.add_argument("--medusa-heads", type=int, default=4)
+    g.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
+    g.add_argument("--ttt-steps", type=int, default=None,
+                   help="EAGLE unrolled (training-time test) steps (default: eagle3 3, eagle 1)")
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="eagle3: draft vocabulary size (most frequent response tokens)")
+    g.add_argument("--feature-layers", default=None,
+                   help="eagle3: comma list of 0-based target layers fc fuses (default: low, middle, high)")
+    g.add_argument("--feature-noise", type=float, default=None,
+                   help="EAGLE input-feature noise U(-a, a) * feature RMS (default: eagle 0.05, eagle3 0)")
+    g.add_argument("--w-reg", type=float, default=1.0, help="eagle: smooth-L1 feature loss weight")
+    g.add_argument("--w-cls", type=float, default=0.1, help="eagle: token cross-entropy weight")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--amp", default="auto", choices=["auto", "bfloat16", "none"],
+                   help="bfloat16 autocast for the head's training math (auto: where bfloat16 matmuls "
+                        "are fast: CUDA, CPUs with AVX512-BF16/AMX)")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--stop-after", default=None, choices=["generate", "features"],
+                   help="stop after a stage (e.g. to time it)")
+
+
+def config_from_args(args, argv: list[str] | None = None) -> TrainConfig:
+    layers = None
+    if args.feature_layers:
+        try:
+            layers = [int(x) for x in args.feature_layers.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--feature-layers {args.feature_layers!r}: expected a comma list of "
+                             f"integers") from None
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    kw = {k: v for k, v in vars(args).items() if k in names}
+    kw.update(feature_layers=layers,
+              command=shlex.join(["turbospec", *(sys.argv[1:] if argv is None else argv)]))
+    return TrainConfig(**kw)

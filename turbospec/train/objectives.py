@@ -1,0 +1,285 @@
+"""The losses and the held-out eval of draft-head training (stage 3 of ``turbospec train``).
+
+Notation: a sample is x_0 .. x_{T-1} (prompt x_0 .. x_{P-1}, response x_P ..); f_i the target's
+feature at i; a_i = argmax of the target's logits at i (its greedy prediction of x_{i+1}; in the
+response a_i = x_{i+1}). A head "at chain i" drafts after the root x_{i+1}: its depth-d draft
+(d = 1, 2, ...) is compared with a_{i+d}. Losses cover chains i >= P - 1 (drafting happens in the
+response), or every position with --loss-on-prompt.
+
+- medusa: head k (0-based) reads f_i and predicts a_{i+1+k} through the target's frozen LM head;
+  loss = sum_k decay^k * CE_k.
+- eagle (EAGLE-1/2): step 0 reads (f_i + noise, embed(x_{i+1})) at position i and predicts f_{i+1}:
+  loss = w_reg * smooth-L1(pred, f_{i+1}) + w_cls * CE(LM_head(pred), a_{i+1}); with --ttt-steps > 1
+  the unrolled steps below add decay^j-weighted terms against f_{i+1+j} and a_{i+1+j}.
+- eagle3: fc fuses the captured layers; loss = sum_j decay^j * CE over the draft vocabulary of step
+  j's prediction of a_{i+1+j} (targets outside the draft vocabulary are masked out).
+
+Unrolled steps (training-time test, ``unroll``): step j > 0 at chain i feeds the head its own step
+j-1 output at chain i (eagle3: fused=True, fc skipped) with embed(x_{i+1+j}) at position i + j.
+Attention of (chain i, step j): the step-0 keys of positions 0..i (what the head's KV cache holds
+for committed tokens at inference) plus the keys of the same chain at steps 1..j (its own drafts
+so far); never step-0 keys of positions > i, nor another chain's drafts. This is exactly what
+drafting j tokens deep after position i sees at inference. The held-out eval runs the same
+unrolled forward (no noise) and reports the cumulative acceptance at depth d: the fraction of
+chains whose first d drafted tokens (argmax) all equal the target's greedy tokens. Feeding the true
+x_{i+1+j} instead of the head's own draft changes nothing for this metric: a chain only counts at
+depth d when every earlier draft was right, and then the two are the same token.
+
+The input-feature noise (EAGLE's augmentation) is uniform, U(-a, a) * the features' RMS,
+a = --feature-noise (default: eagle 0.05).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import EVAL_DEPTH, TOPK_TABLE, TrainConfig
+from ..heads.layers import head_cache
+
+
+# ---------------------------------------------------------------------------------------------
+# The frozen parts of the target the heads use
+def lm_head_weight(target) -> Tensor:
+    """The target's LM head weight [V, H], dense: ``Transformer.lm_head_weight`` (the embedding for
+    tied models), else the LM head's weight dequantized (``Linear.dense``)."""
+    w = getattr(target, "lm_head_weight", None)
+    if w is not None:
+        return w
+    if target.cfg.tie_word_embeddings:
+        return target.embed
+    return target.lm_head.dense(target.dtype)
+
+
+@dataclass
+class Frozen:
+    embed: Tensor         # [V, H] float32, the target's embedding
+    lm_w: Tensor          # [V, H] float32, the target's LM head
+    t2d: Tensor | None    # eagle3: [V] int64, draft-vocab row of each target id (-100: not in it)
+
+
+def _shift(x: Tensor, k: int, fill: float) -> Tensor:
+    """x[:, i + k] at i, ``fill`` past the end (x: [B, n, ...])."""
+    tail = x.new_full((x.shape[0], min(k, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat((x[:, k:], tail), dim=1)
+
+
+def _ce_chunk(h: Tensor, y: Tensor, fn) -> tuple[Tensor, Tensor]:
+    logits = fn(h).float()
+    loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    return loss, (logits.argmax(-1) == y).sum().float()
+
+
+CE_KEEP_ELEMENTS = 1 << 27  # logits kept for backward up to this many (512 MB fp32); beyond, recomputed
+
+
+def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024) -> tuple[Tensor, Tensor, int]:
+    """Cross-entropy of logits ``fn(h)`` [N, V] against ``y`` [N] (-100: ignored), in row chunks.
+    When all N x V logits would take more than CE_KEEP_ELEMENTS, each chunk's logits are recomputed
+    in backward instead of kept (memory: chunk x V; a third more LM-head compute).
+    Returns (summed loss, top-1 hits, counted rows)."""
+    keep = y != -100
+    h, y = h[keep], y[keep]
+    total, hits = h.new_zeros(()), 0.0
+    recompute = torch.is_grad_enabled() and h.requires_grad and \
+        h.shape[0] * fn.out_features > CE_KEEP_ELEMENTS
+    for s in range(0, h.shape[0], chunk):
+        if recompute:
+            loss, hit = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, use_reentrant=False)
+        else:
+            loss, hit = _ce_chunk(h[s:s + chunk], y[s:s + chunk], fn)
+        total = total + loss
+        hits += float(hit)
+    return total, hits, int(y.numel())
+
+
+class _Logits:
+    """hidden [N, H] -> logits [N, out_features]."""
+
+    def __init__(self, fn, out_features: int):
+        self.fn, self.out_features = fn, out_features
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return self.fn(h)
+
+
+def _eval_chunked(h: Tensor, y: Tensor, fn, k: int, chunk: int = 1024) -> tuple[float, int, Tensor]:
+    """No-grad: (summed CE over rows with y != -100, their count, top-k ids [N, k] of every row),
+    one logits chunk at a time."""
+    ce, cnt, tops = 0.0, 0, []
+    for s in range(0, h.shape[0], chunk):
+        logits = fn(h[s:s + chunk]).float()
+        yy = y[s:s + chunk]
+        ce += float(F.cross_entropy(logits, yy, ignore_index=-100, reduction="sum"))
+        cnt += int((yy != -100).sum())
+        tops.append(logits.topk(k, dim=-1).indices)
+    top = torch.cat(tops) if tops else torch.zeros(0, k, dtype=torch.int64, device=h.device)
+    return ce, cnt, top
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE: the unrolled forward
+def ttt_mask(n: int, j: int, device) -> Tensor:
+    """Attention of step j's n chains over the keys of steps 0..j: bool [1, n, (j + 1) n]. Chain i
+    sees step-0 keys 0..i (causal) and its own keys at steps 1..j (the diagonal of each block)."""
+    blocks = [torch.ones(n, n, dtype=torch.bool, device=device).tril_()]
+    blocks += [torch.eye(n, dtype=torch.bool, device=device)] * j
+    return torch.cat(blocks, dim=1)[None].contiguous()
+
+
+def unroll(head, features: Tensor, ids: Tensor, embed: Tensor, steps: int) -> list[Tensor]:
+    """The head's outputs [B, n, H] for steps 0..steps-1 (see the module docstring).
+    features [B, n, F] (already noised if wanted), ids [B, n]."""
+    bsz, n, _ = features.shape
+    pos = torch.arange(n, device=features.device).expand(bsz, n)
+    hidden, prev, outs = features, None, []
+    for j in range(steps):
+        emb = embed[_shift(ids, 1 + j, 0)]
+        kv = head_cache(head.cfg, (j + 1) * n, bsz, dtype=features.dtype, device=features.device)
+        if j:
+            kv.k[0][:, :, :j * n] = prev.k[0]
+            kv.v[0][:, :, :j * n] = prev.v[0]
+        mask = ttt_mask(n, j, features.device) if j else None  # step 0: causal
+        out = head(hidden, emb, pos + j, kv=kv, cache_len=j * n, mask=mask, fused=j > 0)
+        outs.append(out)
+        prev, hidden = kv, out
+    return outs
+
+
+def _lo(batch: dict, loss_on_prompt: bool) -> Tensor:
+    """[B, n] bool: chains that count (i >= P - 1 unless --loss-on-prompt; i < T)."""
+    n = batch["ids"].shape[1]
+    i = torch.arange(n, device=batch["ids"].device)[None]
+    lo = torch.zeros_like(batch["prompt_len"]) if loss_on_prompt else batch["prompt_len"] - 1
+    return (i >= lo[:, None]) & (i < batch["length"][:, None])
+
+
+def _labels(batch: dict, depth: int, ok: Tensor) -> Tensor:
+    """a_{i+depth} at chain i, -100 where it does not exist or the chain does not count."""
+    return torch.where(ok, _shift(batch["argmax"], depth, -100), torch.full_like(batch["argmax"], -100))
+
+
+class Method:
+    """Loss and eval of one head type over a batch (dict from ``data.collate``, on device)."""
+
+    def __init__(self, head: nn.Module, frozen: Frozen, cfg: TrainConfig, feature_rms: float):
+        self.head, self.fz, self.cfg = head, frozen, cfg
+        self.method = head.cfg.method
+        noise = cfg.feature_noise
+        if noise is None:
+            noise = 0.05 if self.method == "eagle" else 0.0
+        self.noise = noise * feature_rms  # half-width of the uniform noise added to input features
+        self.steps = cfg.ttt_steps or (3 if self.method == "eagle3" else 1)
+
+    def _logits_fn(self) -> "_Logits":
+        if self.method == "eagle3":
+            return _Logits(self.head.logits, self.head.lm_head.out_features)
+        w = self.fz.lm_w
+        return _Logits(lambda h: F.linear(h, w), w.shape[0])
+
+    def _draft_labels(self, y: Tensor) -> Tensor:
+        if self.fz.t2d is None:
+            return y
+        return torch.where(y >= 0, self.fz.t2d[y.clamp_min(0)], y)
+
+    def loss(self, batch: dict) -> tuple[Tensor, dict]:
+        ok = _lo(batch, self.cfg.loss_on_prompt)
+        feats = batch["features"].float()
+        total, stats = feats.new_zeros(()), {}
+        fn = self._logits_fn()
+        if self.method == "medusa":
+            sel = ok & (batch["argmax"] != -100)
+            outs = self.head(feats[sel])                           # [K, N, H]
+            for k in range(outs.shape[0]):
+                y = _labels(batch, 1 + k, ok)[sel]
+                ce, hits, cnt = chunked_ce(outs[k], y, fn)
+                total = total + self.cfg.step_decay ** k * ce / max(cnt, 1)
+                stats[f"acc{k + 1}"] = hits / max(cnt, 1)
+            return total, stats
+        x = feats
+        if self.noise:
+            x = x + (torch.rand_like(x) * 2 - 1) * self.noise
+        outs = unroll(self.head, x, batch["ids"], self.fz.embed, self.steps)
+        for j, out in enumerate(outs):
+            y = _labels(batch, 1 + j, ok)
+            keep = y != -100
+            w = self.cfg.step_decay ** j
+            if self.method == "eagle":
+                tgt = _shift(feats, 1 + j, 0.0)                   # f_{i+1+j}
+                reg = F.smooth_l1_loss(out[keep], tgt[keep], reduction="none").mean(-1).sum()
+                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn)
+                total = total + w * (self.cfg.w_reg * reg + self.cfg.w_cls * ce) / max(cnt, 1)
+                stats[f"reg{j + 1}"] = reg.item() / max(cnt, 1)
+            else:
+                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn)
+                total = total + w * ce / max(cnt, 1)
+            stats[f"acc{j + 1}"] = hits / max(cnt, 1)
+        return total, stats
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[dict], device) -> dict:
+        """Cumulative acceptance at depths 1..D on chains i >= P - 1 whose depth-D target exists
+        (D = 3 for EAGLE, the number of heads for Medusa); per-depth top-1 over the same chains;
+        mean CE per depth; Medusa: head_accuracy[k][r] = P(rank-r candidate of head k is a_{i+1+k})."""
+        self.head.eval()
+        depth = self.head.cfg.medusa_num_heads if self.method == "medusa" else EVAL_DEPTH
+        fn = self._logits_fn()
+        chains = 0
+        cum = [0.0] * depth
+        top1 = [0.0] * depth
+        ce_sum, ce_cnt = [0.0] * depth, [0] * depth
+        table = [[0.0] * TOPK_TABLE for _ in range(depth)]
+        table_n = [0] * depth
+        for b in batches:
+            batch = {k: v.to(device) for k, v in b.items()}
+            ok = _lo(batch, False)
+            chain = ok & (_labels(batch, depth, ok) != -100)       # [B, n]
+            feats = batch["features"].float()
+            if self.method == "medusa":
+                sel = ok & (batch["argmax"] != -100)
+                outs = list(self.head(feats[sel]))
+                chain_sel = chain[sel]
+                ys = [_labels(batch, 1 + k, ok)[sel] for k in range(depth)]
+            else:
+                outs = unroll(self.head, feats, batch["ids"], self.fz.embed, depth)
+                outs = [o[ok] for o in outs]
+                chain_sel = chain[ok]
+                ys = [_labels(batch, 1 + j, ok)[ok] for j in range(depth)]
+            alive = chain_sel.clone()
+            chains += int(chain_sel.sum())
+            for d in range(depth):
+                y = ys[d]
+                ce, cnt, top = _eval_chunked(outs[d], self._draft_labels(y), fn,
+                                             min(TOPK_TABLE, fn.out_features))
+                ce_sum[d] += ce
+                ce_cnt[d] += cnt
+                if self.fz.t2d is not None:
+                    top = self.head.draft_vocab_ids().to(top.device)[top]
+                hit = top[:, 0] == y
+                top1[d] += float((hit & chain_sel).sum())
+                alive &= hit
+                cum[d] += float(alive.sum())
+                valid = y != -100
+                table_n[d] += int(valid.sum())
+                for r in range(top.shape[1]):
+                    table[d][r] += float(((top[:, r] == y) & valid).sum())
+        self.head.train()
+        res = {"chains": chains,
+               "acceptance": [c / max(chains, 1) for c in cum],
+               "top1": [t / max(chains, 1) for t in top1],
+               "ce": [s / max(c, 1) for s, c in zip(ce_sum, ce_cnt)]}
+        res["mean_accepted"] = sum(res["acceptance"])
+        # rank_accuracy[d][r]: P(the rank-r candidate at depth d is the target's token) (Medusa: head d)
+        res["rank_accuracy"] = [[v / max(n, 1) for v in row] for row, n in zip(table, table_n)]
+        return res
+
+
+def format_eval(ev: dict) -> str:
+    acc = ", ".join(f"+{d + 1} {a:.3f}" for d, a in enumerate(ev["acceptance"]))
+    ce = ", ".join(f"{c:.3f}" for c in ev["ce"])
+    return (f"acceptance {acc} (mean accepted per chain {ev['mean_accepted']:.2f}, {ev['chains']} chains); "
+            f"ce by depth {ce}")
+
