@@ -10,6 +10,7 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -70,6 +71,11 @@ def cpu_isa(isa: str | None = None) -> str:
 
 def _compiled(device: torch.device) -> bool:
     return _KERNELS.get(device.type, False)
+
+
+def _runs(op: str, device: torch.device) -> bool:
+    """Whether ``op`` has a compiled kernel for ``device`` (some ops are CPU-only)."""
+    return _compiled(device) and has_op(op, "CUDA" if device.type == "cuda" else "CPU")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,8 +179,7 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
             raise ValueError(f"tree_attention: {name} must be on {q.device} (the device of q), got {t.device}")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    key = "CUDA" if q.device.type == "cuda" else "CPU"
-    if _compiled(q.device) and has_op("tree_attention", key):
+    if _runs("tree_attention", q.device):
         torch.ops.turbospec.tree_attention.default(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
                                                    bool(include_prefix), out, lse)
     else:
@@ -197,7 +202,7 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     """y = x @ weight^T (+ bias) for ``x [..., K]``, ``weight [N, K]`` float32 / float16 / bfloat16 on
     CPU, accumulated in float32 in a fixed order that does not depend on the number of rows, the
     thread split or the instruction set (see csrc/cpu/linear.cpp). Reference: ``reference.small_linear``."""
-    if _compiled(x.device) and has_op("small_linear"):
+    if _runs("small_linear", x.device):
         return torch.ops.turbospec.small_linear.default(x, weight, bias)
     return reference.small_linear(x, weight, bias)
 
@@ -214,7 +219,7 @@ def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | 
     if activations not in (0, 8):
         raise ValueError(f"activations must be 0 (exact) or 8 (int8), got {activations!r}")
     int8 = activations == 8 and x.shape[-1] % 32 == 0 and all(map(reference.has_int8_kernel, formats))
-    if _compiled(x.device) and has_op("linear"):
+    if _runs("linear", x.device):
         return torch.ops.turbospec.linear.default(x, list(weights), [int(f) for f in formats], bias,
                                                   8 if int8 else 0)
     if int8:
@@ -231,7 +236,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
                          f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if _compiled(x.device) and has_op("rms_norm"):
+    if _runs("rms_norm", x.device):
         torch.ops.turbospec.rms_norm.default(x, weight, float(eps), out)
     else:
         out.copy_(reference.rms_norm(x, weight, eps))
@@ -240,50 +245,320 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
 
 def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     """uint8 [N, row bytes] GGUF blocks of format ``fmt`` -> float32 [N, K] (``reference.dequantize``)."""
-    if _compiled(raw.device) and has_op("dequantize"):
+    if _runs("dequantize", raw.device):
         return torch.ops.turbospec.dequantize.default(raw, int(fmt), int(k))
     return reference.dequantize(raw, int(fmt), int(k))
 
 
 # ----------------------------------------------------------------------------------------------
-# Fake kernels: the ops only mutate their out-arguments, so tracing needs no output metadata.
+# Fake kernels: the ops only mutate their out-arguments, so tracing needs no output metadata; but each
+# checks, with torch._check, the dtype / shape / layout / device relations that csrc/checks.h and the
+# CPU kernels check (in the same words), so that a traced call fails where the real call would. Only
+# metadata is read (FakeTensors hold no data); values (parents, token ids, cache_len) are the kernels'.
+# The kernel's own device ("must be a CPU tensor for this kernel") is left to the dispatcher: a fake
+# stands for every backend, and runs the meta device's calls.
+_MAX_TREE_NODES = reference.MAX_TREE_NODES
+_MAX_HEAD_DIM = 256  # csrc/checks.h kMaxHeadDim
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INT32_MAX = 2 ** 31 - 1
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _describe(t: Tensor) -> str:
+    return f"{_dtype_name(t.dtype)} {_shape(t.shape)}"
+
+
+def _dtypes(dtypes: tuple[torch.dtype, ...]) -> str:
+    names = [_dtype_name(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _check_tensor(op: str, name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], dims: tuple) -> None:
+    """``t`` has one of ``dtypes`` and the shape ``dims`` (pairs (name, size)); checks.h check_tensor."""
+    def msg() -> str:
+        return (f"{op}: {name} must be {_dtypes(dtypes)} [{', '.join(d for d, _ in dims)}] = "
+                f"{_shape(s for _, s in dims)}, got {_describe(t)}")
+    torch._check(t.dtype in dtypes and t.dim() == len(dims), msg)
+    for i, (_, size) in enumerate(dims):
+        torch._check(t.shape[i] == size, msg)
+
+
+def _check_device(op: str, name: str, t: Tensor, ref: Tensor, ref_name: str) -> None:
+    torch._check(t.device == ref.device,
+                 lambda: f"{op}: {name} must be on {ref.device} (the device of {ref_name}), got {t.device}")
+
+
+def _check_output(op: str, name: str, t: Tensor) -> None:
+    torch._check(t.is_contiguous(), lambda: f"{op}: output {name} must be contiguous, got {_describe(t)} with "
+                                            f"strides {_shape(t.stride())}")
+
+
+def _check_last_dim(op: str, name: str, t: Tensor) -> None:
+    torch._check(t.shape[-1] <= 1 or t.stride(-1) == 1,
+                 lambda: f"{op}: {name} must be contiguous in its last dim (D), got strides {_shape(t.stride())}")
+
+
+def _check_build_tree_fake(parents: Tensor, tree_mask: Tensor, tree_mask_packed: Tensor, depth: Tensor,
+                           retrieve_index: Tensor) -> None:
+    op = "build_tree"
+    torch._check(parents.dim() == 2 and parents.dtype == torch.int64,
+                 lambda: f"{op}: parents must be int64 [B, N], got {_describe(parents)}")
+    bsz, n = parents.shape
+    torch._check(n >= 1 and n <= _MAX_TREE_NODES,
+                 lambda: f"{op}: parents must have N in [1, {_MAX_TREE_NODES}] nodes, got N = {n} "
+                         f"({_describe(parents)})")
+    _check_tensor(op, "tree_mask", tree_mask, (torch.bool,), (("B", bsz), ("N", n), ("N", n)))
+    _check_tensor(op, "tree_mask_packed", tree_mask_packed, (torch.int64,), (("B", bsz), ("N", n)))
+    _check_tensor(op, "depth", depth, (torch.int64,), (("B", bsz), ("N", n)))
+    _check_tensor(op, "retrieve_index", retrieve_index, (torch.int64,), (("B", bsz), ("N", n), ("N", n)))
+    for name, t in (("tree_mask", tree_mask), ("tree_mask_packed", tree_mask_packed), ("depth", depth),
+                    ("retrieve_index", retrieve_index)):
+        _check_device(op, name, t, parents, "parents")
+        _check_output(op, name, t)
+
+
+def _check_verify_fake(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
+                       uniform: Tensor, temperature: float, top_k: int, top_p: float, accept_len: Tensor,
+                       accept_index: Tensor, output_token_ids: Tensor) -> None:
+    op = "verify"
+    torch._check(target_logits.dim() == 3 and target_logits.dtype in _FLOATS,
+                 lambda: f"{op}: target_logits must be float32, bfloat16 or float16 [B, N, V], got "
+                         f"{_describe(target_logits)}")
+    bsz, n, vocab = target_logits.shape
+    torch._check(n >= 1 and n <= _MAX_TREE_NODES,
+                 lambda: f"{op}: target_logits must have N in [1, {_MAX_TREE_NODES}] nodes, got N = {n} "
+                         f"({_describe(target_logits)})")
+    torch._check(vocab >= 1, lambda: f"{op}: target_logits must have a vocabulary V >= 1, got "
+                                     f"{_describe(target_logits)}")
+    torch._check(vocab <= _INT32_MAX,
+                 lambda: f"{op}: target_logits vocabulary V must fit in int32, got V = {vocab}")
+    _check_tensor(op, "parents", parents, (torch.int64,), (("B", bsz), ("N", n)))
+    _check_tensor(op, "draft_token_ids", draft_token_ids, (torch.int64,), (("B", bsz), ("N", n)))
+    if draft_probs is not None:
+        _check_tensor(op, "draft_probs", draft_probs, _FLOATS, (("B", bsz), ("N", n), ("V", vocab)))
+        _check_device(op, "draft_probs", draft_probs, target_logits, "target_logits")
+    _check_tensor(op, "uniform", uniform, (torch.float32,), (("B", bsz), ("N", n)))
+    _check_tensor(op, "accept_len", accept_len, (torch.int64,), (("B", bsz),))
+    _check_tensor(op, "accept_index", accept_index, (torch.int64,), (("B", bsz), ("N", n)))
+    _check_tensor(op, "output_token_ids", output_token_ids, (torch.int64,), (("B", bsz), ("N", n)))
+    for name, t in (("parents", parents), ("draft_token_ids", draft_token_ids), ("uniform", uniform)):
+        _check_device(op, name, t, target_logits, "target_logits")
+    for name, t in (("accept_len", accept_len), ("accept_index", accept_index),
+                    ("output_token_ids", output_token_ids)):
+        _check_device(op, name, t, target_logits, "target_logits")
+        _check_output(op, name, t)
+    torch._check(math.isfinite(temperature) and temperature >= 0.0,
+                 lambda: f"{op}: temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    torch._check(top_k >= 0, lambda: f"{op}: top_k must be >= 0 (0 disables top-k), got {top_k}")
+    torch._check(top_p > 0.0 and top_p <= 1.0,
+                 lambda: f"{op}: top_p must be in (0, 1] (1 disables top-p), got {top_p}")
+
+
+def _check_compact_kv_fake(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor,
+                           accept_len: Tensor) -> None:
+    op = "compact_kv"
+    torch._check(accept_len.dim() == 1 and accept_len.dtype == torch.int64,
+                 lambda: f"{op}: accept_len must be int64 [B], got {_describe(accept_len)}")
+    bsz = accept_len.shape[0]
+    torch._check(accept_index.dim() == 2 and accept_index.dtype == torch.int64,
+                 lambda: f"{op}: accept_index must be int64 [B, N] with B = {bsz}, got {_describe(accept_index)}")
+    torch._check(accept_index.shape[0] == bsz,
+                 lambda: f"{op}: accept_index must be int64 [B, N] with B = {bsz}, got {_describe(accept_index)}")
+    _check_tensor(op, "prefix_len", prefix_len, (torch.int64,), (("B", bsz),))
+    _check_device(op, "accept_index", accept_index, accept_len, "accept_len")
+    _check_device(op, "prefix_len", prefix_len, accept_len, "accept_len")
+    if not caches:
+        return
+    c0 = caches[0]
+    torch._check(c0.dim() == 4, lambda: f"{op}: caches[0] must be [B, H, S, D] with B = {bsz}, got {_describe(c0)}")
+    torch._check(c0.shape[0] == bsz,
+                 lambda: f"{op}: caches[0] must be [B, H, S, D] with B = {bsz}, got {_describe(c0)}")
+    for layer, c in enumerate(caches):
+        name = f"caches[{layer}]"
+        torch._check(c.dtype == c0.dtype and c.dim() == c0.dim(),
+                     lambda: f"{op}: {name} must have the dtype and shape of caches[0] ({_describe(c0)}), got "
+                             f"{_describe(c)}")
+        for i in range(c0.dim()):
+            torch._check(c.shape[i] == c0.shape[i],
+                         lambda: f"{op}: {name} must have the dtype and shape of caches[0] ({_describe(c0)}), got "
+                                 f"{_describe(c)}")
+        torch._check(c.is_floating_point(),
+                     lambda: f"{op}: {name} must be a floating-point tensor, got {_describe(c)}")
+        _check_device(op, name, c, accept_len, "accept_len")
+        _check_last_dim(op, name, c)
+
+
+def _check_tree_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor,
+                               tree_mask_packed: Tensor, scale: float, out: Tensor, lse: Tensor | None) -> None:
+    op = "tree_attention"
+    torch._check(q.dim() == 4 and q.dtype in _FLOATS,
+                 lambda: f"{op}: q must be float32, bfloat16 or float16 [B, n, Hq, D], got {_describe(q)}")
+    bsz, n, hq, d = q.shape
+    torch._check(n >= 1 and n <= _MAX_TREE_NODES,
+                 lambda: f"{op}: q must have n in [1, {_MAX_TREE_NODES}] new tokens, got n = {n} ({_describe(q)})")
+    torch._check(hq >= 1, lambda: f"{op}: q must have Hq >= 1 heads, got {_describe(q)}")
+    torch._check(d >= 1 and d <= _MAX_HEAD_DIM,
+                 lambda: f"{op}: q must have a head dim D in [1, {_MAX_HEAD_DIM}], got D = {d} ({_describe(q)})")
+    _check_last_dim(op, "q", q)
+    dt = _dtype_name(q.dtype)
+
+    def k_msg() -> str:
+        return (f"{op}: k_cache must be {dt} [B, Hkv, S, D] with B = {bsz} and D = {d} (the dtype and sizes of q), "
+                f"got {_describe(k_cache)}")
+    torch._check(k_cache.dim() == 4 and k_cache.dtype == q.dtype, k_msg)
+    torch._check(k_cache.shape[0] == bsz, k_msg)
+    torch._check(k_cache.shape[3] == d, k_msg)
+    hkv, seq = k_cache.shape[1], k_cache.shape[2]
+    torch._check(hkv >= 1 and hq % hkv == 0,
+                 lambda: f"{op}: the query heads Hq = {hq} must be a multiple of the kv heads Hkv = {hkv} (GQA), "
+                         f"got q {_describe(q)} and k_cache {_describe(k_cache)}")
+    _check_tensor(op, "v_cache", v_cache, (q.dtype,), (("B", bsz), ("Hkv", hkv), ("S", seq), ("D", d)))
+    _check_tensor(op, "cache_len", cache_len, (torch.int64,), (("B", bsz),))
+    _check_tensor(op, "tree_mask_packed", tree_mask_packed, (torch.int64,), (("B", bsz), ("n", n)))
+    _check_tensor(op, "out", out, (q.dtype,), (("B", bsz), ("n", n), ("Hq", hq), ("D", d)))
+    if lse is not None:
+        _check_tensor(op, "lse", lse, (torch.float32,), (("B", bsz), ("Hq", hq), ("n", n)))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_len", cache_len),
+                    ("tree_mask_packed", tree_mask_packed), ("out", out)):
+        _check_device(op, name, t, q, "q")
+    _check_last_dim(op, "k_cache", k_cache)
+    _check_last_dim(op, "v_cache", v_cache)
+    _check_output(op, "out", out)
+    if lse is not None:
+        _check_device(op, "lse", lse, q, "q")
+        _check_output(op, "lse", lse)
+    torch._check(math.isfinite(scale), lambda: f"{op}: scale must be a finite number (e.g. 1 / sqrt(D)), got {scale}")
+
+
+def _check_rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
+    torch._check(x.dtype == torch.float32 and x.dim() >= 1,
+                 lambda: f"rms_norm: x must be a float32 tensor [..., K], got {_describe(x)}")
+    k = x.shape[-1]
+    _check_tensor("rms_norm", "weight", weight, (torch.float32,), (("K", k),))
+
+    def out_msg() -> str:
+        return f"rms_norm: out must be a contiguous float32 tensor of x's shape {_shape(x.shape)}, got {_describe(out)}"
+    torch._check(out.dtype == torch.float32 and out.dim() == x.dim(), out_msg)
+    for i in range(x.dim()):
+        torch._check(out.shape[i] == x.shape[i], out_msg)
+    torch._check(out.is_contiguous(), out_msg)
+    _check_device("rms_norm", "weight", weight, x, "x")
+    _check_device("rms_norm", "out", out, x, "x")
+    torch._check(math.isfinite(eps) and eps >= 0, lambda: f"rms_norm: eps must be finite and >= 0, got {eps}")
+
+
+def _format_info(op: str, fmt: int) -> tuple[str, int, int]:
+    """(name, weights per block, bytes per block) of a GGML type id (linear.cpp checked_info)."""
+    torch._check(fmt in reference.WEIGHT_FORMATS,
+                 lambda: f"{op}: weight format {fmt} is not supported; supported (GGML type ids): "
+                         + ", ".join(f"{f} {v[0]}" for f, v in reference.WEIGHT_FORMATS.items()))
+    return reference.WEIGHT_FORMATS[fmt]
+
+
+def _row_bytes(op: str, fmt: int, k) -> int:
+    """Bytes of a row of ``k`` weights in format ``fmt`` (linear.cpp format_row_bytes)."""
+    name, block, nbytes = _format_info(op, fmt)
+    torch._check(k % block == 0, lambda: f"{op}: a {name} row holds a multiple of {block} weights, got K = {k}")
+    return k // block * nbytes
+
+
+def _check_linear_fake(op: str, x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | None,
+                       activations: int) -> None:
+    """linear.cpp linear (segments) and linear_int8.cpp: x [..., K], weights[i] [N_i, K] of a dense dtype matching
+    formats[i] or uint8 [N_i, row bytes] GGUF blocks, bias with sum N_i elements, all on x's device."""
+    torch._check(x.dim() >= 1, lambda: f"{op}: x must be a tensor [..., K], got {_describe(x)}")
+    torch._check(activations in (0, 8), lambda: f"{op}: activations must be 0 (exact) or 8 (int8), got {activations}")
+    torch._check(len(weights) > 0 and len(weights) == len(formats),
+                 lambda: f"{op}: weights and formats must be non-empty lists of the same length, got {len(weights)} "
+                         f"and {len(formats)}")
+    k = x.shape[-1]
+    int8 = activations == 8 and k % 32 == 0 and all(map(reference.has_int8_kernel, formats))
+    if not int8:  # the int8 path takes any x dtype (converted to float32 and back) and K = 0
+        torch._check(x.dtype in _FLOATS,
+                     lambda: f"{op}: x dtype must be float32, bfloat16 or float16, got {_dtype_name(x.dtype)}")
+        torch._check(k > 0, lambda: f"{op}: x must have K > 0 features, got {_describe(x)}")
+    for i, (w, fmt) in enumerate(zip(weights, formats)):
+        name, block, _ = _format_info(op, fmt)
+        torch._check(w.dim() == 2, lambda: f"{op}: weights[{i}] must be a dense 2-D tensor, got {_describe(w)}")
+        _check_device(op, f"weights[{i}]", w, x, "x")
+        if block == 1:
+            torch._check(reference.DENSE_FORMATS.get(w.dtype) == fmt,
+                         lambda: f"{op}: weights[{i}] has dtype {_dtype_name(w.dtype)} but format {fmt} ({name})")
+            torch._check(w.shape[1] == k, lambda: f"{op}: x has {k} features, weights[{i}] expects {w.shape[1]}")
+        else:
+            rb = _row_bytes(op, fmt, k)
+
+            def msg() -> str:
+                return f"{op}: weights[{i}] ({name}, K = {k}) must be uint8 [N, {rb}], got {_describe(w)}"
+            torch._check(w.dtype == torch.uint8, msg)
+            torch._check(w.shape[1] == rb, msg)
+    if bias is not None:
+        n_out = sum(w.shape[0] for w in weights)
+        torch._check(bias.numel() == n_out, lambda: f"{op}: bias has {bias.numel()} elements, expected {n_out}")
+
+
 if _EXTENSION:
     @torch.library.register_fake("turbospec::build_tree")
     def _build_tree_fake(parents, tree_mask, tree_mask_packed, depth, retrieve_index):
+        _check_build_tree_fake(parents, tree_mask, tree_mask_packed, depth, retrieve_index)
         return None
 
     @torch.library.register_fake("turbospec::verify")
     def _verify_fake(target_logits, parents, draft_token_ids, draft_probs, uniform, temperature, top_k,
                      top_p, accept_len, accept_index, output_token_ids):
+        _check_verify_fake(target_logits, parents, draft_token_ids, draft_probs, uniform, temperature, top_k, top_p,
+                           accept_len, accept_index, output_token_ids)
         return None
 
     @torch.library.register_fake("turbospec::compact_kv")
     def _compact_kv_fake(caches, prefix_len, accept_index, accept_len):
+        _check_compact_kv_fake(caches, prefix_len, accept_index, accept_len)
         return None
 
     if hasattr(torch.ops.turbospec, "tree_attention"):  # an older build may lack the op
         @torch.library.register_fake("turbospec::tree_attention")
         def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse):
+            _check_tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, out, lse)
             return None
 
     if has_op("small_linear"):
         @torch.library.register_fake("turbospec::small_linear")
         def _small_linear_fake(x, weight, bias):
-            torch._check(weight.dim() == 2 and x.shape[-1] == weight.shape[1])
+            torch._check(weight.dim() == 2,
+                         lambda: f"small_linear: weight must be a dense 2-D tensor, got {_describe(weight)}")
+            torch._check(weight.dtype in reference.DENSE_FORMATS,
+                         lambda: f"small_linear: weight dtype must be float32, float16 or bfloat16, got "
+                                 f"{_dtype_name(weight.dtype)}")
+            _check_linear_fake("small_linear", x, [weight], [reference.DENSE_FORMATS[weight.dtype]], bias, 0)
             return x.new_empty(*x.shape[:-1], weight.shape[0])
 
     if has_op("linear"):
         @torch.library.register_fake("turbospec::linear")
         def _linear_fake(x, weights, formats, bias, activations=0):
-            torch._check(len(weights) == len(formats) and len(weights) > 0)
+            _check_linear_fake("linear", x, weights, formats, bias, activations)
             return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
         @torch.library.register_fake("turbospec::dequantize")
         def _dequantize_fake(raw, fmt, k):
-            torch._check(raw.dim() == 2)
+            name, block, _ = _format_info("dequantize", fmt)
+            torch._check(block > 1, lambda: f"dequantize: format {name} is not a block format (use .float())")
+            rb = _row_bytes("dequantize", fmt, k)
+
+            def msg() -> str:
+                return f"dequantize: raw must be uint8 [N, {rb}] for {name} with K = {k}, got {_describe(raw)}"
+            torch._check(raw.dim() == 2 and raw.dtype == torch.uint8, msg)
+            torch._check(raw.shape[1] == rb, msg)
             return raw.new_empty(raw.shape[0], k, dtype=torch.float32)
 
     if has_op("rms_norm"):
         @torch.library.register_fake("turbospec::rms_norm")
         def _rms_norm_fake(x, weight, eps, out):
+            _check_rms_norm_fake(x, weight, eps, out)
             return None
