@@ -177,8 +177,9 @@ class Engine:
             budget.carry_over(self._last_budget)
             self._last_budget = budget
         matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
-        return loop.run(self.verifier, self.drafter, budget, self.num_draft, ids, max_new_tokens, params,
-                        self.eos_token_ids, matcher, generator, stats)
+        seq = loop.Sequence(ids, max_new_tokens, params, self.drafter, budget, self.num_draft,
+                            self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
+        return loop.run(self.verifier, seq)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+from torch import Tensor
 
 from ..drafters.base import Draft, Drafter
 from ..drafters.budget import DraftBudget
@@ -49,66 +50,111 @@ def draft_depth(draft: Draft | None) -> int:
     return max(depth)
 
 
-def run(step: VerifyStep, drafter: Drafter | None, budget: DraftBudget, num_draft: int, ids: list[int],
-        max_new_tokens: int, params: SamplingParams, eos_token_ids: set[int], stop: StopMatcher | None,
-        generator: torch.Generator | None, stats: dict) -> Iterator[list[int]]:
-    """Generate after prompt ``ids``; yields each step's emitted tokens (cut at max_new_tokens and
-    after an EOS). ``num_draft``: the most draft tokens per step (the length of the
-    acceptance-by-position statistics). Fills ``stats`` when done; ``stats["stop_text_end"]``: where a stop string begins
-    in the generated text, when one matched."""
-    vocab = step.target.cfg.vocab_size
-    t0 = time.perf_counter()
-    cache_len, feats = step.prefill(ids)
-    tokens = list(ids)
-    if drafter is not None:  # (a draft model reads the prompt here: part of the prefill)
-        drafter.begin(tokens, features=feats)
-    t_prefill = time.perf_counter() - t0
-    steps = emitted_total = 0
-    t_draft = t_verify = 0.0
-    accepted_at, proposed_at = [0] * num_draft, [0] * num_draft
-    finish = "length"
-    while emitted_total < max_new_tokens:
-        remaining = max_new_tokens - emitted_total
-        k = min(budget.choose(), remaining - 1) if drafter is not None else 0
+class Sequence:
+    """One request's decoding state between verify steps: the committed tokens, the cache length,
+    its drafter and draft budget, the finish test (length, EOS, stop string) and the statistics.
+    ``plan`` asks the drafter for the next step's draft; ``commit`` takes what the step emitted. The
+    single-request loop (``run``) and the batch scheduler both drive it."""
+
+    def __init__(self, ids: list[int], max_new_tokens: int, params: SamplingParams, drafter: Drafter | None,
+                 budget: DraftBudget, num_draft: int, vocab: int, eos_token_ids: set[int],
+                 stop: StopMatcher | None, generator: torch.Generator | None, stats: dict):
+        self.ids, self.max_new_tokens, self.params = ids, max_new_tokens, params
+        self.drafter, self.budget, self.vocab = drafter, budget, vocab
+        self.eos_token_ids, self.stop, self.generator, self.stats = eos_token_ids, stop, generator, stats
+        self.tokens = list(ids)
+        self.cache_len = 0
+        self.emitted = self.steps = 0
+        self.finish: str | None = None
+        self.t0 = time.perf_counter()
+        self.t_prefill = self.t_draft = self.t_verify = 0.0
+        self.accepted_at, self.proposed_at = [0] * num_draft, [0] * num_draft
+        self.draft: Draft | None = None
+        self._t_plan = self._draft_seconds = 0.0
+
+    def start(self, cache_len: int, features: Tensor | None) -> None:
+        """After the prompt's prefill (``cache_len`` tokens in the cache; the drafter's features of them)."""
+        self.cache_len = cache_len
+        if self.drafter is not None:  # (a draft model reads the prompt here: part of the prefill)
+            self.drafter.begin(self.tokens, features=features)
+        self.t_prefill = time.perf_counter() - self.t0
+
+    def plan(self) -> Draft | None:
+        """The draft for the next verify step (None: a plain step)."""
+        remaining = self.max_new_tokens - self.emitted
+        k = min(self.budget.choose(), remaining - 1) if self.drafter is not None else 0
         t1 = time.perf_counter()
         with nvtx.range("draft"):
-            draft = drafter.propose(tokens, k, params, generator) if k > 0 else None
+            draft = self.drafter.propose(self.tokens, k, self.params, self.generator) if k > 0 else None
         if draft is not None:
-            check_draft(draft, k, vocab)
-        t2 = time.perf_counter()
-        new, n_acc, feats = step.step(tokens, cache_len, draft, params, generator)
+            check_draft(draft, k, self.vocab)
+        self._t_plan = time.perf_counter()
+        self._draft_seconds = self._t_plan - t1
+        self.t_draft += self._draft_seconds
+        self.draft = draft
+        return draft
+
+    def uniform(self) -> Tensor:
+        """The coins of the planned step's nodes [k + 1] (zeros when greedy), from this request's
+        generator: the same stream whatever else shares the verify pass."""
+        k = 0 if self.draft is None else len(self.draft)
+        if self.params.greedy:
+            return torch.zeros(k + 1)
+        return torch.rand(1, k + 1, generator=self.generator)[0]
+
+    def commit(self, new: list[int], n_acc: int, features: Tensor | None, verify_seconds: float | None = None
+               ) -> list[int]:
+        """Take the step's emitted tokens (``n_acc`` accepted drafts + 1); returns those kept (cut at
+        max_new_tokens and after an EOS). Sets ``finish`` when the request is done."""
+        draft = self.draft
         t3 = time.perf_counter()
+        verify_seconds = t3 - self._t_plan if verify_seconds is None else verify_seconds
         proposed = 0 if draft is None else len(draft)
-        budget.record(proposed, n_acc, proposed + 1, t3 - t2, t2 - t1)
-        t_draft += t2 - t1
-        t_verify += t3 - t2
-        steps += 1
+        self.budget.record(proposed, n_acc, proposed + 1, verify_seconds, self._draft_seconds)
+        self.t_verify += verify_seconds
+        self.steps += 1
         # per position = per depth on the accepted path (a tree of k nodes may be shallower)
         for i in range(draft_depth(draft)):
-            proposed_at[i] += 1
-            accepted_at[i] += i < n_acc
-        cache_len += n_acc + 1
-        new = new[:remaining]
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < n_acc
+        self.cache_len += n_acc + 1
+        new = new[: self.max_new_tokens - self.emitted]
         for j, t in enumerate(new):
-            if t in eos_token_ids:
-                new, finish = new[: j + 1], "eos"
+            if t in self.eos_token_ids:
+                new, self.finish = new[: j + 1], "eos"
                 break
-        tokens.extend(new)
-        emitted_total += len(new)
-        if stop is not None and finish != "eos":
-            end = stop.find(tokens[len(ids):])
+        self.tokens.extend(new)
+        self.emitted += len(new)
+        if self.stop is not None and self.finish is None:
+            end = self.stop.find(self.tokens[len(self.ids):])
             if end is not None:
-                finish = "stop"
-                stats["stop_text_end"] = end
-        yield new
-        if finish != "length":
-            break
-        if drafter is not None:
-            drafter.observe(tokens, n_acc, features=feats)
-    elapsed = time.perf_counter() - t0
-    stats.update(
-        new_tokens=emitted_total, verify_steps=steps, tau=emitted_total / max(steps, 1),
-        accept_per_position=[a / p if p else None for a, p in zip(accepted_at, proposed_at)],
-        tokens_per_s=emitted_total / elapsed, decode_tokens_per_s=emitted_total / max(elapsed - t_prefill, 1e-9),
-        prefill_s=t_prefill, draft_s=t_draft, verify_s=t_verify, total_s=elapsed,
-        prompt_tokens=len(ids), finish_reason=finish)
+                self.finish = "stop"
+                self.stats["stop_text_end"] = end
+        if self.finish is None and self.emitted >= self.max_new_tokens:
+            self.finish = "length"
+        if self.finish is None and self.drafter is not None:
+            self.drafter.observe(self.tokens, n_acc, features=features)
+        if self.finish is not None:
+            self._finish_stats()
+        return new
+
+    def _finish_stats(self) -> None:
+        elapsed = time.perf_counter() - self.t0
+        self.stats.update(
+            new_tokens=self.emitted, verify_steps=self.steps, tau=self.emitted / max(self.steps, 1),
+            accept_per_position=[a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
+            tokens_per_s=self.emitted / elapsed,
+            decode_tokens_per_s=self.emitted / max(elapsed - self.t_prefill, 1e-9),
+            prefill_s=self.t_prefill, draft_s=self.t_draft, verify_s=self.t_verify, total_s=elapsed,
+            prompt_tokens=len(self.ids), finish_reason=self.finish)
+
+
+def run(step: VerifyStep, seq: Sequence) -> Iterator[list[int]]:
+    """Generate ``seq`` alone on ``step``: yields each step's kept tokens. Fills ``seq.stats`` when
+    done; ``stats["stop_text_end"]``: where a stop string begins in the generated text, when one
+    matched."""
+    seq.start(*step.prefill(seq.ids))
+    while seq.finish is None:
+        draft = seq.plan()
+        new, n_acc, feats = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator)
+        yield seq.commit(new, n_acc, feats)
