@@ -23,10 +23,12 @@ TORCH_LIBRARY(turbospec, m) {
   // depth: int64 [B, N], retrieve_index: int64 [B, N, N].
   m.def("build_tree(Tensor parents, Tensor(a!) tree_mask, Tensor(b!) tree_mask_packed, Tensor(c!) depth, "
         "Tensor(d!) retrieve_index) -> ()");
-  // target_logits: float [B, N, V], parents / draft_token_ids: int64 [B, N], draft_probs: float [B, N, V]
-  // or None, uniform: float32 [B, N] -> accept_len: int64 [B], accept_index / output_token_ids: int64 [B, N].
+  // target_logits: float [B, N, V], parents / draft_token_ids: int64 [B, N] (draft id -1: a padding node,
+  // after the row's real nodes), draft_probs: float [B, N, V] or None, uniform: float32 [B, N], per-row
+  // temperature / top_p: float32 or float64 [B], top_k: int64 [B] (tensors: a CUDA graph replays with new
+  // values) -> accept_len: int64 [B], accept_index / output_token_ids: int64 [B, N].
   m.def("verify(Tensor target_logits, Tensor parents, Tensor draft_token_ids, Tensor? draft_probs, "
-        "Tensor uniform, float temperature, int top_k, float top_p, Tensor(a!) accept_len, "
+        "Tensor uniform, Tensor temperature, Tensor top_k, Tensor top_p, Tensor(a!) accept_len, "
         "Tensor(b!) accept_index, Tensor(c!) output_token_ids) -> ()");
   // caches: L tensors [B, H, S, D] (every layer's K and V), prefix_len / accept_len: int64 [B],
   // accept_index: int64 [B, N]; moves accepted entries in place.

@@ -20,6 +20,7 @@ import torch
 
 from test_ops import SAMPLING, gen, make_verify_inputs, random_parents, random_paths
 from test_tree_attention import assert_close, make_inputs
+from test_verify_rows import ROWS, assert_row_equals_alone, ragged_batch
 from turbospec.ops import reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,11 +41,15 @@ def emu():
 
 
 def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p):
+    """The CUDA entry point on the emulator; Python numbers are broadcast to the op's per-row tensors
+    (float64 / int64 / float64) as the wrapper does."""
     bsz, n = parents.shape
     outs = (torch.empty(bsz, dtype=torch.int64), torch.empty(bsz, n, dtype=torch.int64),
             torch.empty(bsz, n, dtype=torch.int64))
+    params = [v if isinstance(v, torch.Tensor) else torch.full((bsz,), v, dtype=dtype)
+              for v, dtype in ((temperature, torch.float64), (top_k, torch.int64), (top_p, torch.float64))]
     emu.set_block_threads(threads)
-    emu.verify(logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p, *outs)
+    emu.verify(logits, parents, tokens, draft_probs, uniform, *params, *outs)
     return outs
 
 
@@ -123,6 +128,60 @@ def test_verify_non_finite_and_invalid_rows(emu, temperature):
     assert out[0][1:4].tolist() == [-1, -1, -1]
     assert (out[1][1:4] == -1).all() and (out[2][1:4] == -1).all()
     assert (out[0][[0, 4, 5]] >= 0).all()
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+@pytest.mark.parametrize("vocab,threads", [(300, 32), (1500, 64)])
+def test_verify_mixed_rows_equal_rows_alone(emu, vocab, threads, with_q):
+    """Per-row temperature / top_k / top_p (greedy and sampled rows) and ragged drafts (-1 padding with
+    NaN logits and draft probs and a coin of 0): each row equals the row alone with scalar parameters,
+    on the emulated kernel and the reference (test_verify_rows.py: the same batches on the CPU kernel)."""
+    inputs, params, alone, num_real = ragged_batch(ROWS, vocab, with_q, seed=vocab + 3 * with_q)
+    out = verify_emu(emu, threads, *inputs, *params)
+    assert_same(out, reference.verify(*inputs, *params), f"(V={vocab})")
+    for b, ((row, (t, k, p)), n_real) in enumerate(zip(alone, num_real)):
+        assert_row_equals_alone(out, b, verify_emu(emu, threads, *row, t, k, p), n_real, "(emulated)")
+        assert_row_equals_alone(out, b, reference.verify(*row, t, k, p), n_real, "(reference)")
+
+
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+def test_verify_scalar_and_row_tensors_agree(emu, with_q):
+    """float64 [B] tensors act as the scalars did; float32 tensors as the scalars they hold."""
+    temperature, top_k, top_p = SAMPLING["top_k_top_p"]
+    inputs = make_verify_inputs(3, 8, 200, "random", with_q, temperature, top_k, top_p, seed=8, boost=2.0)
+    by_scalars = verify_emu(emu, 32, *inputs, temperature, top_k, top_p)
+    assert_same(by_scalars, reference.verify(*inputs, temperature, top_k, top_p))
+    f32 = (torch.full((3,), temperature), torch.full((3,), top_k), torch.full((3,), top_p))
+    assert_same(verify_emu(emu, 32, *inputs, *f32),
+                verify_emu(emu, 32, *inputs, float(f32[0][0]), top_k, float(f32[2][0])))
+
+
+def test_verify_bad_row_parameters_and_ids_mark_rows(emu):
+    """A bad per-row value, draft id (-2, V) or a real id after padding: the CPU kernel raises (no host
+    sync here): the row is marked invalid (accept_len -1, nothing emitted), the others are verified."""
+    bsz, n, vocab = 8, 4, 16
+    logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "chain", False, 1.0, 0, 1.0, seed=12)
+    temperature = torch.tensor([1.0, -0.5, float("nan"), float("inf"), 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    top_k = torch.tensor([0, 0, 0, 0, -1, 0, 0, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 1.5, 1.0])
+    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, temperature, top_k, top_p)
+    assert out[0][1:7].tolist() == [-1] * 6 and out[0][0] >= 0 and out[0][7] >= 0
+    assert (out[1][1:7] == -1).all() and (out[2][1:7] == -1).all()
+    good = (temperature[[0, 7]], top_k[[0, 7]], top_p[[0, 7]].double())
+    rows = [t[[0, 7]] for t in (logits, parents, tokens)]
+    assert_same([o[[0, 7]] for o in out], reference.verify(*rows, None, uniform[[0, 7]], *good))
+    tokens = tokens.clone()
+    tokens[1, 2] = -2
+    tokens[2, 3] = vocab
+    tokens[3, 1:] = torch.tensor([-1, 5, -1])   # a real token after padding
+    tokens[4, 2:] = -1                          # valid padding
+    params = (torch.ones(bsz), torch.zeros(bsz, dtype=torch.int64), torch.ones(bsz))
+    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, *params)
+    assert out[0][1:4].tolist() == [-1, -1, -1] and (out[0][[0, 4, 5, 6, 7]] >= 0).all()
+    assert_same([o[4:5, :2] if o.dim() == 2 else o[4:5] for o in out],
+                reference.verify(logits[4:5, :2], parents[4:5, :2], tokens[4:5, :2], None, uniform[4:5, :2], 1.0, 0,
+                                 1.0))
+    assert out[1][4, 2:].tolist() == [-1, -1] and out[2][4, 2:].tolist() == [-1, -1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

@@ -61,7 +61,8 @@ def verify_args(dtype: torch.dtype = torch.float32, with_q: bool = True, tempera
     outs = (torch.empty(bsz, dtype=torch.int64), torch.empty(bsz, n, dtype=torch.int64),
             torch.empty(bsz, n, dtype=torch.int64))
     return (logits, tree(bsz, n, g), torch.randint(0, vocab, (bsz, n), generator=g), draft_probs,
-            torch.rand(bsz, n, generator=g), temperature, 5, 0.9, *outs)
+            torch.rand(bsz, n, generator=g), torch.full((bsz,), temperature), torch.full((bsz,), 5),
+            torch.full((bsz,), 0.9), *outs)
 
 
 def compact_kv_args(layers: int = 3) -> tuple:
@@ -228,9 +229,15 @@ BAD = [
      r"verify: output output_token_ids must be contiguous"),
     ("verify-uniform-device", "verify", {"uniform": torch.zeros(2, 5, device="meta")},
      r"verify: uniform must be on cpu \(the device of target_logits\), got meta"),
-    ("verify-temperature", "verify", {"temperature": -1.0}, r"verify: temperature must be a finite number >= 0"),
-    ("verify-top_k", "verify", {"top_k": -1}, r"verify: top_k must be >= 0 \(0 disables top-k\), got -1"),
-    ("verify-top_p", "verify", {"top_p": 0.0}, r"verify: top_p must be in \(0, 1\] \(1 disables top-p\), got 0.0"),
+    # per-row sampling tensors (their values are checked by the kernels: test_verify_rows.py)
+    ("verify-temperature-int", "verify", {"temperature": torch.ones(2, dtype=I64)},
+     r"verify: temperature must be float32 or float64 \[B\] = \[2\], got int64 \[2\]"),
+    ("verify-top_k-float", "verify", {"top_k": torch.zeros(2)},
+     r"verify: top_k must be int64 \[B\] = \[2\], got float32 \[2\]"),
+    ("verify-top_p-shape", "verify", {"top_p": torch.ones(3)},
+     r"verify: top_p must be float32 or float64 \[B\] = \[2\], got float32 \[3\]"),
+    ("verify-top_k-device", "verify", {"top_k": torch.zeros(2, dtype=I64, device="meta")},
+     r"verify: top_k must be on cpu \(the device of target_logits\), got meta"),
     # compact_kv
     ("compact_kv-accept_len-2d", "compact_kv", {"accept_len": torch.zeros(2, 1, dtype=I64)},
      r"compact_kv: accept_len must be int64 \[B\], got int64 \[2, 1\]"),

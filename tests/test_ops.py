@@ -545,8 +545,14 @@ def _verify_samples():
     logits, parents, tokens, draft_probs, uniform = make_verify_inputs(2, 6, 30, "random", True, 1.0, 0, 1.0, 1)
     outs = lambda: (torch.empty(2, dtype=torch.int64), torch.empty(2, 6, dtype=torch.int64),  # noqa: E731
                     torch.empty(2, 6, dtype=torch.int64))
-    return [(logits, parents, tokens, draft_probs, uniform, 1.0, 5, 0.9, *outs()),
-            (logits.bfloat16(), parents, tokens, None, uniform, 0.0, 0, 1.0, *outs())]
+    rows = lambda t, k, p: (torch.full((2,), t, dtype=torch.float64), torch.full((2,), k),  # noqa: E731
+                            torch.full((2,), p, dtype=torch.float64))  # the op takes per-row tensors
+    padded = tokens.clone()
+    padded[1, 4:] = -1  # row 1: two padding nodes
+    return [(logits, parents, tokens, draft_probs, uniform, *rows(1.0, 5, 0.9), *outs()),
+            (logits.bfloat16(), parents, tokens, None, uniform, *rows(0.0, 0, 1.0), *outs()),
+            (logits, parents, padded, draft_probs, uniform, torch.tensor([0.0, 0.75]), torch.tensor([0, 3]),
+             torch.tensor([1.0, 0.875]), *outs())]
 
 
 def test_opcheck_build_tree():

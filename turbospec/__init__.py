@@ -1,8 +1,8 @@
 """turbospec: exact speculative decoding for Hugging Face causal language models."""
 from .drafters.base import Draft, Drafter
-from .decode.engine import Engine, Generation, NonFiniteLogitsError
+from .decode.engine import Engine, Generation, NonFiniteLogitsError, Request
 from .model.loader import default_model_path, load_model, load_tokenizer
 from .ops import kernels_available
 
-__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Draft", "Drafter", "kernels_available",
+__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "Draft", "Drafter", "kernels_available",
            "load_model", "load_tokenizer", "default_model_path"]

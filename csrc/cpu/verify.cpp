@@ -12,6 +12,11 @@
 //     children in node order in float64; inverse-CDF sampling with a float64 cumulative sum.
 // No full sort unless top-p has to cut deep into a flat distribution. The integer outputs equal
 // the reference's except for decisions within float rounding of a tie.
+//
+// Each row has its own temperature / top_k / top_p ([B] tensors, read exactly: a float64 value acts
+// as the scalar double did, a float32 value as that float) and its own number of real nodes: draft
+// id -1 marks a padding node, which must come after the row's real nodes and is never a child (the
+// child loops stop at the first padding node), so a padded row gives what it gives alone.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_softmax.h>
@@ -234,6 +239,7 @@ struct RowIO {
   const int64_t* parents;   // [N]
   const int64_t* tokens;    // [N]
   const float* uniform;     // [N]
+  int64_t num_real;         // nodes [0, num_real) are real, the rest padding (draft id -1)
   int64_t* accept_len;      // scalar
   int64_t* accept_index;    // [N]
   int64_t* output;          // [N]
@@ -255,7 +261,7 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
     }
     if (greedy) {
       int64_t next = -1;
-      for (int64_t c = node + 1; c < N && next < 0; ++c)
+      for (int64_t c = node + 1; c < io.num_real && next < 0; ++c)
         if (io.parents[c] == node && io.tokens[c] == argmax) next = c;
       emitted[n_out++] = argmax;
       if (next < 0) break;
@@ -266,7 +272,7 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
     target_probs(row, V, s, w);
     double* p = w.p.data();
     bool has_children = false;
-    for (int64_t c = node + 1; c < N; ++c) has_children = has_children || io.parents[c] == node;
+    for (int64_t c = node + 1; c < io.num_real; ++c) has_children = has_children || io.parents[c] == node;
     double* q = nullptr;
     if (draft_probs != nullptr && has_children) {
       q = w.q.data();
@@ -276,7 +282,7 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
       }
     }
     int64_t next = -1;
-    for (int64_t c = node + 1; c < N; ++c) {
+    for (int64_t c = node + 1; c < io.num_real; ++c) {
       if (io.parents[c] != node) continue;
       const int64_t x = io.tokens[c];
       const double qx = q == nullptr ? 1.0 : q[x];
@@ -327,13 +333,54 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
   for (int64_t i = 0; i < n_out; ++i) io.output[i] = emitted[i];
 }
 
+// Row b of a float32 or float64 [B] tensor, exactly.
+double real_at(const at::Tensor& t, int64_t b) {
+  return t.scalar_type() == c10::kDouble ? t.data_ptr<double>()[b * t.stride(0)]
+                                         : static_cast<double>(t.data_ptr<float>()[b * t.stride(0)]);
+}
+
+// The per-row sampling tensors: temperature and top_p float32 or float64 [B] (float64 keeps a
+// Python float exact), top_k int64 [B], all on the device of target_logits. (check_verify_args
+// predates them: it is given neutral scalars, 1.0 / 0 / 1.0, and the tensors are checked here.)
+void check_row_param_tensors(const at::Tensor& target_logits, const at::Tensor& temperature,
+                             const at::Tensor& top_k, const at::Tensor& top_p, int64_t B) {
+  const char* op = "verify";
+  check_tensor(op, "temperature", temperature, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  check_tensor(op, "top_k", top_k, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "top_p", top_p, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  check_device(op, "temperature", temperature, target_logits, "target_logits");
+  check_device(op, "top_k", top_k, target_logits, "target_logits");
+  check_device(op, "top_p", top_p, target_logits, "target_logits");
+}
+
+// Each row's sampling parameters from the checked tensors; raises on a bad value, naming the row.
+std::vector<Sampling> row_sampling(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                                   int64_t B) {
+  std::vector<Sampling> rows(static_cast<size_t>(B));
+  const int64_t* k = top_k.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    Sampling& s = rows[static_cast<size_t>(b)];
+    s.temperature = real_at(temperature, b);
+    s.top_k = k[b * top_k.stride(0)];
+    s.top_p = real_at(top_p, b);
+    TORCH_CHECK(std::isfinite(s.temperature) && s.temperature >= 0.0,
+                "verify: temperature must be a finite number >= 0 (0 = greedy), got ", s.temperature,
+                " at temperature[", b, "]");
+    TORCH_CHECK(s.top_k >= 0, "verify: top_k must be >= 0 (0 disables top-k), got ", s.top_k, " at top_k[", b, "]");
+    TORCH_CHECK(s.top_p > 0.0 && s.top_p <= 1.0, "verify: top_p must be in (0, 1] (1 disables top-p), got ", s.top_p,
+                " at top_p[", b, "]");
+  }
+  return rows;
+}
+
 void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
-                const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in, double temperature,
-                int64_t top_k, double top_p, const at::Tensor& accept_len, const at::Tensor& accept_index,
-                const at::Tensor& output_token_ids) {
+                const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
+                const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
+                const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
-                                         temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
+                                         1.0, 0, 1.0, accept_len, accept_index, output_token_ids,
                                          c10::DeviceType::CPU);
+  check_row_param_tensors(target_logits_in, temperature, top_k, top_p, d.B);
   const int64_t B = d.B, N = d.N, V = d.V;
   if (B == 0) return;
   // Rows only need a contiguous vocab dim; other strides are used as given.
@@ -347,15 +394,25 @@ void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in
   const int64_t* par = parents.data_ptr<int64_t>();
   const int64_t* tok = tokens.data_ptr<int64_t>();
   check_parents_host("verify", par, B, N);
+  // Draft ids: a token in [0, V) or -1 (padding), the padding after the row's real nodes.
+  std::vector<int64_t> num_real(static_cast<size_t>(B), N);
   for (int64_t b = 0; b < B; ++b) {
+    int64_t first_pad = N;
     for (int64_t i = 1; i < N; ++i) {
       const int64_t t = tok[b * N + i];
+      if (t == -1) {
+        first_pad = std::min(first_pad, i);
+        continue;
+      }
       TORCH_CHECK(t >= 0 && t < V, "verify: draft_token_ids[", b, ", ", i, "] = ", t,
-                  " is not a token id in [0, V = ", V, ")");
+                  " is not a token id in [0, V = ", V, ") (or -1: padding)");
+      TORCH_CHECK(first_pad == N, "verify: draft_token_ids[", b, ", ", first_pad,
+                  "] = -1 (padding) comes before the real token draft_token_ids[", b, ", ", i, "] = ", t,
+                  ": a row's padding nodes must come after its real nodes");
     }
+    num_real[static_cast<size_t>(b)] = first_pad;
   }
-  const bool greedy = temperature == 0.0;
-  const Sampling s{temperature, top_k, top_p};
+  const std::vector<Sampling> rows = row_sampling(temperature, top_k, top_p, B);
   const float* uni = uniform.data_ptr<float>();
   int64_t* alen = accept_len.data_ptr<int64_t>();
   int64_t* aidx = accept_index.data_ptr<int64_t>();
@@ -368,9 +425,12 @@ void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in
     const int64_t grain = std::max<int64_t>(1, 4096 / V);
     at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
       static thread_local Scratch w;
-    if (!greedy) w.reserve(V, top_k > 0 || top_p < 1.0, dp != nullptr);
       for (int64_t b = begin; b < end; ++b) {
-        const RowIO io{par + b * N, tok + b * N, uni + b * N, alen + b, aidx + b * N, out + b * N};
+        const Sampling& s = rows[static_cast<size_t>(b)];
+        const bool greedy = s.temperature == 0.0;
+        if (!greedy) w.reserve(V, s.top_k > 0 || s.top_p < 1.0, dp != nullptr);
+        const RowIO io{par + b * N, tok + b * N, uni + b * N, num_real[static_cast<size_t>(b)], alen + b,
+                       aidx + b * N, out + b * N};
         verify_row(logits, s0, s1, dp, b, N, V, greedy, s, io, w);
       }
     });

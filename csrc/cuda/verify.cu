@@ -19,6 +19,13 @@
 // one pass, O(V * rejections so far). Randomness comes from `uniform`, outputs go to the caller's
 // buffers, there is no host sync: the op can be captured in a CUDA graph. Bad parents or token
 // ids mark the row invalid (accept_len = -1) instead of reading out of bounds.
+//
+// Each row reads its own temperature / top_k / top_p from [B] tensors (exactly: a float64 value acts
+// as the scalar double did, a float32 value as that float; new values need no graph recapture); a
+// bad value (negative or non-finite temperature, negative top_k, top_p outside (0, 1]) marks the row
+// invalid, as the host cannot be told without a sync. Draft id -1 marks a padding node: it must come
+// after the row's real nodes (else the row is invalid) and is never a child (the child loops stop at
+// the row's first padding node), so a padded row gives what it gives alone.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -45,12 +52,12 @@ struct VerifyParams {
   int64_t* accept_len;         // [B]
   int64_t* accept_index;       // [B, N]
   int64_t* output_token_ids;   // [B, N]
+  const void* temperature;     // [B] float32 or float64 (temperature_f64), contiguous
+  const int64_t* top_k;        // [B] contiguous
+  const void* top_p;           // [B] float32 or float64 (top_p_f64), contiguous
+  bool temperature_f64, top_p_f64;
   int N;
   int64_t V;
-  bool greedy;
-  float temperature;
-  int64_t top_k;
-  double top_p;
 };
 
 // The target distribution at the current node, p = logits_to_probs(row), after the rejections of
@@ -58,6 +65,7 @@ struct VerifyParams {
 struct NodeDist {
   const void* row;      // target logits [V]
   const void* q_row;    // draft_probs [V], or nullptr (point masses)
+  float temperature;    // the row's (> 0)
   float x_max;          // max of x = row / temperature
   float kth;            // top-k threshold on x (-inf: none)
   float inv_sum1;       // 1 / first softmax sum (top-p)
@@ -86,24 +94,30 @@ struct VerifySmem {
   int64_t emitted[kMaxTreeNodes];
   int children[kMaxTreeNodes];
   int num_children;
+  int num_real;  // nodes [0, num_real) are real, the rest padding (draft id -1)
   int next;
   int flag;
   NodeDist dist;
 };
 
-__device__ __forceinline__ float scaled_logit(const VerifyParams& P, const void* row, int64_t i) {
-  return load_float(row, i, P.logits_type) / P.temperature;
+__device__ __forceinline__ float scaled_logit(const VerifyParams& P, const void* row, int64_t i, float temperature) {
+  return load_float(row, i, P.logits_type) / temperature;
+}
+
+// Row b of a float32 or float64 [B] tensor, exactly.
+__device__ __forceinline__ double load_real(const void* base, int64_t b, bool f64) {
+  return f64 ? static_cast<const double*>(base)[b] : static_cast<double>(static_cast<const float*>(base)[b]);
 }
 
 // First softmax (before top-p) of the top-k-kept logits, as float32: top-p's input.
 __device__ __forceinline__ float first_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
-  const float x = scaled_logit(P, d.row, i);
+  const float x = scaled_logit(P, d.row, i, d.temperature);
   return x >= d.kth ? expf(x - d.x_max) * d.inv_sum1 : 0.0f;
 }
 
 // p(i) before any rejection: logits_to_probs rounded to float32, as float64.
 __device__ __forceinline__ double base_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
-  const float x = scaled_logit(P, d.row, i);
+  const float x = scaled_logit(P, d.row, i, d.temperature);
   if (!(x >= d.kth)) return 0.0;
   const float e = expf(x - d.x_max);
   if (d.top_p && !(e * d.inv_sum1 >= d.min_kept)) return 0.0;
@@ -134,7 +148,8 @@ __device__ __forceinline__ double current_p(const VerifyParams& P, const NodeDis
 
 // Key of the k-th largest x = logits / temperature (1 <= k < V): a 4-bit radix descent from the
 // most significant digit, counting the elements under the current prefix per digit.
-__device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, int64_t k, VerifySmem& sm) {
+__device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, float temperature, int64_t k,
+                                    VerifySmem& sm) {
   uint32_t prefix = 0, mask = 0;
   int64_t need = k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -142,7 +157,7 @@ __device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, int6
 #pragma unroll
     for (int j = 0; j < 16; ++j) bins[j] = 0;
     for (int64_t i = threadIdx.x; i < P.V; i += blockDim.x) {
-      const uint32_t key = ordered_key(scaled_logit(P, row, i));
+      const uint32_t key = ordered_key(scaled_logit(P, row, i, temperature));
       if ((key & mask) == prefix) {
         const uint32_t d = (key >> shift) & 15u;
 #pragma unroll
@@ -169,7 +184,7 @@ __device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, int6
 // so ties are kept together). Radix descent on the float bits (probabilities are >= 0, so their
 // bit patterns sort like their values), carrying `above` = the mass of all larger buckets: in
 // each level the answer lies in the lowest non-empty bucket whose mass above is < top_p.
-__device__ float top_p_min_kept(const VerifyParams& P, const NodeDist& dist, VerifySmem& sm) {
+__device__ float top_p_min_kept(const VerifyParams& P, const NodeDist& dist, double top_p, VerifySmem& sm) {
   uint32_t prefix = 0, mask = 0;
   double above = 0.0;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -198,7 +213,7 @@ __device__ float top_p_min_kept(const VerifyParams& P, const NodeDist& dist, Ver
     int digit = -1;
     double run = above, digit_above = above;
     for (int d = 15; d >= 0; --d) {
-      if (sm.total_i[d] > 0 && (run < P.top_p || digit < 0)) {
+      if (sm.total_i[d] > 0 && (run < top_p || digit < 0)) {
         digit = d;  // the first non-empty bucket is always valid: its largest element has mass above < top_p
         digit_above = run;
       }
@@ -271,12 +286,28 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     P.accept_index[b * N + i] = -1;
     P.output_token_ids[b * N + i] = -1;
   }
+  // The row's sampling parameters (every thread reads the same values).
+  const double temperature_d = load_real(P.temperature, b, P.temperature_f64);
+  const int64_t top_k = P.top_k[b];
+  const double top_p = load_real(P.top_p, b, P.top_p_f64);
+  const bool greedy = temperature_d == 0.0;
+  const float temperature = static_cast<float>(temperature_d);
   __syncthreads();
-  if (tid == 0) {  // a row with a bad parent or token id is invalid: nothing is read out of bounds
+  if (tid == 0) {  // a row with a bad parent, token id or parameter is invalid: nothing is read out of bounds
+    const double kInfD = static_cast<double>(__uint_as_float(0x7f800000u));
     bool ok = sm.parents[0] == -1;
-    for (int i = 1; i < N; ++i)
-      ok = ok && sm.parents[i] >= 0 && sm.parents[i] < i && sm.tokens[i] >= 0 && sm.tokens[i] < V;
+    ok = ok && temperature_d >= 0.0 && temperature_d < kInfD && top_k >= 0 && top_p > 0.0 && top_p <= 1.0;
+    int num_real = N;  // draft ids: a token in [0, V) or -1 (padding), the padding after the real nodes
+    for (int i = 1; i < N; ++i) {
+      ok = ok && sm.parents[i] >= 0 && sm.parents[i] < i;
+      if (sm.tokens[i] == -1) {
+        num_real = num_real < i ? num_real : i;
+      } else {
+        ok = ok && sm.tokens[i] >= 0 && sm.tokens[i] < V && num_real == N;
+      }
+    }
     sm.flag = ok;
+    sm.num_real = num_real;
     sm.path[0] = 0;
   }
   __syncthreads();
@@ -284,6 +315,7 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     if (tid == 0) P.accept_len[b] = -1;
     return;
   }
+  const int num_real = sm.num_real;
   const float kInf = __uint_as_float(0x7f800000u);
   const int elsize = P.logits_type == kF32 ? 4 : 2;
   const int q_elsize = P.draft_type == kF32 ? 4 : 2;
@@ -307,10 +339,10 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
       break;
     }
     // 2. greedy
-    if (P.greedy) {
+    if (greedy) {
       if (tid == 0) {
         int next = -1;
-        for (int c = node + 1; c < N && next < 0; ++c)
+        for (int c = node + 1; c < num_real && next < 0; ++c)
           if (sm.parents[c] == node && sm.tokens[c] == best.index) next = c;
         sm.next = next;
         sm.emitted[n_out] = best.index;
@@ -326,16 +358,16 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     }
     // 3. sampling: p = logits_to_probs(row, temperature, top_k, top_p). Every thread holds the
     // same node state; thread 0 publishes it to shared memory for the per-element functions.
-    const float x_max = best.value / P.temperature;  // division by t > 0 preserves the order
+    const float x_max = best.value / temperature;  // division by t > 0 preserves the order
     float kth = -kInf;
-    if (P.top_k > 0 && P.top_k < V) kth = key_to_float(kth_largest_key(P, row, P.top_k, sm));
+    if (top_k > 0 && top_k < V) kth = key_to_float(kth_largest_key(P, row, temperature, top_k, sm));
     double sum = 0.0;
     for (int64_t i = tid; i < V; i += blockDim.x) {
-      const float x = scaled_logit(P, row, i);
+      const float x = scaled_logit(P, row, i, temperature);
       if (x >= kth) sum += expf(x - x_max);
     }
     sum = block_reduce(sum, Sum(), sm.red_d);
-    const bool use_top_p = P.top_p < 1.0;
+    const bool use_top_p = top_p < 1.0;
     const void* q_row = nullptr;
     if (P.draft_probs != nullptr)
       q_row = static_cast<const char*>(P.draft_probs) + (b * P.draft_s0 + node * P.draft_s1) * q_elsize;
@@ -343,6 +375,7 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     if (tid == 0) {
       dist.row = row;
       dist.q_row = q_row;
+      dist.temperature = temperature;
       dist.x_max = x_max;
       dist.kth = kth;
       dist.inv_sum1 = 1.0f / static_cast<float>(sum);
@@ -353,10 +386,10 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     }
     __syncthreads();
     if (use_top_p) {
-      const float min_kept = top_p_min_kept(P, dist, sm);
+      const float min_kept = top_p_min_kept(P, dist, top_p, sm);
       double kept = 0.0;
       for (int64_t i = tid; i < V; i += blockDim.x) {
-        const float x = scaled_logit(P, row, i);
+        const float x = scaled_logit(P, row, i, temperature);
         if (x >= kth) {
           const float e = expf(x - x_max);
           if (e * dist.inv_sum1 >= min_kept) kept += e;
@@ -372,7 +405,7 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     }
     if (tid == 0) {
       int k = 0;
-      for (int c = node + 1; c < N; ++c)
+      for (int c = node + 1; c < num_real; ++c)
         if (sm.parents[c] == node) sm.children[k++] = c;
       sm.num_children = k;
     }
@@ -457,13 +490,27 @@ int float_type(const at::Tensor& t) {
   return t.scalar_type() == c10::kFloat ? kF32 : t.scalar_type() == c10::kHalf ? kF16 : kBF16;
 }
 
+// The per-row sampling tensors: temperature and top_p float32 or float64 [B], top_k int64 [B], all on
+// the device of target_logits (csrc/cpu/verify.cpp checks the same; their values are the kernel's).
+void check_row_param_tensors(const at::Tensor& target_logits, const at::Tensor& temperature,
+                             const at::Tensor& top_k, const at::Tensor& top_p, int64_t B) {
+  const char* op = "verify";
+  check_tensor(op, "temperature", temperature, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  check_tensor(op, "top_k", top_k, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "top_p", top_p, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  check_device(op, "temperature", temperature, target_logits, "target_logits");
+  check_device(op, "top_k", top_k, target_logits, "target_logits");
+  check_device(op, "top_p", top_p, target_logits, "target_logits");
+}
+
 void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
-                 const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in, double temperature,
-                 int64_t top_k, double top_p, const at::Tensor& accept_len, const at::Tensor& accept_index,
-                 const at::Tensor& output_token_ids) {
+                 const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
+                 const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
+                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
+  // check_verify_args predates the per-row tensors: neutral scalars, the tensors checked below.
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
-                                         temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
-                                         TS_KERNEL_DEVICE);
+                                         1.0, 0, 1.0, accept_len, accept_index, output_token_ids, TS_KERNEL_DEVICE);
+  check_row_param_tensors(target_logits_in, temperature_in, top_k_in, top_p_in, d.B);
   if (d.B == 0) return;
   TS_DEVICE_GUARD(target_logits_in);
   // Inputs are used in place when they already have the layout the kernel reads (the usual case).
@@ -474,6 +521,9 @@ void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_i
   const at::Tensor parents = parents_in.contiguous();
   const at::Tensor tokens = draft_token_ids_in.contiguous();
   const at::Tensor uniform = uniform_in.contiguous();
+  const at::Tensor temperature = temperature_in.contiguous();
+  const at::Tensor top_k = top_k_in.contiguous();
+  const at::Tensor top_p = top_p_in.contiguous();
   VerifyParams P{};
   P.logits = logits.data_ptr();
   P.logits_s0 = logits.stride(0);
@@ -489,12 +539,13 @@ void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_i
   P.accept_len = accept_len.data_ptr<int64_t>();
   P.accept_index = accept_index.data_ptr<int64_t>();
   P.output_token_ids = output_token_ids.data_ptr<int64_t>();
+  P.temperature = temperature.data_ptr();
+  P.temperature_f64 = temperature.scalar_type() == c10::kDouble;
+  P.top_k = top_k.data_ptr<int64_t>();
+  P.top_p = top_p.data_ptr();
+  P.top_p_f64 = top_p.scalar_type() == c10::kDouble;
   P.N = static_cast<int>(d.N);
   P.V = d.V;
-  P.greedy = temperature == 0.0;
-  P.temperature = static_cast<float>(temperature);
-  P.top_k = top_k;
-  P.top_p = top_p;
   TS_LAUNCH(verify_kernel, dim3(static_cast<unsigned>(d.B)), dim3(row_block_threads(d.V)), P);
 }
 

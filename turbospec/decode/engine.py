@@ -14,17 +14,19 @@ from typing import Iterator
 import torch
 
 from ..drafters.budget import DraftBudget
-from ..drafters.factory import DRAFTERS, DraftSettings, auto_drafter, make_drafter
+from ..drafters.base import Drafter
+from ..drafters.factory import DRAFTERS, DraftSettings, auto_drafter, drafter_builder
 from ..model.loader import default_model_path, load_model, load_tokenizer, parse_dtype
 from ..model.quant import weight_mode
 from ..model.transformer import Transformer
 from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from . import loop, text
+from .batch import BatchStep, Job, Request, run_batch
 from .loop import Generation
 from .step import NonFiniteLogitsError, VerifyStep
 
-__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "DRAFTERS"]
+__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "DRAFTERS"]
 
 
 class Engine:
@@ -73,8 +75,11 @@ class Engine:
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
-                 weights: str = "auto", activations: str = "exact"):
+                 weights: str = "auto", activations: str = "exact", max_batch: int = 8):
         dtype = parse_dtype(dtype)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
         self.weights = weight_mode(weights)
         device = self._device(target, device)
         if cuda_graphs and device.type != "cuda":
@@ -110,8 +115,12 @@ class Engine:
                                  parse_dtype(draft_dtype) if draft_dtype is not None else dtype,
                                  weights=self.weights, activations=activations, adaptive=adaptive,
                                  static=static, graphs=cuda_graphs, default_target=default_target)
-        self.drafter = make_drafter(drafter, settings, draft_model=draft_model, draft_tokenizer=draft_tokenizer,
-                                    head=head, tree=tree)
+        self._new_drafter = drafter_builder(drafter, settings, draft_model=draft_model,
+                                            draft_tokenizer=draft_tokenizer, head=head, tree=tree)
+        self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time
+        self.drafter = self._new_drafter()
+        self._batch: BatchStep | None = None  # built by the first batch
+        self._slot_drafters: dict[int, Drafter | None] = {}
         self.verifier = VerifyStep(self.target, max_seq_len, None if self.drafter is None else self.drafter.features,
                                    static=static, graphs=cuda_graphs)
 
@@ -183,22 +192,75 @@ class Engine:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None
-                 ) -> Generation:
+                 ) -> Generation | list[Generation]:
         """Generate a completion. ``prompt``: text (chat template applied unless chat=False),
         a list of messages, or token ids. Greedy when temperature == 0.
+
+        A list of prompts (texts, token-id lists, conversations or ``Request``s with their own
+        settings; the arguments here are their defaults) is decoded as a batch, up to ``max_batch``
+        at a time with continuous batching, and gives one ``Generation`` per prompt, in order. Each
+        equals that request generated alone (greedy: the same tokens; seeded sampling: the same
+        tokens as alone with that seed).
 
         Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
         verify_steps, tau (mean tokens emitted per verify step, bonus included),
         accept_per_position, tokens_per_s, draft_s / verify_s / prefill_s, finish_reason.
         """
+        if _is_batch(prompt):
+            return self._generate_batch(list(prompt), Request(None, max_new_tokens, temperature, top_k, top_p, stop,
+                                                              seed), chat)
         ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop)
         stats: dict = {}
         out: list[int] = []
         for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
             out.extend(new)
+        return self._generation(ids, out, stats)
+
+    def _generation(self, ids: list[int], out: list[int], stats: dict) -> Generation:
         stop_end = stats.pop("stop_text_end", None)
         completion = None if self.tokenizer is None else text.final_text(self.tokenizer, out, stop_end)
         return Generation(completion, out, ids, stats["finish_reason"], stats)
+
+    def _generate_batch(self, prompts: list, defaults: Request, chat) -> list[Generation]:
+        jobs, outs, all_stats = [], [], []
+        for i, p in enumerate(prompts):
+            r = p if isinstance(p, Request) else Request(p)
+            pick = {f: getattr(defaults, f) if getattr(r, f) is None else getattr(r, f)
+                    for f in ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed")}
+            try:
+                ids, params, stop = self._request(r.prompt, chat, pick["max_new_tokens"], pick["temperature"],
+                                                  pick["top_k"], pick["top_p"], pick["stop"])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            seed = pick["seed"]
+            generator = None
+            if not params.greedy:
+                generator = torch.Generator().manual_seed(seed if seed is not None else
+                                                          int(torch.randint(0, 2**62, (1,))))
+            speculate = bool(r.speculate) and self.drafter is not None
+            budget = DraftBudget(self.num_draft if speculate else 0, self.adaptive,
+                                 timed=params.greedy or seed is None)
+            stats: dict = {}
+            matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
+            seq = loop.Sequence(ids, pick["max_new_tokens"], params, None, budget, self.num_draft,
+                                self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
+            jobs.append(Job(i, seq, speculate))
+            outs.append([])
+            all_stats.append(stats)
+        if self._shared_drafter and self.max_batch > 1 and sum(j.speculate for j in jobs) > 1:
+            raise ValueError("a Drafter instance holds one request's state: pass drafter by name ('ngram', "
+                             "'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")
+        if self._batch is None:
+            self._batch = BatchStep(self.target, self.max_batch, self.max_seq_len,
+                                    None if self.drafter is None else self.drafter.features)
+        for i, new in run_batch(self._batch, jobs, self._slot_drafter):
+            outs[i].extend(new)
+        return [self._generation(j.seq.ids, outs[j.index], all_stats[j.index]) for j in jobs]
+
+    def _slot_drafter(self, slot: int) -> Drafter | None:
+        if slot not in self._slot_drafters:
+            self._slot_drafters[slot] = self._new_drafter()
+        return self._slot_drafters[slot]
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
@@ -219,3 +281,11 @@ class Engine:
         delta = shown.finish(out, stats.pop("stop_text_end", None))
         if delta:
             yield delta
+
+
+def _is_batch(prompt) -> bool:
+    """A list of prompts, not one prompt given as token ids or as a conversation (a list of dicts)."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    first = prompt[0]
+    return isinstance(first, (str, Request, list, tuple, torch.Tensor))

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .. import ops
 from ..drafters.base import Draft
+from ..model.kv_cache import KVCache
 from ..model.runner import TargetRunner
 from ..model.transformer import Transformer
 from ..ops import nvtx
@@ -18,6 +19,20 @@ from ..ops.sampling import SamplingParams
 
 class NonFiniteLogitsError(RuntimeError):
     """The target produced NaN/inf logits; no token was emitted from them."""
+
+
+def prefill(target: Transformer, cache: KVCache, ids: list[int], features=None) -> tuple[int, Tensor | None]:
+    """Write K/V for every prompt token but the last (the first root) into ``cache`` (one row).
+    Returns the cache length and, when ``features`` is set (what the drafter reads), those of the
+    prefilled positions [n, F]."""
+    n = len(ids) - 1
+    dev = target.device
+    if n > 0:
+        x = torch.tensor([ids[:-1]], dtype=torch.int64).to(dev)
+        pos = torch.arange(n, device=dev)[None]
+        out = target.forward(x, pos, cache, 0, logits="none", features=features)
+        return n, (None if features is None else out[1][0])
+    return n, (None if features is None else torch.zeros(0, 1))
 
 
 class VerifyStep:
@@ -41,20 +56,8 @@ class VerifyStep:
             self._dev_stage = torch.zeros(5, MAX_TREE_NODES, dtype=torch.int64, device=dev)
 
     def prefill(self, ids: list[int]) -> tuple[int, Tensor | None]:
-        """Write K/V for every prompt token but the last (the first root). Returns the cache length
-        and, when the drafter reads target features, those of the prefilled positions [n, F]."""
-        n = len(ids) - 1
-        feats = None
-        dev = self.target.device
-        if n > 0:
-            x = torch.tensor([ids[:-1]], dtype=torch.int64).to(dev)
-            pos = torch.arange(n, device=dev)[None]
-            out = self.target.forward(x, pos, self.cache, 0, logits="none", features=self.features)
-            if self.features is not None:
-                feats = out[1][0]
-        elif self.features is not None:
-            feats = torch.zeros(0, 1)
-        return n, feats
+        """Write K/V for every prompt token but the last; see ``prefill``."""
+        return prefill(self.target, self.cache, ids, self.features)
 
     def step(self, tokens: list[int], cache_len: int, draft: Draft | None, params: SamplingParams,
              generator: torch.Generator | None) -> tuple[list[int], int, Tensor | None]:

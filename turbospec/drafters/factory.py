@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -56,14 +57,23 @@ def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer
                  tree: dict | None = None) -> Drafter | None:
     """``drafter``: "none", "ngram", "draft_model", "eagle", "medusa" or a ``Drafter`` (returned as
     is). None for no drafter."""
+    return drafter_builder(drafter, s, draft_model=draft_model, draft_tokenizer=draft_tokenizer, head=head,
+                           tree=tree)()
+
+
+def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
+                    tree: dict | None = None) -> Callable[[], Drafter | None]:
+    """Checks the options and loads what they name (a draft model, a head) once; returns a function
+    that builds a fresh drafter over those (one per concurrent request: a drafter holds one
+    request's state). A ``Drafter`` instance cannot be copied: its builder returns it each time."""
     if isinstance(drafter, Drafter):
-        return drafter
+        return lambda: drafter
     if drafter is None or drafter == "none":
-        return None
+        return lambda: None
     if drafter in ("eagle", "medusa"):
-        return head_drafter(drafter, s, head, tree or {})
+        return head_drafter_builder(drafter, s, head, tree or {})
     if drafter == "ngram":
-        return NgramDrafter()
+        return NgramDrafter
     if drafter == "draft_model":
         if draft_model is None:
             raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
@@ -74,13 +84,18 @@ def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer
         if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
             draft_tokenizer = load_tokenizer(draft_model)
         check_compatible(s.target, dm, s.tokenizer, draft_tokenizer)
-        return DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs)
+        return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs)
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
 
 
 def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
-    """An EAGLE or Medusa drafter from ``head`` (a checkpoint directory or a loaded head; for the
+    """An EAGLE or Medusa drafter; see ``head_drafter_builder``."""
+    return head_drafter_builder(kind, s, head, tree)()
+
+
+def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Callable[[], Drafter]:
+    """EAGLE or Medusa drafters from ``head`` (a checkpoint directory or a loaded head; for the
     default target, None picks its shipped head) and the tree options."""
     if head is None and s.default_target:
         heads = shipped_heads()
@@ -108,14 +123,18 @@ def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
         if bad:
             raise ValueError(f"tree options {sorted(bad)} are not medusa options (choices, num_nodes, "
                              f"draft_vocab, ngram)")
-        drafter = MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype, **opts)
+
+        def build():
+            return MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype, **opts)
     else:
         bad = set(opts) - {"depth", "top_k"}
         if bad:
             raise ValueError(f"tree options {sorted(bad)} are not eagle options (depth, top_k, draft_vocab, "
                              f"ngram)")
-        drafter = EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab,
-                               draft_dtype=s.draft_dtype, adaptive_depth=s.adaptive, **opts)
+
+        def build():
+            return EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab, draft_dtype=s.draft_dtype,
+                                adaptive_depth=s.adaptive, **opts)
     if ngram:
-        return HybridDrafter(drafter, ngram_tokens=ngram)
-    return drafter
+        return lambda: HybridDrafter(build(), ngram_tokens=ngram)
+    return build

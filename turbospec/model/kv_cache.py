@@ -20,6 +20,14 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_seq_len = max_seq_len
 
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """Batch rows [start, stop) as a cache of their own: views, so writes land in this cache."""
+        view = object.__new__(KVCache)
+        view.k = [k[start:stop] for k in self.k]
+        view.v = [v[start:stop] for v in self.v]
+        view.max_seq_len = self.max_seq_len
+        return view
+
     def tensors(self) -> list[Tensor]:
         """Every layer's K and V, the list ``ops.compact_kv`` takes."""
         return self.k + self.v

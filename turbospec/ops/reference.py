@@ -19,6 +19,8 @@ Vocabulary (shapes use B = batch, N = nodes per draft tree including the root, V
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -127,25 +129,91 @@ def logits_are_valid(logits: Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------
 # verify
 # ----------------------------------------------------------------------------------------------
+def _check_sampling_value(name: str, value: float, where: str = "") -> None:
+    """Raise ValueError unless ``value`` is a valid ``temperature`` / ``top_k`` / ``top_p`` (the
+    CPU kernel's rules and words, csrc/cpu/verify.cpp); ``where`` names the row (e.g. " at top_p[2]")."""
+    if name == "temperature" and not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"verify: temperature must be a finite number >= 0 (0 = greedy), got {value}{where}")
+    if name == "top_k" and not value >= 0:
+        raise ValueError(f"verify: top_k must be >= 0 (0 disables top-k), got {value}{where}")
+    if name == "top_p" and not 0.0 < value <= 1.0:
+        raise ValueError(f"verify: top_p must be in (0, 1] (1 disables top-p), got {value}{where}")
+
+
+def verify_row_params(bsz: int, temperature: float | Tensor, top_k: int | Tensor, top_p: float | Tensor
+                      ) -> list[tuple[float, int, float]]:
+    """The (temperature, top_k, top_p) of each of the ``bsz`` rows of ``verify``: a Python scalar is
+    every row's value, a tensor [B] holds one value per row (read exactly: a float32 value is that
+    float's value). Raises ValueError on a bad value, naming the row of a tensor."""
+    columns = []
+    for name, value, cast in (("temperature", temperature, float), ("top_k", top_k, int), ("top_p", top_p, float)):
+        if isinstance(value, Tensor):
+            if value.dim() != 1 or value.shape[0] != bsz or value.is_complex() or value.dtype == torch.bool:
+                raise ValueError(f"verify: {name} must be a number or a real tensor [B] = [{bsz}], got "
+                                 f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}")
+            column = [cast(v) for v in value.tolist()]
+            for b, v in enumerate(column):
+                _check_sampling_value(name, v, f" at {name}[{b}]")
+        else:
+            _check_sampling_value(name, cast(value))
+            column = [cast(value)] * bsz
+        columns.append(column)
+    return list(zip(*columns))
+
+
+def check_draft_token_ids(draft_token_ids: Tensor, vocab: int) -> list[int]:
+    """Raise ValueError unless every draft id (nodes 1..N-1) is a token id in [0, vocab) or -1
+    (padding), and a row's padding nodes come after its real nodes. Returns the number of real nodes
+    of each row (the root included): the index of its first padding node, N if none."""
+    tokens = draft_token_ids[:, 1:]
+    pad = tokens == -1
+    bad = ((tokens < 0) & ~pad) | (tokens >= vocab)
+    after_pad = ~pad & (pad.cumsum(1) > 0)
+    wrong = bad | after_pad
+    if bool(wrong.any()):
+        b, i = wrong.nonzero()[0].tolist()
+        t = int(tokens[b, i])
+        if bool(bad[b, i]):
+            raise ValueError(f"draft_token_ids[{b}, {i + 1}] = {t} is not a token id in [0, {vocab}) "
+                             f"(or -1: padding)")
+        j = int(pad[b].nonzero()[0, 0])
+        raise ValueError(f"draft_token_ids[{b}, {j + 1}] = -1 (padding) comes before the real token "
+                         f"draft_token_ids[{b}, {i + 1}] = {t}: a row's padding nodes must come after its real nodes")
+    n = draft_token_ids.shape[1]
+    return [1 + int(pad[b].nonzero()[0, 0]) if bool(pad[b].any()) else n for b in range(draft_token_ids.shape[0])]
+
+
 def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-           uniform: Tensor, temperature: float, top_k: int, top_p: float
+           uniform: Tensor, temperature: float | Tensor, top_k: int | Tensor, top_p: float | Tensor
            ) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative acceptance over a chain or tree, lossless for the target's distribution.
 
     Args:
         target_logits: float [B, N, V], the target's logits at each node.
         parents: int64 [B, N], the tree (see module docstring).
-        draft_token_ids: int64 [B, N], token at each node (node 0: the root, not tested; the others
-            must be in [0, V), else ValueError).
+        draft_token_ids: int64 [B, N], token at each node (node 0: the root, not tested). The others
+            must be in [0, V) or -1 (padding), else ValueError.
+            *Padding* (ragged batches: rows with fewer drafts than N): a node with id -1 stands for no
+            node. A row's padding nodes come after all its real nodes (a real id after a -1 is a
+            ValueError); their parents follow the usual rule (any earlier node; by convention 0, the
+            root). A padding node is never a child to test (it is never accepted, emits nothing, and
+            does not change the residual distribution), its logits, draft_probs and coin are never
+            read, and its accept_index / output entries are -1: a padded row gives exactly what the
+            row without its padding nodes gives alone (then padded with -1 to N).
         draft_probs: float [B, N, V] or None. ``draft_probs[b, i]`` is the distribution q the
             children of node i were drafted from; siblings are taken as drawn without replacement
             (after a sibling is rejected it is removed from q and q renormalised). None means the
             drafts are point masses (n-gram lookup, top-k trees, greedy drafters): q(x) = 1.
         uniform: float [B, N] in [0, 1). ``uniform[b, i]`` (i >= 1) is the coin of node i's
             acceptance test; ``uniform[b, 0]`` draws the final recovered/bonus token.
-        temperature: 0 means greedy (argmax; the first maximal index on ties); > 0 samples.
-        top_k: 0 disables; top_p: 1.0 disables. Applied to the target logits as in
-            ``logits_to_probs``; draft_probs are taken as given.
+        temperature, top_k, top_p: each a Python number (every row) or a tensor [B] (one value per
+            row: a batch may mix greedy and sampled rows; the op takes temperature and top_p as
+            float32 or float64, top_k as int64). A row's values act exactly as the same numbers
+            given as scalars (a float32 value as the number it holds). temperature: 0 means greedy
+            (argmax; the first maximal index on ties), > 0 samples; finite and >= 0. top_k >= 0
+            (0 disables); top_p in (0, 1] (1.0 disables). Applied to the target logits as in
+            ``logits_to_probs``; draft_probs are taken as given. A bad value is a ValueError
+            (naming the row of a tensor).
     Returns:
         accept_len: int64 [B], number of accepted draft tokens; -1 if a row's logits or draft
             probs at a visited node are not finite (see ``logits_are_valid``): no tokens emitted.
@@ -165,18 +233,16 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     """
     bsz, n, vocab = target_logits.shape
     check_parents(parents)
-    bad = (draft_token_ids[:, 1:] < 0) | (draft_token_ids[:, 1:] >= vocab)
-    if bool(bad.any()):
-        b, i = bad.nonzero()[0].tolist()
-        raise ValueError(f"draft_token_ids[{b}, {i + 1}] = {int(draft_token_ids[b, i + 1])} is not a token id "
-                         f"in [0, {vocab})")
+    num_real = check_draft_token_ids(draft_token_ids, vocab)
+    row_params = verify_row_params(bsz, temperature, top_k, top_p)
     accept_len = torch.zeros(bsz, dtype=torch.int64)
     accept_index = torch.full((bsz, n), -1, dtype=torch.int64)
     output = torch.full((bsz, n), -1, dtype=torch.int64)
-    greedy = temperature == 0.0
     for b in range(bsz):
+        temp_b, top_k_b, top_p_b = row_params[b]
+        greedy = temp_b == 0.0
         children = [[] for _ in range(n)]
-        for i in range(1, n):
+        for i in range(1, num_real[b]):  # padding nodes are no one's children
             children[int(parents[b, i])].append(i)
         node, n_acc, path, emitted, valid = 0, 0, [0], [], True
         while True:
@@ -194,7 +260,7 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
                 path.append(nxt)
                 node, n_acc = nxt, n_acc + 1
                 continue
-            p = logits_to_probs(logits, temperature, top_k, top_p).double()
+            p = logits_to_probs(logits, temp_b, top_k_b, top_p_b).double()
             q = None
             if draft_probs is not None and children[node]:
                 q = draft_probs[b, node].double().clone()

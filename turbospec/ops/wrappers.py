@@ -109,19 +109,60 @@ def build_tree(parents: Tensor, tree_mask: Tensor | None = None, tree_mask_packe
     return tree_mask, tree_mask_packed, depth, retrieve_index
 
 
+def _check_sampling_scalars(temperature: float | None, top_k: int | None, top_p: float | None) -> None:
+    """The checks of csrc/cpu/verify.cpp on the sampling parameters given as Python numbers (None:
+    a tensor, checked by the kernel), in its words without a row: done on the host before
+    broadcasting, so that a CUDA call raises too instead of marking every row invalid."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0.0):
+        raise RuntimeError(f"verify: temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and not top_k >= 0:
+        raise RuntimeError(f"verify: top_k must be >= 0 (0 disables top-k), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise RuntimeError(f"verify: top_p must be in (0, 1] (1 disables top-p), got {top_p}")
+
+
+_ROW_SCALARS: dict[tuple, Tensor] = {}  # CPU [B] tensors of broadcast scalars, reused (the op never writes them)
+
+
+def _row_tensor(value: float | int, dtype: torch.dtype, bsz: int, device: torch.device, reuse: bool) -> Tensor:
+    """``value`` broadcast to a [bsz] tensor of ``dtype`` on ``device``. With ``reuse`` (plain CPU
+    tensors: no fake tensors, no CUDA graph capture to get wrong) the tensor is kept for the next call
+    with the same value: allocating three tensors a call costs more than a small verify itself."""
+    if not reuse:
+        return torch.full((bsz,), value, dtype=dtype, device=device)
+    key = (value, dtype, bsz)
+    t = _ROW_SCALARS.get(key)
+    if t is None:
+        if len(_ROW_SCALARS) >= 256:
+            _ROW_SCALARS.clear()
+        t = _ROW_SCALARS[key] = torch.full((bsz,), value, dtype=dtype)
+    return t
+
+
 def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-           uniform: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+           uniform: Tensor, temperature: float | Tensor, top_k: int | Tensor = 0, top_p: float | Tensor = 1.0,
            accept_len: Tensor | None = None, accept_index: Tensor | None = None,
            output_token_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Fused softmax + speculative acceptance (chain or tree); see ``reference.verify``.
 
-    target_logits: [B, N, V] float; parents, draft_token_ids: int64 [B, N];
+    target_logits: [B, N, V] float; parents, draft_token_ids: int64 [B, N] (draft id -1: a padding
+    node, after the row's real nodes: never accepted, a padded row gives what it gives alone);
     draft_probs: [B, N, V] float or None (point-mass drafts); uniform: float32 [B, N] in [0, 1).
+    temperature, top_k, top_p: Python numbers (every row; checked here, then broadcast to [B] as
+    float64 / int64 / float64, which keeps them exact) or per-row tensors [B] on target_logits'
+    device: temperature and top_p float32 or float64, top_k int64 (a CUDA graph captured with
+    tensors replays with new values). A bad per-row value raises on CPU (naming the row) and marks
+    the row invalid (accept_len -1) on CUDA, which cannot raise without a host sync.
     Returns accept_len int64 [B] (-1: non-finite logits, nothing emitted),
     accept_index int64 [B, N], output_token_ids int64 [B, N] (padded with -1).
     """
     bsz, n = target_logits.shape[:2] if target_logits.dim() == 3 else (0, 0)
     dev = target_logits.device
+    temperature = temperature if isinstance(temperature, Tensor) else float(temperature)
+    top_k = top_k if isinstance(top_k, Tensor) else int(top_k)
+    top_p = top_p if isinstance(top_p, Tensor) else float(top_p)
+    _check_sampling_scalars(None if isinstance(temperature, Tensor) else temperature,
+                            None if isinstance(top_k, Tensor) else top_k, None if isinstance(top_p, Tensor) else top_p)
     if accept_len is None:
         accept_len = torch.empty(bsz, dtype=torch.int64, device=dev)
     if accept_index is None:
@@ -129,13 +170,20 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     if output_token_ids is None:
         output_token_ids = torch.empty(bsz, n, dtype=torch.int64, device=dev)
     if _compiled(dev):
+        reuse = dev.type == "cpu" and type(target_logits) is Tensor
+        if not isinstance(temperature, Tensor):
+            temperature = _row_tensor(temperature, torch.float64, bsz, dev, reuse)
+        if not isinstance(top_k, Tensor):
+            top_k = _row_tensor(top_k, torch.int64, bsz, dev, reuse)
+        if not isinstance(top_p, Tensor):
+            top_p = _row_tensor(top_p, torch.float64, bsz, dev, reuse)
         torch.ops.turbospec.verify.default(target_logits, parents, draft_token_ids, draft_probs, uniform,
-                                           float(temperature), int(top_k), float(top_p),
-                                           accept_len, accept_index, output_token_ids)
+                                           temperature, top_k, top_p, accept_len, accept_index, output_token_ids)
     else:
+        temperature, top_k, top_p = (v.cpu() if isinstance(v, Tensor) else v for v in (temperature, top_k, top_p))
         outs = reference.verify(target_logits.cpu(), parents.cpu(), draft_token_ids.cpu(),
                                 None if draft_probs is None else draft_probs.cpu(), uniform.cpu(),
-                                float(temperature), int(top_k), float(top_p))
+                                temperature, top_k, top_p)
         for dst, src in zip((accept_len, accept_index, output_token_ids), outs):
             dst.copy_(src)
     return accept_len, accept_index, output_token_ids
@@ -325,7 +373,7 @@ def _check_build_tree_fake(parents: Tensor, tree_mask: Tensor, tree_mask_packed:
 
 
 def _check_verify_fake(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-                       uniform: Tensor, temperature: float, top_k: int, top_p: float, accept_len: Tensor,
+                       uniform: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, accept_len: Tensor,
                        accept_index: Tensor, output_token_ids: Tensor) -> None:
     op = "verify"
     torch._check(target_logits.dim() == 3 and target_logits.dtype in _FLOATS,
@@ -354,11 +402,12 @@ def _check_verify_fake(target_logits: Tensor, parents: Tensor, draft_token_ids: 
                     ("output_token_ids", output_token_ids)):
         _check_device(op, name, t, target_logits, "target_logits")
         _check_output(op, name, t)
-    torch._check(math.isfinite(temperature) and temperature >= 0.0,
-                 lambda: f"{op}: temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    torch._check(top_k >= 0, lambda: f"{op}: top_k must be >= 0 (0 disables top-k), got {top_k}")
-    torch._check(top_p > 0.0 and top_p <= 1.0,
-                 lambda: f"{op}: top_p must be in (0, 1] (1 disables top-p), got {top_p}")
+    # the per-row sampling tensors (verify.cpp check_row_param_tensors); their values are the kernels'
+    _check_tensor(op, "temperature", temperature, (torch.float32, torch.float64), (("B", bsz),))
+    _check_tensor(op, "top_k", top_k, (torch.int64,), (("B", bsz),))
+    _check_tensor(op, "top_p", top_p, (torch.float32, torch.float64), (("B", bsz),))
+    for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        _check_device(op, name, t, target_logits, "target_logits")
 
 
 def _check_compact_kv_fake(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor,

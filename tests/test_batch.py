@@ -1,0 +1,147 @@
+"""Batched decoding (``Engine.generate([...])``, turbospec.decode.batch): every request of a mixed
+batch equals the same request decoded alone (greedy fp32: token for token, and HF's greedy;
+seeded sampling: the same tokens as alone with the same seed), with requests joining and leaving
+the batch between steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import turbospec
+from turbospec import Engine, Request
+from turbospec.decode import batch as batch_mod
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)
+
+
+def prompts_mixed(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths; some repeat themselves (n-gram lookup then drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+        out.append(p * (1 + i % 3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = make_tiny_model("llama", seed=3)
+    return hf, turbospec.load_model(hf)
+
+
+def test_greedy_batch_of_16_equals_alone_and_hf(cyc):  # noqa: F811
+    hf, target, ref, _ = cyc  # a target whose continuations cycle: n-gram drafts get accepted
+    eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=5)
+    prompts = [(PROMPT + ref)[i: i + 4 + 3 * (i % 5)] for i in range(0, 48, 3)]
+    reqs = [Request(p, max_new_tokens=8 + 3 * (i % 5), speculate=i % 4 != 3) for i, p in enumerate(prompts)]
+    out = eng.generate(reqs)
+    assert len(out) == 16
+    drafted = 0
+    for r, g in zip(reqs, out):
+        alone = eng.generate(r.prompt, max_new_tokens=r.max_new_tokens)
+        assert g.token_ids == alone.token_ids
+        assert g.token_ids == hf_greedy(hf, r.prompt, r.max_new_tokens)
+        assert g.finish_reason == "length" and len(g.token_ids) == r.max_new_tokens
+        assert g.prompt_token_ids == r.prompt
+        drafted += g.stats["tau"] > 1.0
+        if not r.speculate:
+            assert g.stats["tau"] == 1.0  # speculation off for this request
+    assert drafted >= 4  # drafts were accepted inside the batch
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_greedy_batch_with_head_trees_equals_alone(cyc, method):  # noqa: F811
+    hf, target, ref, vocab = cyc
+    head = make_head(method, target, vocab=vocab)
+    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=3, num_draft=12, adaptive=False)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
+    out = eng.generate(prompts, max_new_tokens=N_NEW)
+    assert out[0].token_ids == ref
+    for p, g in zip(prompts, out):
+        assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
+    assert out[0].stats["tau"] > 1.05  # tree drafts were accepted inside the batch
+
+
+def test_seeded_sampling_in_a_batch_equals_alone(tiny):
+    _, target = tiny
+    eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=4)
+    prompts = prompts_mixed(7, seed=1)
+    settings = [dict(temperature=0.8, top_k=0, top_p=1.0), dict(temperature=1.3, top_k=20, top_p=1.0),
+                dict(temperature=0.0, top_k=0, top_p=1.0), dict(temperature=1.0, top_k=0, top_p=0.7)]
+    reqs = [Request(p, max_new_tokens=16, seed=100 + i, **settings[i % 4]) for i, p in enumerate(prompts)]
+    out = eng.generate(reqs)
+    for r, g in zip(reqs, out):
+        alone = eng.generate(r.prompt, max_new_tokens=16, temperature=r.temperature, top_k=r.top_k,
+                             top_p=r.top_p, seed=r.seed)
+        assert g.token_ids == alone.token_ids
+    # a different seed gives a different sample (the seed is really used)
+    other = eng.generate([Request(prompts[0], max_new_tokens=16, seed=999, **settings[0])])[0]
+    assert other.token_ids != out[0].token_ids
+
+
+def test_requests_join_and_leave_between_steps(tiny, monkeypatch):
+    _, target = tiny
+    eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=2)
+    joins = []
+    real = batch_mod.BatchStep.prefill
+
+    def spy(self, slot, ids):
+        joins.append(slot)
+        return real(self, slot, ids)
+
+    monkeypatch.setattr(batch_mod.BatchStep, "prefill", spy)
+    prompts = prompts_mixed(5, seed=2)
+    lengths = [3, 20, 5, 9, 2]
+    out = eng.generate([Request(p, max_new_tokens=m) for p, m in zip(prompts, lengths)])
+    assert [len(g.token_ids) for g in out] == lengths
+    assert len(joins) == 5 and set(joins) == {0, 1}  # 5 requests through 2 slots: slots were reused
+    for p, m, g in zip(prompts, lengths, out):
+        assert g.token_ids == eng.generate(p, max_new_tokens=m).token_ids
+
+
+def test_batch_eos_ends_each_request_as_alone():
+    hf = make_tiny_model("llama", seed=3, eos_token_id=7)
+    target = turbospec.load_model(hf)
+    eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=3)
+    prompts = prompts_mixed(6, seed=4)
+    out = eng.generate(prompts, max_new_tokens=40)
+    for p, g in zip(prompts, out):
+        alone = eng.generate(p, max_new_tokens=40)
+        assert g.token_ids == alone.token_ids and g.finish_reason == alone.finish_reason
+
+
+def test_batch_text_prompts_and_stop_strings(tiny):
+    _, target = tiny
+    tok = make_tiny_tokenizer()
+    eng = Engine(target, drafter="ngram", tokenizer=tok, max_seq_len=256, max_batch=3)
+    texts = [" ".join(f"w{t}" for t in p) for p in prompts_mixed(5, seed=5)]
+    free = [eng.generate(t, 24) for t in texts]
+    stops = [f"w{g.token_ids[4]}" for g in free]  # a word each continuation reaches
+    out = eng.generate([Request(t, stop=s) for t, s in zip(texts, stops)], max_new_tokens=24)
+    for t, s, g in zip(texts, stops, out):
+        alone = eng.generate(t, 24, stop=s)
+        assert g.text == alone.text and g.token_ids == alone.token_ids
+        assert g.finish_reason == "stop" and s not in g.text
+
+
+def test_batch_bad_input_is_named(tiny):
+    _, target = tiny
+    eng = Engine(target, drafter="ngram", max_seq_len=64, max_batch=2)
+    with pytest.raises(ValueError, match="prompt 1: max_new_tokens must be an integer >= 1"):
+        eng.generate([[1, 2, 3], Request([4, 5], max_new_tokens=0)], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0: prompt length 3 \\+ max_new_tokens 100"):
+        eng.generate([[1, 2, 3], [4, 5]], max_new_tokens=100)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        Engine(target, drafter="ngram", max_batch=0)
+
+    class Mine(turbospec.Drafter):
+        def propose(self, tokens, max_tokens, params, generator):
+            return None
+
+    shared = Engine(target, drafter=Mine(), max_seq_len=64, max_batch=2)
+    with pytest.raises(ValueError, match="a Drafter instance holds one request's state"):
+        shared.generate([[1, 2], [3, 4]], max_new_tokens=3)
+    # one request at a time through a Drafter instance is fine
+    assert len(shared.generate([[1, 2], Request([3, 4], speculate=False)], max_new_tokens=3)) == 2
