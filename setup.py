@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 try:
     import torch
@@ -62,8 +62,7 @@ setup(
     name="turbospec",
     version="0.1.0",
     description="Exact speculative decoding for Hugging Face causal language models",
-    packages=["turbospec", "turbospec.ops", "turbospec.model", "turbospec.drafters", "turbospec.heads",
-              "turbospec.decode", "turbospec.train"],
+    packages=find_packages(include=["turbospec", "turbospec.*"]),
     package_data={"turbospec": ["*.json", "heads_data/*/*.json", "heads_data/*/*.safetensors"]},
     python_requires=">=3.10",
     install_requires=["torch", "transformers", "gguf", "accelerate", "safetensors", "tqdm"],

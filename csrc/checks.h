@@ -150,8 +150,8 @@ struct VerifyDims {
 
 inline VerifyDims check_verify_args(const at::Tensor& target_logits, const at::Tensor& parents,
                                     const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
-                                    const at::Tensor& uniform, double temperature, int64_t top_k, double top_p,
-                                    const at::Tensor& accept_len, const at::Tensor& accept_index,
+                                    const at::Tensor& uniform, const at::Tensor& temperature,
+                                    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& accept_len, const at::Tensor& accept_index,
                                     const at::Tensor& output_token_ids, c10::DeviceType type) {
   const char* op = "verify";
   TORCH_CHECK(target_logits.dim() == 3 && is_float_dtype(target_logits.scalar_type()), op,
@@ -182,10 +182,14 @@ inline VerifyDims check_verify_args(const at::Tensor& target_logits, const at::T
     check_device(op, o.first, *o.second, target_logits, "target_logits");
     check_output(op, o.first, *o.second);
   }
-  TORCH_CHECK(std::isfinite(temperature) && temperature >= 0.0, op,
-              ": temperature must be a finite number >= 0 (0 = greedy), got ", temperature);
-  TORCH_CHECK(top_k >= 0, op, ": top_k must be >= 0 (0 disables top-k), got ", top_k);
-  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1] (1 disables top-p), got ", top_p);
+  // The per-row sampling parameters: temperature and top_p float32 or float64 [B] (float64 keeps a
+  // Python float exact), top_k int64 [B]; their values are the kernels' to check (per row).
+  check_tensor(op, "temperature", temperature, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  check_tensor(op, "top_k", top_k, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "top_p", top_p, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  const std::pair<const char*, const at::Tensor*> params[] = {
+      {"temperature", &temperature}, {"top_k", &top_k}, {"top_p", &top_p}};
+  for (const auto& p : params) check_device(op, p.first, *p.second, target_logits, "target_logits");
   return {B, N, V};
 }
 

@@ -339,20 +339,6 @@ double real_at(const at::Tensor& t, int64_t b) {
                                          : static_cast<double>(t.data_ptr<float>()[b * t.stride(0)]);
 }
 
-// The per-row sampling tensors: temperature and top_p float32 or float64 [B] (float64 keeps a
-// Python float exact), top_k int64 [B], all on the device of target_logits. (check_verify_args
-// predates them: it is given neutral scalars, 1.0 / 0 / 1.0, and the tensors are checked here.)
-void check_row_param_tensors(const at::Tensor& target_logits, const at::Tensor& temperature,
-                             const at::Tensor& top_k, const at::Tensor& top_p, int64_t B) {
-  const char* op = "verify";
-  check_tensor(op, "temperature", temperature, {c10::kFloat, c10::kDouble}, {{"B", B}});
-  check_tensor(op, "top_k", top_k, {c10::kLong}, {{"B", B}});
-  check_tensor(op, "top_p", top_p, {c10::kFloat, c10::kDouble}, {{"B", B}});
-  check_device(op, "temperature", temperature, target_logits, "target_logits");
-  check_device(op, "top_k", top_k, target_logits, "target_logits");
-  check_device(op, "top_p", top_p, target_logits, "target_logits");
-}
-
 // Each row's sampling parameters from the checked tensors; raises on a bad value, naming the row.
 std::vector<Sampling> row_sampling(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
                                    int64_t B) {
@@ -378,9 +364,8 @@ void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in
                 const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
-                                         1.0, 0, 1.0, accept_len, accept_index, output_token_ids,
+                                         temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
                                          c10::DeviceType::CPU);
-  check_row_param_tensors(target_logits_in, temperature, top_k, top_p, d.B);
   const int64_t B = d.B, N = d.N, V = d.V;
   if (B == 0) return;
   // Rows only need a contiguous vocab dim; other strides are used as given.

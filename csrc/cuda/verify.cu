@@ -490,27 +490,13 @@ int float_type(const at::Tensor& t) {
   return t.scalar_type() == c10::kFloat ? kF32 : t.scalar_type() == c10::kHalf ? kF16 : kBF16;
 }
 
-// The per-row sampling tensors: temperature and top_p float32 or float64 [B], top_k int64 [B], all on
-// the device of target_logits (csrc/cpu/verify.cpp checks the same; their values are the kernel's).
-void check_row_param_tensors(const at::Tensor& target_logits, const at::Tensor& temperature,
-                             const at::Tensor& top_k, const at::Tensor& top_p, int64_t B) {
-  const char* op = "verify";
-  check_tensor(op, "temperature", temperature, {c10::kFloat, c10::kDouble}, {{"B", B}});
-  check_tensor(op, "top_k", top_k, {c10::kLong}, {{"B", B}});
-  check_tensor(op, "top_p", top_p, {c10::kFloat, c10::kDouble}, {{"B", B}});
-  check_device(op, "temperature", temperature, target_logits, "target_logits");
-  check_device(op, "top_k", top_k, target_logits, "target_logits");
-  check_device(op, "top_p", top_p, target_logits, "target_logits");
-}
-
 void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
                  const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
                  const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
                  const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
-  // check_verify_args predates the per-row tensors: neutral scalars, the tensors checked below.
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
-                                         1.0, 0, 1.0, accept_len, accept_index, output_token_ids, TS_KERNEL_DEVICE);
-  check_row_param_tensors(target_logits_in, temperature_in, top_k_in, top_p_in, d.B);
+                                         temperature_in, top_k_in, top_p_in, accept_len, accept_index,
+                                         output_token_ids, TS_KERNEL_DEVICE);
   if (d.B == 0) return;
   TS_DEVICE_GUARD(target_logits_in);
   // Inputs are used in place when they already have the layout the kernel reads (the usual case).

@@ -1,17 +1,6 @@
-"""EAGLE draft heads (EAGLE-1/2 and EAGLE-3).
-
-EAGLE drafts at the feature level. For every committed position i the target leaves a feature f_i
-(EAGLE-1/2: the final-normed hidden state the LM head reads; EAGLE-3: the outputs of a low, a middle
-and a high layer, fused by ``fc``). The head reads the pair (f_i, embed(x_{i+1})) at position i and
-predicts f_{i+1}; the target's LM head (EAGLE-1/2) or the head's own (EAGLE-3) turns that into the
-distribution of x_{i+2}. Drafting further feeds the head its own prediction in place of f.
-
-Layouts (parameter names are those of the public checkpoints):
-- "eagle": ``fc`` (2H -> H, bias) over cat(embed, feature), then ``layers.0`` = a Llama decoder layer
-  without its input norm. Logits: the target's LM head on the output.
-- "eagle3": ``fc`` (kH -> H) fuses the k target features; ``midlayer`` = a decoder layer whose
-  attention reads cat(input_layernorm(embed), hidden_norm(hidden)) (2H); ``norm`` + ``lm_head`` over a
-  draft vocabulary (``d2t``: draft id -> target id offset, ``t2d``: target ids in the draft vocab).
+"""EAGLE-2 dynamic-tree drafting with an EAGLE-1/2 or EAGLE-3 head (the head modules and how they
+read target features: ``heads.eagle``). The head keeps its own KV cache of committed pairs and
+grows each step's tree after them; see ``EagleDrafter``.
 """
 from __future__ import annotations
 
