@@ -6,7 +6,8 @@
 #
 # How (see ../shared/ENVIRONMENT.md): a separate venv with torch 2.14.1 (a +cu130 wheel, ~5 GB with
 # its nvidia packages); CUDA_HOME = the toolkit the machine's nvcc belongs to; the cusparse/cublas
-# headers ATen/cuda includes come from the nvidia.cu13 Python package. Built for sm_90 only
+# headers ATen/cuda includes come from the nvidia.cu13 Python package; safetensors because importing
+# turbospec (to list the registered kernels) loads the head checkpoint code. Built for sm_90 only
 # (compile_cuda.sh checks sm_80 as well).
 #
 # Exit status: 0 built, linked and registered; 1 a compile / link / registration failure; 0 with a
@@ -30,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   python -m venv "$VENV" || { echo "link_cuda: FAILED to create a venv"; exit 1; }
 fi
 if ! "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
-  if ! "$VENV/bin/pip" install -q "torch==${TORCH_CUDA_VERSION:-2.14.1}" setuptools ninja numpy > "$WORK/pip.log" 2>&1; then
+  if ! "$VENV/bin/pip" install -q "torch==${TORCH_CUDA_VERSION:-2.14.1}" setuptools ninja numpy safetensors > "$WORK/pip.log" 2>&1; then
     echo "link_cuda: skipped (could not install a CUDA torch: $(tail -n 1 "$WORK/pip.log"))"
     exit 0
   fi
