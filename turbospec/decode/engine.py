@@ -174,21 +174,26 @@ class Engine:
 
     def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
              seed: int | None, stats: dict) -> Iterator[list[int]]:
+        seq = self._sequence(ids, max_new_tokens, params, stop, seed, stats, self.drafter, carry_over=True)
+        return loop.run(self.verifier, seq)
+
+    def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
+                  seed: int | None, stats: dict, drafter: Drafter | None, carry_over: bool = False) -> loop.Sequence:
+        """A request's decoding state: its own generator (seeded or random) and draft budget."""
         generator = None
         if not params.greedy:
             generator = torch.Generator().manual_seed(seed if seed is not None else
                                                       int(torch.randint(0, 2**62, (1,))))
         # Sampling with a seed must be reproducible: the draft lengths (which decide how the random
         # stream is consumed) must then not depend on measured timings.
-        budget = DraftBudget(self.num_draft if self.drafter else 0, self.adaptive,
+        budget = DraftBudget(self.num_draft if drafter is not None else 0, self.adaptive,
                              timed=params.greedy or seed is None)
-        if budget.timed:  # what the last generation measured (costs are the machine's, not the prompt's)
+        if carry_over and budget.timed:  # what the last generation measured (the machine's costs)
             budget.carry_over(self._last_budget)
             self._last_budget = budget
         matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
-        seq = loop.Sequence(ids, max_new_tokens, params, self.drafter, budget, self.num_draft,
-                            self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
-        return loop.run(self.verifier, seq)
+        return loop.Sequence(ids, max_new_tokens, params, drafter, budget, self.num_draft,
+                             self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None
@@ -232,18 +237,11 @@ class Engine:
                                                   pick["top_k"], pick["top_p"], pick["stop"])
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            seed = pick["seed"]
-            generator = None
-            if not params.greedy:
-                generator = torch.Generator().manual_seed(seed if seed is not None else
-                                                          int(torch.randint(0, 2**62, (1,))))
             speculate = bool(r.speculate) and self.drafter is not None
-            budget = DraftBudget(self.num_draft if speculate else 0, self.adaptive,
-                                 timed=params.greedy or seed is None)
             stats: dict = {}
-            matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
-            seq = loop.Sequence(ids, pick["max_new_tokens"], params, None, budget, self.num_draft,
-                                self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
+            # the drafter is the slot's, set when the request takes a slot (run_batch)
+            seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], stats,
+                                 self.drafter if speculate else None)
             jobs.append(Job(i, seq, speculate))
             outs.append([])
             all_stats.append(stats)
