@@ -28,16 +28,12 @@ from torch import Tensor
 
 from .. import ops
 from ..drafters.base import Drafter
+from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops import nvtx
 from ..ops.reference import MAX_TREE_NODES
 from .loop import Sequence
 from .step import NonFiniteLogitsError, prefill
-
-
-def _pad_bits(n: int) -> list[int]:
-    """Packed mask rows of padding nodes: node j attends only itself (bit 63 is the sign)."""
-    return [1 << j if j < 63 else -(1 << 63) for j in range(n)]
 
 
 class BatchStep:
@@ -50,6 +46,8 @@ class BatchStep:
         # a step writes its padded nodes' K/V after a row's prefix: one tree's worth of slack
         self.cache = target.new_cache(max_seq_len + MAX_TREE_NODES, batch_size=max_batch)
         target.ensure_rope(self.cache.max_seq_len)
+        self._chain = chain_mask_packed(MAX_TREE_NODES)[0]  # packed mask rows, built once
+        self._pad = pad_mask_packed(MAX_TREE_NODES)[0]
 
     def prefill(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
         """A joining request's prompt (all but its last token) into its slot, alone."""
@@ -67,7 +65,7 @@ class BatchStep:
         parents = torch.zeros(bsz, n, dtype=torch.int64)
         parents[:, 0] = -1
         positions = torch.zeros(bsz, n, dtype=torch.int64)
-        packed = torch.tensor([_pad_bits(n)], dtype=torch.int64).repeat(bsz, 1)
+        packed = self._pad[:n].repeat(bsz, 1)
         cache_len = torch.zeros(bsz, dtype=torch.int64)
         uniform = torch.zeros(bsz, n)
         # float64: the Python numbers exactly, as a request decoded alone passes them
@@ -87,7 +85,7 @@ class BatchStep:
             if d is None or d.parents is None:
                 parents[b, 1:k + 1] = torch.arange(k)
                 depth = torch.arange(k + 1)
-                packed[b, :k + 1] = torch.tensor([(1 << (i + 1)) - 1 if i < 63 else -1 for i in range(k + 1)])
+                packed[b, :k + 1] = self._chain[:k + 1]
             else:
                 trees = True
                 _, pk, depth, _ = ops.build_tree(torch.tensor([[-1] + d.parents]))

@@ -34,6 +34,11 @@ def chain_mask_packed(n: int, device=None) -> Tensor:
     return torch.tensor([rows], dtype=torch.int64, device=device)
 
 
+def pad_mask_packed(n: int, device=None) -> Tensor:
+    """int64 [1, n]: row i attends only itself (a padding node), bit-packed as ``build_tree``."""
+    return torch.tensor([[1 << i if i < 63 else -(1 << 63) for i in range(n)]], dtype=torch.int64, device=device)
+
+
 class TargetRunner:
     """Runs ``target`` over a step's tokens against ``cache``.
 
@@ -66,8 +71,7 @@ class TargetRunner:
                                 torch.zeros(1, b, dtype=torch.int64, device=dev)) for b in buckets}
             self._chain = chain_mask_packed(buckets[-1], dev)  # row i of any chain (no host copy per step)
             # padding row i attends only itself
-            self._pad_mask = torch.tensor([[1 << i if i < 63 else -(1 << 63) for i in range(buckets[-1])]],
-                                          dtype=torch.int64, device=dev)
+            self._pad_mask = pad_mask_packed(buckets[-1], dev)
         if self.graphs:
             self._capture_all()
 
