@@ -1,4 +1,5 @@
-"""``turbospec`` command line: ``turbospec generate``, ``turbospec bench`` and ``turbospec train``."""
+"""``turbospec`` command line: ``turbospec generate``, ``turbospec serve``, ``turbospec bench`` and
+``turbospec train``."""
 from __future__ import annotations
 
 import argparse
@@ -25,21 +26,35 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
-def _generate(args) -> int:
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    p.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "draft_model", "eagle", "medusa"],
+                   help="auto: the default model's shipped head when there is one, else ngram")
+    p.add_argument("--head", default=None,
+                   help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
+
+
+def _engine(args, **extra):
     import torch
 
     import turbospec
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
+                            weights=args.weights, activations=args.activations,
+                            draft_model=args.draft_model, max_seq_len=args.max_seq_len,
+                            adaptive=not args.no_adaptive, head=args.head, device=args.device,
+                            cuda_graphs=False if args.no_cuda_graphs else None, **extra)
+
+
+def _generate(args) -> int:
     from .ops.sampling import SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    engine = turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
-                              weights=args.weights, activations=args.activations,
-                              draft_model=args.draft_model, max_seq_len=args.max_seq_len,
-                              adaptive=not args.no_adaptive, head=args.head, device=args.device,
-                              cuda_graphs=False if args.no_cuda_graphs else None)
+    engine = _engine(args)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)
@@ -56,26 +71,60 @@ def _generate(args) -> int:
     return 0
 
 
+def served_model_name(model: str) -> str:
+    """The name clients pass as ``model``: the default model's name, else the path's last part."""
+    import os
+    if model == "default":
+        return "SmolLM2-135M-Instruct"
+    name = os.path.basename(os.path.normpath(model))
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _serve(args) -> int:
+    for name in ("max_batch", "port", "max_waiting"):
+        v = getattr(args, name)
+        lo = 0 if name != "max_batch" else 1
+        if v < lo or (name == "port" and v > 65535):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'in [0, 65535]' if name == 'port' else f'>= {lo}'}"
+                             f", got {v}")
+    try:
+        from .serve.server import create_app, run
+    except ImportError as e:
+        raise ValueError(f"turbospec serve needs fastapi, uvicorn and prometheus-client ({e})") from None
+    engine = _engine(args, max_batch=args.max_batch)
+    name = args.served_model_name or served_model_name(args.model)
+    app = create_app(engine, name, max_waiting=args.max_waiting)
+    print(f"[turbospec] serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, "
+          f"drafter {engine.drafter.name if engine.drafter else 'none'})", file=sys.stderr)
+    run(app, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="turbospec", description="exact speculative decoding")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate a completion and print tok/s and tau")
     g.add_argument("prompt", help="prompt text ('-' reads stdin); the chat template is applied")
-    _add_model_args(g)
-    g.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "draft_model", "eagle", "medusa"],
-                   help="auto: the default model's shipped head when there is one, else ngram")
-    g.add_argument("--head", default=None,
-                   help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
+    _add_engine_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--max-seq-len", type=int, default=4096)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    g.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched speculative decoding)")
+    _add_engine_args(sv)
+    sv.add_argument("--max-batch", type=int, default=8, help="requests decoded at once (KV-cache slots)")
+    sv.add_argument("--max-waiting", type=int, default=64,
+                    help="requests that may wait for a slot; beyond that the server answers 429")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None,
+                    help="the model name clients use (default: the model's file or directory name)")
+    sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
     b = sub.add_parser("bench", help="end-to-end benchmark vs Hugging Face generate")
     from .benchmark import add_args as add_bench_args
@@ -91,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "generate":
             return _generate(args)
+        if args.cmd == "serve":
+            return _serve(args)
         if args.cmd == "train":
             from .train.trainer import run_cli as run_train
             return run_train(args, argv)

@@ -8,8 +8,10 @@ target pass (``Transformer.forward_static``: per-row prefix lengths), one ``veri
 sampling parameters, one ``compact_kv``, one host read for all rows. Idle slots ride along as
 one-node padding rows.
 
-``run_batch`` is the scheduler: requests wait in order, take a free slot between steps (their prompt
-is prefilled into it alone), and leave when they finish, freeing the slot for the next one.
+``Scheduler`` is continuous batching: requests wait in order, take a free slot between steps (their
+prompt is prefilled into it alone), and leave when they finish (or fail, or are cancelled), freeing the
+slot for the next one. ``run_batch`` drives it to the end for ``Engine.generate([...])``; the server's
+``AsyncEngine`` drives it from a thread as requests arrive.
 
 Every row's numbers are its own: the linears, norms and attention reduce in one order per row
 whatever else is in the pass, and a request's coins come from its own generator, so a request's
@@ -56,7 +58,8 @@ class BatchStep:
     @torch.inference_mode()
     def step(self, rows: dict[int, Sequence]) -> dict[int, tuple[list[int], int, Tensor | None]]:
         """One verify pass over the planned drafts of ``rows`` (slot -> request). Returns, per slot,
-        (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes)."""
+        (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes);
+        a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens."""
         bsz, dev = self.max_batch, self.target.device
         n = max(1 + (0 if s.draft is None else len(s.draft)) for s in rows.values())
         ids = torch.zeros(bsz, n, dtype=torch.int64)
@@ -117,9 +120,11 @@ class BatchStep:
         results = {}
         for b in rows:
             n_acc = host[b]
-            if n_acc < 0:
-                raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) for the request in "
-                                           f"slot {b} at position {rows[b].cache_len}; no token was emitted")
+            if n_acc < 0:  # this row's failure only: the scheduler fails its request, the others go on
+                results[b] = (NonFiniteLogitsError(
+                    f"the target produced non-finite logits (NaN/inf) for the request in slot {b} at position "
+                    f"{rows[b].cache_len}; no token was emitted"), n_acc, None)
+                continue
             toks = host[bsz + b * n: bsz + b * n + n_acc + 1]
             f = None if feats is None else feats[b, accept_index[b, : n_acc + 1]]
             results[b] = (toks, n_acc, f)
@@ -142,36 +147,123 @@ class Request:
 
 @dataclass
 class Job:
-    """A request in the scheduler: its index in the caller's list, its sequence, whether it drafts."""
+    """A request in the scheduler: its index in the caller's list, its sequence, whether it drafts.
+    The scheduler sets ``slot`` while it runs and ``error`` when it failed (its slot is freed, its
+    neighbours go on); ``cancel()`` (any thread) makes it leave before the next step."""
     index: int
     seq: Sequence
     speculate: bool = True
+    slot: int | None = None
+    error: Exception | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        """Finished or failed (a cancelled job leaves at the next step)."""
+        return self.seq.finish is not None or self.error is not None
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one job: the tokens it kept (empty when it failed or was cancelled),
+    the drafts it proposed, how many were accepted, and whether the job left the batch (finished,
+    failed or cancelled: its last output)."""
+    job: Job
+    tokens: list[int]
+    proposed: int = 0
+    accepted: int = 0
+    done: bool = True
+
+
+class Scheduler:
+    """Continuous batching over a ``BatchStep``: jobs wait in order, take a free slot between steps
+    (their prompt is prefilled into it alone) and leave when finished, failed or cancelled, freeing
+    the slot for the next one. ``drafter_for_slot(slot)`` gives the drafter of a drafting job in that
+    slot (set on its sequence when it starts; a job with ``speculate=False`` gets none).
+
+    One thread drives ``step``; ``add`` and ``Job.cancel`` may come from others between steps (a
+    deque append and a flag). A failure that belongs to one job (its prompt, its drafter, its
+    non-finite logits) fails that job only; anything else propagates."""
+
+    def __init__(self, step: BatchStep, drafter_for_slot: Callable[[int], Drafter | None]):
+        self.batch, self.drafter_for_slot = step, drafter_for_slot
+        self.waiting: deque[Job] = deque()
+        self.free = list(range(step.max_batch - 1, -1, -1))
+        self.active: dict[int, Job] = {}
+
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def leave(self, job: Job, error: Exception | None = None) -> None:
+        """``job`` leaves its slot (with ``error``: as failed)."""
+        if error is not None:
+            job.error = error
+        if job.slot is not None:
+            del self.active[job.slot]
+            self.free.append(job.slot)
+            job.slot = None
+
+    def step(self) -> list[StepOutput]:
+        """Admit waiting jobs into free slots, run one verify step over the active ones, commit."""
+        out: list[StepOutput] = []
+        for job in [j for j in self.active.values() if j.cancelled]:
+            self.leave(job)
+            out.append(StepOutput(job, []))
+        while self.waiting and self.free:
+            job = self.waiting.popleft()
+            if job.cancelled:
+                out.append(StepOutput(job, []))
+                continue
+            job.slot = self.free.pop()
+            self.active[job.slot] = job
+            try:
+                job.seq.drafter = self.drafter_for_slot(job.slot) if job.speculate else None
+                job.seq.start(*self.batch.prefill(job.slot, job.seq.ids))
+            except (ValueError, NonFiniteLogitsError) as e:
+                self.leave(job, e)
+                out.append(StepOutput(job, []))
+        for job in list(self.active.values()):
+            try:
+                job.seq.plan()
+            except ValueError as e:  # a drafter's bad proposal (check_draft) fails its own request
+                self.leave(job, e)
+                out.append(StepOutput(job, []))
+        if not self.active:
+            return out
+        t = time.perf_counter()
+        results = self.batch.step({slot: job.seq for slot, job in self.active.items()})
+        seconds = time.perf_counter() - t
+        for slot, (toks, n_acc, feats) in results.items():
+            job = self.active[slot]
+            if isinstance(toks, Exception):
+                self.leave(job, toks)
+                out.append(StepOutput(job, []))
+                continue
+            proposed = 0 if job.seq.draft is None else len(job.seq.draft)
+            kept = job.seq.commit(toks, n_acc, feats, verify_seconds=seconds)
+            finished = job.seq.finish is not None
+            out.append(StepOutput(job, kept, proposed, n_acc, finished))
+            if finished:
+                self.leave(job)
+        return out
 
 
 def run_batch(step: BatchStep, jobs: list[Job], drafter_for_slot: Callable[[int], Drafter | None]
               ) -> Iterator[tuple[int, list[int]]]:
-    """Continuous batching: yields (job index, kept tokens) after every step for every active job.
-    Jobs take free slots in order between steps and leave when finished. ``drafter_for_slot(slot)``
-    gives the drafter of a drafting job in that slot (set on its sequence when it starts; a job with
-    ``speculate=False`` gets none)."""
-    waiting = deque(jobs)
-    free = list(range(step.max_batch - 1, -1, -1))
-    active: dict[int, Job] = {}
-    while waiting or active:
-        while waiting and free:
-            job = waiting.popleft()
-            slot = free.pop()
-            job.seq.drafter = drafter_for_slot(slot) if job.speculate else None
-            job.seq.start(*step.prefill(slot, job.seq.ids))
-            active[slot] = job
-        for job in active.values():
-            job.seq.plan()
-        t = time.perf_counter()
-        results = step.step({slot: job.seq for slot, job in active.items()})
-        seconds = time.perf_counter() - t
-        for slot, (toks, n_acc, feats) in results.items():
-            job = active[slot]
-            yield job.index, job.seq.commit(toks, n_acc, feats, verify_seconds=seconds)
-            if job.seq.finish is not None:
-                del active[slot]
-                free.append(slot)
+    """Decode ``jobs`` to the end with continuous batching (``Scheduler``): yields (job index, kept
+    tokens) after every step for every active job. A job's failure is raised here."""
+    sched = Scheduler(step, drafter_for_slot)
+    for job in jobs:
+        sched.add(job)
+    while sched.busy:
+        for o in sched.step():
+            if o.job.error is not None:
+                raise o.job.error
+            yield o.job.index, o.tokens

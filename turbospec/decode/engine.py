@@ -227,35 +227,54 @@ class Engine:
         return Generation(completion, out, ids, stats["finish_reason"], stats)
 
     def _generate_batch(self, prompts: list, defaults: Request, chat) -> list[Generation]:
-        jobs, outs, all_stats = [], [], []
+        jobs = []
         for i, p in enumerate(prompts):
-            r = p if isinstance(p, Request) else Request(p)
-            pick = {f: getattr(defaults, f) if getattr(r, f) is None else getattr(r, f)
-                    for f in ("max_new_tokens", "temperature", "top_k", "top_p", "stop", "seed")}
             try:
-                ids, params, stop = self._request(r.prompt, chat, pick["max_new_tokens"], pick["temperature"],
-                                                  pick["top_k"], pick["top_p"], pick["stop"])
+                jobs.append(self.job(p if isinstance(p, Request) else Request(p), defaults, chat, index=i))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            speculate = bool(r.speculate) and self.drafter is not None
-            stats: dict = {}
-            # the drafter is the slot's, set when the request takes a slot (run_batch)
-            seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], stats,
-                                 self.drafter if speculate else None)
-            jobs.append(Job(i, seq, speculate))
-            outs.append([])
-            all_stats.append(stats)
         if self._shared_drafter and self.max_batch > 1 and sum(j.speculate for j in jobs) > 1:
             raise ValueError("a Drafter instance holds one request's state: pass drafter by name ('ngram', "
                              "'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")
+        outs: list[list[int]] = [[] for _ in jobs]
+        for i, new in run_batch(self.batch_step(), jobs, self.slot_drafter):
+            outs[i].extend(new)
+        return [self.generation(j, outs[j.index]) for j in jobs]
+
+    def job(self, request: Request, defaults: Request | None = None, chat: bool | None = None, index: int = 0) -> Job:
+        """A ``Request`` checked and turned into a batch job (its ids, sampling, stop strings, seed,
+        draft budget); fields left None take ``defaults``' (then ``generate``'s defaults). Raises
+        ValueError naming the bad field."""
+        defaults = defaults or Request(None)
+        base = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None)
+        pick = {}
+        for f, v in base.items():
+            for source in (request, defaults):
+                if getattr(source, f) is not None:
+                    v = getattr(source, f)
+                    break
+            pick[f] = v
+        ids, params, stop = self._request(request.prompt, chat, pick["max_new_tokens"], pick["temperature"],
+                                          pick["top_k"], pick["top_p"], pick["stop"])
+        speculate = bool(request.speculate) and self.drafter is not None
+        # the drafter is the slot's, set when the request takes a slot (Scheduler)
+        seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], {},
+                             self.drafter if speculate else None)
+        return Job(index, seq, speculate)
+
+    def batch_step(self) -> BatchStep:
+        """The target side of batched decoding (built on first use: a KV cache of max_batch slots)."""
         if self._batch is None:
             self._batch = BatchStep(self.target, self.max_batch, self.max_seq_len,
                                     None if self.drafter is None else self.drafter.features)
-        for i, new in run_batch(self._batch, jobs, self._slot_drafter):
-            outs[i].extend(new)
-        return [self._generation(j.seq.ids, outs[j.index], all_stats[j.index]) for j in jobs]
+        return self._batch
 
-    def _slot_drafter(self, slot: int) -> Drafter | None:
+    def generation(self, job: Job, out: list[int]) -> Generation:
+        """A finished job's ``Generation`` (``out``: the tokens it kept)."""
+        return self._generation(job.seq.ids, out, job.seq.stats)
+
+    def slot_drafter(self, slot: int) -> Drafter | None:
+        """The drafter of batch slot ``slot`` (one per slot, built on first use)."""
         if slot not in self._slot_drafters:
             self._slot_drafters[slot] = self._new_drafter()
         return self._slot_drafters[slot]

@@ -1,0 +1,156 @@
+"""AsyncEngine: requests submitted from asyncio while others decode, each equal to itself alone;
+cancellation frees the slot; a full queue is refused; a failing step fails only its requests."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from turbospec import Engine, Request
+from turbospec.serve import AsyncEngine, QueueFullError
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(make_tiny_model(), drafter="ngram", tokenizer=make_tiny_tokenizer(), max_batch=4,
+                  max_seq_len=256)
+
+
+def prompt(i: int) -> str:
+    # repeats inside each prompt, so that prompt lookup proposes (and some drafts are accepted)
+    words = [f"w{(i * 11 + j * 5) % 256}" for j in range(3 + i % 4)]
+    return " ".join(words * 3)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_concurrent_streams_equal_alone(engine):
+    """12 requests through 4 slots, arriving at different times: each stream's text and ids equal the
+    request decoded alone (greedy and seeded sampling); the streamed text equals the final text."""
+    reqs = [Request(prompt(i), max_new_tokens=N_NEW - i, temperature=0.0 if i % 3 else 0.9, seed=100 + i)
+            for i in range(12)]
+    alone = [engine.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=r.seed)
+             for r in reqs]
+
+    async def main():
+        async with AsyncEngine(engine) as served:
+            async def one(i, r):
+                await asyncio.sleep(0.003 * i)  # staggered arrivals: joins while others decode
+                parts, ids, last = [], [], None
+                async for d in served.stream(r):
+                    parts.append(d.text)
+                    ids.extend(d.token_ids)
+                    last = d
+                return "".join(parts), ids, last
+            out = await asyncio.gather(*(one(i, r) for i, r in enumerate(reqs)))
+            return out, served.counters
+    out, counters = run(main())
+    for (txt, ids, last), a in zip(out, alone):
+        assert ids == a.token_ids == last.generation.token_ids
+        assert txt == a.text == last.generation.text
+        assert last.finish_reason == a.finish_reason
+    assert counters.tokens == sum(len(a.token_ids) for a in alone)
+    assert counters.finished == {"length": 12}
+    assert counters.draft_accepted > 0  # the drafts really took part
+
+
+def test_stop_string_stream(engine):
+    full = engine.generate(prompt(1), max_new_tokens=N_NEW)
+    words = full.text.split()
+    stop = " " + words[5]
+    want = engine.generate(prompt(1), max_new_tokens=N_NEW, stop=stop)
+    assert want.finish_reason == "stop"
+
+    async def main():
+        async with AsyncEngine(engine) as served:
+            parts, last = [], None
+            async for d in served.stream(prompt(1), max_new_tokens=N_NEW, stop=stop):
+                parts.append(d.text)
+                last = d
+            return "".join(parts), last
+    txt, last = run(main())
+    assert txt == want.text and stop not in txt
+    assert last.finish_reason == "stop"
+
+
+def test_cancel_frees_the_slot(engine):
+    """Leaving the ``async for`` cancels the request: counted as aborted, slot free, next one runs."""
+    async def main():
+        async with AsyncEngine(engine) as served:
+            n = 0
+            async for _ in served.stream(prompt(2), max_new_tokens=200):
+                n += 1
+                if n == 2:
+                    break
+            for _ in range(200):
+                if served.running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            running = served.running
+            g = await served.generate(prompt(3), max_new_tokens=8)
+            return running, served.counters.finished, g
+    running, finished, g = run(main())
+    assert running == 0
+    assert finished.get("abort") == 1
+    assert g.token_ids == engine.generate(prompt(3), max_new_tokens=8).token_ids
+
+
+def test_queue_full_and_bad_requests(engine):
+    async def main():
+        async with AsyncEngine(engine, max_waiting=0) as served:
+            with pytest.raises(ValueError, match="temperature"):
+                served.submit(Request(prompt(0), temperature=-1.0))
+            with pytest.raises(ValueError, match="max_new_tokens"):
+                served.submit(Request(prompt(0), max_new_tokens=0))
+            with pytest.raises(ValueError, match="exceeds the KV cache"):
+                served.submit(Request(prompt(0), max_new_tokens=10_000))
+            jobs = [served.submit(Request(prompt(i), max_new_tokens=100)) for i in range(4)]  # fill the 4 slots
+            with pytest.raises(QueueFullError, match="max_waiting"):
+                served.submit(Request(prompt(5), max_new_tokens=4))
+            for job, _ in jobs:
+                served.cancel(job)
+            return served.counters
+    run(main())
+    with pytest.raises(ValueError, match="max_waiting"):
+        AsyncEngine(engine, max_waiting=-1)
+
+
+def test_failed_step_fails_its_requests_only(engine):
+    """A step that raises (a bug, simulated) fails the requests in it; the engine keeps serving."""
+    async def main():
+        async with AsyncEngine(engine) as served:
+            batch = served._sched.batch
+            real = batch.step
+            calls = {"n": 0}
+
+            def flaky(rows):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("simulated kernel failure")
+                return real(rows)
+            batch.step = flaky
+            try:
+                with pytest.raises(RuntimeError, match="simulated kernel failure"):
+                    await served.generate(prompt(4), max_new_tokens=8)
+                g = await served.generate(prompt(4), max_new_tokens=8)
+            finally:
+                del batch.step
+            return g, served.counters.finished
+    g, finished = run(main())
+    assert g.token_ids == engine.generate(prompt(4), max_new_tokens=8).token_ids
+    assert finished == {"error": 1, "length": 1}
+
+
+def test_closed_engine_refuses(engine):
+    served = AsyncEngine(engine)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="not running"):
+            served.submit(Request(prompt(0)))
+    run(main())

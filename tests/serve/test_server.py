@@ -1,0 +1,304 @@
+"""``turbospec serve``: the real server on 127.0.0.1 (a free port), talked to with the official
+``openai`` client and raw HTTP: streaming and not, 16 concurrent streams each equal to the request
+decoded alone (fp32 greedy), seeded sampling, stop strings, speculation off per request, a client
+that disconnects mid-stream, every kind of bad request, a full queue, a failing step, ``/metrics``."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from turbospec import Engine
+from turbospec.serve.server import create_app
+
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+MODEL = "tiny"
+MAX_BATCH = 4
+# a chat template for the word-level test tokenizer: "w1" opens a turn, "w2" closes it, "w3" is the
+# assistant's role; the words of the content follow
+CHAT_TEMPLATE = ("{% for m in messages %}w1 {{ 'w3' if m['role'] == 'assistant' else 'w4' }} {{ m['content'] }} w2 "
+                 "{% endfor %}{% if add_generation_prompt %}w1 w3 {% endif %}")
+
+
+def prompt(i: int) -> str:
+    words = [f"w{(i * 13 + j * 7) % 250 + 5}" for j in range(3 + i % 5)]
+    return " ".join(words * 3)  # repeats: prompt lookup proposes, some drafts are accepted
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return Engine(make_tiny_model(), drafter="ngram", tokenizer=tok, max_batch=MAX_BATCH, max_seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(engine, MODEL, max_waiting=64)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if srv.started:
+            break
+        time.sleep(0.01)
+    assert srv.started, "the server did not start"
+    yield f"http://127.0.0.1:{port}", app
+    srv.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metrics(base: str) -> dict:
+    """/metrics as {name: value} ({name: {label: value}} for labelled ones)."""
+    text = httpx.get(base + "/metrics").text
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.labels and not s.name.endswith(("_bucket",)):
+                out.setdefault(s.name, {})[next(iter(s.labels.values()))] = s.value
+            elif not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+def alone(engine, p, chat=False, **kw):
+    return engine.generate(p, chat=chat, **kw)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(server[0] + "/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_completion_equals_alone(server, client, engine):
+    want = alone(engine, prompt(0), max_new_tokens=20)
+    r = client.completions.create(model=MODEL, prompt=prompt(0), max_tokens=20, temperature=0)
+    assert r.choices[0].text == want.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.usage.completion_tokens == len(want.token_ids) == 20
+    # token ids as the prompt
+    r = client.completions.create(model=MODEL, prompt=want.prompt_token_ids, max_tokens=20, temperature=0)
+    assert r.choices[0].text == want.text
+
+
+def test_chat_stream_equals_alone(server, client, engine):
+    messages = [{"role": "user", "content": prompt(1)}]
+    want = alone(engine, messages, max_new_tokens=24)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage.completion_tokens == 24 and chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+    # not streamed
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+
+
+def test_16_concurrent_streams_equal_alone(server, client, engine):
+    """16 streams at once through 4 slots (requests wait, join and leave): every stream's text equals
+    the request decoded alone, greedy fp32; the metrics count every token."""
+    before = metrics(server[0])
+    n_new = [12 + (i * 5) % 17 for i in range(16)]
+    wants = [alone(engine, prompt(i), max_new_tokens=n_new[i]).text for i in range(16)]
+
+    def one(i):
+        s = client.completions.create(model=MODEL, prompt=prompt(i), max_tokens=n_new[i], temperature=0,
+                                      stream=True)
+        return "".join(c.choices[0].text for c in s if c.choices)
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == wants
+    after = metrics(server[0])
+    assert after["turbospec_generation_tokens_total"] - before["turbospec_generation_tokens_total"] == sum(n_new)
+    proposed = after["turbospec_draft_tokens_proposed_total"] - before["turbospec_draft_tokens_proposed_total"]
+    accepted = after["turbospec_draft_tokens_accepted_total"] - before["turbospec_draft_tokens_accepted_total"]
+    assert 0 < accepted <= proposed
+    assert after["turbospec_tau"] > 1.0  # accepted drafts: more than one token per request-step
+    assert after["turbospec_requests_running"] == 0 and after["turbospec_requests_waiting"] == 0
+    assert after["turbospec_requests_finished_total"]["length"] - \
+        before.get("turbospec_requests_finished_total", {}).get("length", 0) == 16
+    assert after["turbospec_step_seconds_count"] > before.get("turbospec_step_seconds_count", 0)
+    assert set(after["turbospec_acceptance_rate"]) >= {"1"}
+
+
+def test_seeded_sampling_stop_and_speculate_off(server, client, engine):
+    want = alone(engine, prompt(2), max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+    r = client.completions.create(model=MODEL, prompt=prompt(2), max_tokens=20, temperature=0.8, top_p=0.9,
+                                  seed=7, extra_body={"top_k": 50})
+    assert r.choices[0].text == want.text
+    full = alone(engine, prompt(3), max_new_tokens=20)
+    stop = " " + full.text.split()[4]
+    want = alone(engine, prompt(3), max_new_tokens=20, stop=stop)
+    r = client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    before = metrics(server[0])["turbospec_draft_tokens_proposed_total"]
+    r = client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=20, temperature=0,
+                                  extra_body={"speculate": False})
+    assert r.choices[0].text == full.text
+    assert metrics(server[0])["turbospec_draft_tokens_proposed_total"] == before  # no drafts
+
+
+def slow_steps(app, seconds: float):
+    """Slow every batch step down (so a long request is still running when the test acts)."""
+    served = app.state.served
+    hook = served.on_step
+
+    def slow(outputs, s):
+        hook(outputs, s)
+        time.sleep(seconds)
+    served.on_step = slow
+    return hook
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
+    base, app = server
+    hook = slow_steps(app, 0.02)
+    try:
+        before = metrics(base)
+        aborted = before.get("turbospec_requests_finished_total", {}).get("abort", 0)
+        body = {"model": MODEL, "prompt": prompt(4), "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["text"]
+        # the client has gone; the request leaves the batch at the next step (200 tokens at 20 ms
+        # per step would take seconds)
+        for _ in range(300):
+            m = metrics(base)
+            if m.get("turbospec_requests_finished_total", {}).get("abort", 0) > aborted:
+                break
+            time.sleep(0.01)
+        assert m["turbospec_requests_running"] == 0
+        assert m["turbospec_requests_finished_total"]["abort"] == aborted + 1
+        # it left long before its 200 tokens
+        assert m["turbospec_generation_tokens_total"] - before["turbospec_generation_tokens_total"] < 100
+    finally:
+        app.state.served.on_step = hook
+    r = client.completions.create(model=MODEL, prompt=prompt(5), max_tokens=8, temperature=0)
+    assert r.choices[0].text == alone(engine, prompt(5), max_new_tokens=8).text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "gpt-4", "prompt": "w5"}, "model"),
+    ({"prompt": "w5"}, "model"),
+    ({"model": MODEL, "prompt": "w5", "temperature": -0.5}, "temperature"),
+    ({"model": MODEL, "prompt": "w5", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "prompt": "w5", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "w5", "top_k": 1.5}, "top_k"),
+    ({"model": MODEL, "prompt": "w5", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "w5", "max_tokens": 10_000}, "max_tokens"),
+    ({"model": MODEL, "prompt": "w5", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": MODEL, "prompt": "w5", "stop": 3}, "stop"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": 2}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "stream": "yes"}, "stream"),
+    ({"model": MODEL, "prompt": "w5", "speculate": "no"}, "speculate"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
+    ({"model": MODEL, "prompt": [1, 999]}, None),                           # id outside the vocabulary
+    ({"model": MODEL, "prompt": " ".join(["w5"] * 250), "max_tokens": 20}, None),  # too long for the cache
+])
+def test_bad_completion_requests(server, body, param):
+    r = httpx.post(server[0] + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+    if param is not None:
+        assert param in err["message"]
+
+
+def test_bad_chat_and_malformed_requests(server, client):
+    base = server[0]
+    for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": "hi"},
+                 {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+                 {"model": MODEL, "messages": [{"content": "w5"}]}):
+        r = httpx.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(base + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": " ".join(["w5"] * 250), "max_tokens": 20})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:  # the official client sees the OpenAI shape
+        client.completions.create(model="nope", prompt="w5")
+    assert e.value.status_code == 400 and "nope" in str(e.value)
+    assert httpx.get(base + "/v1/nothing").status_code == 404
+    # the server is still fine
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_full_queue_is_refused_not_hung(server, client):
+    base, app = server
+    served = app.state.served
+    hook, max_waiting = slow_steps(app, 0.02), served.max_waiting
+    served.max_waiting = 1
+    streams = []
+    try:
+        body = {"model": MODEL, "prompt": prompt(6), "max_tokens": 200, "temperature": 0, "stream": True}
+        for _ in range(MAX_BATCH + 1):  # every slot busy and one waiting
+            s = httpx.stream("POST", base + "/v1/completions", json=body, timeout=30)
+            streams.append(s)
+            assert s.__enter__().status_code == 200
+        t = time.perf_counter()
+        r = httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert time.perf_counter() - t < 5
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+        served.on_step, served.max_waiting = hook, max_waiting
+    for _ in range(300):
+        if metrics(base)["turbospec_requests_running"] == 0:
+            break
+        time.sleep(0.01)
+    r = client.completions.create(model=MODEL, prompt=prompt(7), max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine):
+    base, app = server
+    batch = app.state.served._sched.batch
+    real = batch.step
+
+    def broken(rows):
+        raise RuntimeError("simulated kernel failure")
+    batch.step = broken
+    try:
+        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt(8), "max_tokens": 8})
+        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
+        body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 8, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert "simulated kernel failure" in json.loads(events[-1][6:])["error"]["message"]
+    finally:
+        batch.step = real
+    r = client.completions.create(model=MODEL, prompt=prompt(8), max_tokens=8, temperature=0)
+    assert r.choices[0].text == alone(engine, prompt(8), max_new_tokens=8).text
+    assert metrics(base)["turbospec_requests_finished_total"]["error"] >= 2

@@ -1,0 +1,161 @@
+"""The OpenAI API's request and response bodies, checked by hand so that every bad request gets the
+OpenAI error shape (``{"error": {"message", "type", "param", "code"}}``) with status 400 naming the
+field, the value and what is allowed."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..decode.batch import Request
+
+FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}  # turbospec -> OpenAI
+
+
+class APIError(Exception):
+    """An error the client gets as ``{"error": {...}}`` with HTTP ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    """A checked request: what the engine decodes and how to answer."""
+    request: Request
+    chat: bool                  # /v1/chat/completions (messages -> chat template)
+    stream: bool
+    include_usage: bool         # stream_options.include_usage
+    model: str
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
+    v = body.get(name)
+    if v is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok or not ((lo < v) if lo_open else (lo <= v)) or v > hi:
+        lo_s = f"> {lo}" if lo_open else f">= {lo}"
+        raise APIError(f"{name} must be {kind} {lo_s} and <= {hi}, got {v!r}", param=name)
+    return v
+
+
+def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
+    """Check an OpenAI completions (``chat=False``) or chat completions body; raises ``APIError``."""
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if model is None:
+        raise APIError("model is required", param="model")
+    if model != served_model:
+        raise APIError(f"model {model!r} is not served here; available: [{served_model!r}]", param="model",
+                       code="model_not_found")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise APIError("messages must be a non-empty list of {role, content} objects", param="messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(f"messages[{i}] must be an object with a string role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text is understood
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+                m = {**m, "content": "".join(p["text"] for p in content)}
+                messages[i] = m
+            elif not isinstance(content, str):
+                raise APIError(f"messages[{i}].content must be a string or a list of text parts",
+                               param="messages")
+        prompt = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list (n=1 batch)
+        ok = (isinstance(prompt, str) and prompt) or (
+            isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        if not ok:
+            raise APIError("prompt must be a non-empty string or a non-empty list of token ids (one prompt)",
+                           param="prompt")
+    n = body.get("n", 1)
+    if n != 1:
+        raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
+    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix", "logit_bias"):
+        if body.get(name):
+            raise APIError(f"{name} is not supported by this server", param=name)
+    if body.get("best_of") not in (None, 1):
+        raise APIError(f"best_of must be 1, got {body.get('best_of')!r}", param="best_of")
+    limit = max_seq_len - 1
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None:
+        max_tokens = _number(body, name, None, 1, limit, integer=True)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = body.get("top_k")
+    if top_k == -1:  # "off" in vLLM's convention
+        top_k = 0
+    top_k = _number({"top_k": top_k}, "top_k", 0, 0, 1 << 30, integer=True)
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    if seed is not None and seed < 0:
+        seed = seed + (1 << 64)  # a generator seed is unsigned
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+            raise APIError(f"stop must be a non-empty string or a list of up to 4 of them, got {stop!r}", param="stop")
+        stop = stops or None
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIError(f"stream must be true or false, got {stream!r}", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError("stream_options must be an object", param="stream_options")
+    speculate = body.get("speculate", True)
+    if not isinstance(speculate, bool):
+        raise APIError(f"speculate must be true or false, got {speculate!r}", param="speculate")
+    request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate)
+    return Parsed(request, chat, stream, bool(options.get("include_usage")), model)
+
+
+def completion_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def chunk(cid: str, model: str, chat: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
+    """One streamed chunk (``text`` None: no content in this chunk)."""
+    if chat:
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [choice]}
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [choice]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(cid: str, model: str, chat: bool, text: str, finish: str, prompt_tokens: int,
+               completion_tokens: int) -> dict:
+    """A whole (non-streamed) response."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}

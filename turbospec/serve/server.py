@@ -1,0 +1,168 @@
+"""``turbospec serve``: an OpenAI-compatible HTTP server over an ``AsyncEngine`` (FastAPI + uvicorn,
+server-sent events for streaming, Prometheus metrics).
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not; ``usage``;
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``n=1``; the extra
+field ``"speculate": false`` turns speculation off for a request), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. A bad request gets the OpenAI error shape with status 400; a full
+queue 429; a request that fails inside the engine 500 (or an error event in its stream). A client
+that disconnects mid-stream cancels its request: its slot is free at the next step.
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from ..decode.engine import Engine
+from . import protocol
+from .async_engine import AsyncEngine, QueueFullError
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def create_app(engine: Engine, model_name: str, max_waiting: int = 64) -> FastAPI:
+    """The server's FastAPI app; the engine's worker starts and stops with the app."""
+    served = AsyncEngine(engine, max_waiting=max_waiting)
+    metrics = ServerMetrics(served)
+    served.on_step = metrics.on_step
+
+    @asynccontextmanager
+    async def lifespan(app):
+        served.start()
+        yield
+        served.close()
+
+    app = FastAPI(title="turbospec", lifespan=lifespan)
+    app.state.served, app.state.metrics, app.state.model_name = served, metrics, model_name
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return _error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return _error(APIError(str(e.detail), status=e.status_code, code=str(e.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        return _error(APIError(str(e), status=400))
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        return _error(APIError(f"internal error: {e!r}", status=500, type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        if served._error is not None or served._thread is None:
+            return _error(APIError("the engine is not running", status=503, type="server_error"))
+        return {"status": "ok", "running": served.running, "waiting": served.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "turbospec", "max_model_len": engine.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await _complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await _complete(request, chat=True)
+
+    async def _complete(http: HTTPRequest, chat: bool):
+        t0 = time.perf_counter()
+        raw = await http.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(f"the request body is not valid JSON: {e}") from None
+        parsed = protocol.parse(body, chat, model_name, engine.max_seq_len)
+        r = parsed.request
+        try:
+            ids = engine.encode(r.prompt, chat=chat)
+            if r.max_new_tokens is None:  # as many as the cache holds after the prompt
+                r.max_new_tokens = max(1, engine.max_seq_len - len(ids))
+            r.prompt = ids
+            job, queue = served.submit(r, chat=False)
+        except QueueFullError as e:
+            raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+        except ValueError as e:
+            code = "context_length_exceeded" if "exceeds the KV cache" in str(e) else None
+            raise APIError(str(e), code=code) from None
+        cid = protocol.completion_id(chat)
+        deltas = served.follow(job, queue)
+        if not parsed.stream:
+            parts, gen = [], None
+            try:
+                async for d in deltas:
+                    if d.token_ids and not parts and gen is None:
+                        metrics.ttft_seconds.observe(time.perf_counter() - t0)
+                    parts.append(d.text)
+                    gen = d.generation or gen
+            finally:
+                if not job.done:
+                    served.cancel(job)
+            if gen is None:
+                raise APIError("the request was cancelled", status=500, type="server_error")
+            metrics.request_seconds.observe(time.perf_counter() - t0)
+            return protocol.completion(cid, model_name, chat, gen.text, protocol.FINISH_REASON[gen.finish_reason],
+                                       len(ids), len(gen.token_ids))
+
+        async def events():
+            n_out, first = 0, True
+            try:
+                if chat:
+                    yield _sse(protocol.chunk(cid, model_name, chat, "", None, role=True))
+                async for d in deltas:
+                    if d.token_ids and first:
+                        metrics.ttft_seconds.observe(time.perf_counter() - t0)
+                        first = False
+                    n_out += len(d.token_ids)
+                    if d.text:
+                        yield _sse(protocol.chunk(cid, model_name, chat, d.text, None))
+                    if d.finish_reason is not None:
+                        yield _sse(protocol.chunk(cid, model_name, chat, None if chat else "",
+                                                  protocol.FINISH_REASON[d.finish_reason]))
+                if parsed.include_usage:
+                    yield _sse({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": int(time.time()), "model": model_name, "choices": [],
+                                "usage": protocol.usage(len(ids), n_out)})
+                metrics.request_seconds.observe(time.perf_counter() - t0)
+                yield "data: [DONE]\n\n"
+            except Exception as e:  # the request failed inside the engine: say so in the stream
+                yield _sse(APIError(f"the request failed: {e}", status=500, type="server_error").body())
+            finally:  # a client that went away: its request leaves the batch at the next step
+                if not job.done:
+                    served.cancel(job)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app
+
+
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until interrupted (``sockets``: already bound sockets to use)."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server.run(sockets=sockets)
