@@ -16,8 +16,10 @@ N_NEW = 24
 
 @pytest.fixture(scope="module")
 def engine():
+    # adaptive=False: every step drafts (the tests check that drafts take part; the load-aware
+    # budget, which may switch drafting off on timings, has its own tests)
     return Engine(make_tiny_model(), drafter="ngram", tokenizer=make_tiny_tokenizer(), max_batch=4,
-                  max_seq_len=256)
+                  max_seq_len=256, adaptive=False)
 
 
 def prompt(i: int) -> str:

@@ -38,7 +38,9 @@ def prompt(i: int) -> str:
 def engine():
     tok = make_tiny_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    return Engine(make_tiny_model(), drafter="ngram", tokenizer=tok, max_batch=MAX_BATCH, max_seq_len=256)
+    # adaptive=False: every step drafts (the tests check that drafts take part)
+    return Engine(make_tiny_model(), drafter="ngram", tokenizer=tok, max_batch=MAX_BATCH, max_seq_len=256,
+                  adaptive=False)
 
 
 @pytest.fixture(scope="module")

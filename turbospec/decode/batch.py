@@ -5,8 +5,9 @@ from prefill to finish; nothing is copied between slots) and one verify step ove
 active request's root + drafts (a chain or a tree, its own length; shorter rows are padded with nodes
 that attend only themselves and carry draft id -1, which ``verify`` never accepts), one fixed-shape
 target pass (``Transformer.forward_static``: per-row prefix lengths), one ``verify`` with per-row
-sampling parameters, one ``compact_kv``, one host read for all rows. Idle slots ride along as
-one-node padding rows.
+sampling parameters, one ``compact_kv``, one host read for all rows. The pass covers the slots up to
+the highest active one (requests take the lowest free slot); idle slots below it ride along as
+one-node padding rows. (A CUDA-graph build would bucket that row count as it buckets node counts.)
 
 ``Scheduler`` is continuous batching: requests wait in order, take a free slot between steps (their
 prompt is prefilled into it alone), and leave when they finish (or fail, or are cancelled), freeing the
@@ -20,6 +21,7 @@ the same tokens as alone with the same seed).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from torch import Tensor
 
 from .. import ops
 from ..drafters.base import Drafter
+from ..drafters.budget import BatchBudget
 from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops import nvtx
@@ -60,7 +63,9 @@ class BatchStep:
         """One verify pass over the planned drafts of ``rows`` (slot -> request). Returns, per slot,
         (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes);
         a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens."""
-        bsz, dev = self.max_batch, self.target.device
+        # the pass covers slots [0, highest active slot]: idle slots below it ride along as one-node
+        # padding rows, those above it cost nothing (the scheduler fills the lowest free slot first)
+        bsz, dev = max(rows) + 1, self.target.device
         n = max(1 + (0 if s.draft is None else len(s.draft)) for s in rows.values())
         ids = torch.zeros(bsz, n, dtype=torch.int64)
         draft_ids = torch.full((bsz, n), -1, dtype=torch.int64)
@@ -107,7 +112,8 @@ class BatchStep:
                                      "probabilities; verify takes one kind per pass")
         ids, positions, packed, cache_len_d = (t.to(dev) for t in (ids, positions, packed, cache_len))
         with nvtx.range("verify"):
-            out = self.target.forward_static(ids, positions, self.cache, cache_len_d, packed, self.features)
+            out = self.target.forward_static(ids, positions, self.cache.rows(0, bsz), cache_len_d, packed,
+                                             self.features)
         logits, feats = (out, None) if self.features is None else out
         with nvtx.range("accept"):
             accept_len, accept_index, emitted = ops.verify(
@@ -116,7 +122,7 @@ class BatchStep:
             host = torch.cat((accept_len, emitted.flatten())).tolist()  # the one host read of the step
         if trees:
             with nvtx.range("compact"):
-                ops.compact_kv(self.cache.tensors(), cache_len_d, accept_index, accept_len)
+                ops.compact_kv(self.cache.rows(0, bsz).tensors(), cache_len_d, accept_index, accept_len)
         results = {}
         for b in rows:
             n_acc = host[b]
@@ -188,10 +194,11 @@ class Scheduler:
     deque append and a flag). A failure that belongs to one job (its prompt, its drafter, its
     non-finite logits) fails that job only; anything else propagates."""
 
-    def __init__(self, step: BatchStep, drafter_for_slot: Callable[[int], Drafter | None]):
-        self.batch, self.drafter_for_slot = step, drafter_for_slot
+    def __init__(self, step: BatchStep, drafter_for_slot: Callable[[int], Drafter | None],
+                 budget: BatchBudget | None = None):
+        self.batch, self.drafter_for_slot, self.budget = step, drafter_for_slot, budget
         self.waiting: deque[Job] = deque()
-        self.free = list(range(step.max_batch - 1, -1, -1))
+        self.free = list(range(step.max_batch))  # a heap: the lowest free slot is taken first
         self.active: dict[int, Job] = {}
 
     def add(self, job: Job) -> None:
@@ -207,7 +214,7 @@ class Scheduler:
             job.error = error
         if job.slot is not None:
             del self.active[job.slot]
-            self.free.append(job.slot)
+            heapq.heappush(self.free, job.slot)
             job.slot = None
 
     def step(self) -> list[StepOutput]:
@@ -221,7 +228,7 @@ class Scheduler:
             if job.cancelled:
                 out.append(StepOutput(job, []))
                 continue
-            job.slot = self.free.pop()
+            job.slot = heapq.heappop(self.free)
             self.active[job.slot] = job
             try:
                 job.seq.drafter = self.drafter_for_slot(job.slot) if job.speculate else None
@@ -229,9 +236,10 @@ class Scheduler:
             except (ValueError, NonFiniteLogitsError) as e:
                 self.leave(job, e)
                 out.append(StepOutput(job, []))
+        k = self._draft_length()
         for job in list(self.active.values()):
             try:
-                job.seq.plan()
+                job.seq.plan(k if self._budgeted(job) else None)
             except ValueError as e:  # a drafter's bad proposal (check_draft) fails its own request
                 self.leave(job, e)
                 out.append(StepOutput(job, []))
@@ -240,6 +248,9 @@ class Scheduler:
         t = time.perf_counter()
         results = self.batch.step({slot: job.seq for slot, job in self.active.items()})
         seconds = time.perf_counter() - t
+        if self.budget is not None:
+            n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in self.active.values())
+            self.budget.record((max(self.active) + 1) * n, seconds)
         for slot, (toks, n_acc, feats) in results.items():
             job = self.active[slot]
             if isinstance(toks, Exception):
@@ -255,11 +266,24 @@ class Scheduler:
         return out
 
 
-def run_batch(step: BatchStep, jobs: list[Job], drafter_for_slot: Callable[[int], Drafter | None]
-              ) -> Iterator[tuple[int, list[int]]]:
+    def _budgeted(self, job: Job) -> bool:
+        """Does the batch budget set this job's draft length? (Drafting rows whose lengths may follow
+        timings; a seeded sampled request keeps its own untimed budget: output as alone.)"""
+        return self.budget is not None and job.seq.drafter is not None and job.seq.budget.timed
+
+    def _draft_length(self) -> int | None:
+        if self.budget is None or not self.active:
+            return None
+        drafting = [(j.seq.budget.accept_rate, j.seq.budget.draft_cost())
+                    for j in self.active.values() if self._budgeted(j)]
+        return self.budget.choose(max(self.active) + 1, len(self.active) - len(drafting), drafting)
+
+
+def run_batch(step: BatchStep, jobs: list[Job], drafter_for_slot: Callable[[int], Drafter | None],
+              budget: BatchBudget | None = None) -> Iterator[tuple[int, list[int]]]:
     """Decode ``jobs`` to the end with continuous batching (``Scheduler``): yields (job index, kept
     tokens) after every step for every active job. A job's failure is raised here."""
-    sched = Scheduler(step, drafter_for_slot)
+    sched = Scheduler(step, drafter_for_slot, budget)
     for job in jobs:
         sched.add(job)
     while sched.busy:

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from ..drafters.budget import DraftBudget
+from ..drafters.budget import BatchBudget, DraftBudget
 from ..drafters.base import Drafter
 from ..drafters.factory import DRAFTERS, DraftSettings, auto_drafter, drafter_builder
 from ..model.loader import default_model_path, load_model, load_tokenizer, parse_dtype
@@ -120,6 +120,7 @@ class Engine:
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time
         self.drafter = self._new_drafter()
         self._batch: BatchStep | None = None  # built by the first batch
+        self._batch_budget: BatchBudget | None = None
         self._slot_drafters: dict[int, Drafter | None] = {}
         self.verifier = VerifyStep(self.target, max_seq_len, None if self.drafter is None else self.drafter.features,
                                    static=static, graphs=cuda_graphs)
@@ -237,7 +238,7 @@ class Engine:
             raise ValueError("a Drafter instance holds one request's state: pass drafter by name ('ngram', "
                              "'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")
         outs: list[list[int]] = [[] for _ in jobs]
-        for i, new in run_batch(self.batch_step(), jobs, self.slot_drafter):
+        for i, new in run_batch(self.batch_step(), jobs, self.slot_drafter, self.batch_budget()):
             outs[i].extend(new)
         return [self.generation(j, outs[j.index]) for j in jobs]
 
@@ -268,6 +269,12 @@ class Engine:
             self._batch = BatchStep(self.target, self.max_batch, self.max_seq_len,
                                     None if self.drafter is None else self.drafter.features)
         return self._batch
+
+    def batch_budget(self) -> BatchBudget:
+        """The draft length of batched steps (kept across calls: it holds the measured pass costs)."""
+        if self._batch_budget is None:
+            self._batch_budget = BatchBudget(self.num_draft if self.drafter is not None else 0, self.adaptive)
+        return self._batch_budget
 
     def generation(self, job: Job, out: list[int]) -> Generation:
         """A finished job's ``Generation`` (``out``: the tokens it kept)."""

@@ -79,10 +79,14 @@ class Sequence:
             self.drafter.begin(self.tokens, features=features)
         self.t_prefill = time.perf_counter() - self.t0
 
-    def plan(self) -> Draft | None:
-        """The draft for the next verify step (None: a plain step)."""
+    def plan(self, k: int | None = None) -> Draft | None:
+        """The draft for the next verify step (None: a plain step): ``k`` tokens at most when given
+        (a batch's budget), else what this request's own budget chooses."""
         remaining = self.max_new_tokens - self.emitted
-        k = min(self.budget.choose(), remaining - 1) if self.drafter is not None else 0
+        if self.drafter is None:
+            k = 0
+        else:
+            k = min(self.budget.choose() if k is None else k, remaining - 1)
         t1 = time.perf_counter()
         with nvtx.range("draft"):
             draft = self.drafter.propose(self.tokens, k, self.params, self.generator) if k > 0 else None

@@ -100,6 +100,10 @@ class DraftBudget:
             self._cost = [(1.0 + slope * k if v is None else v) + k * per_token for k, v in zip(ks, verify)]
         return self._cost
 
+    def draft_cost(self) -> float:
+        """Measured draft seconds per drafted token (0 before anything is measured)."""
+        return self._median(self.draft_time) if self.draft_time else 0.0
+
     def expected_tokens(self, k: int) -> float:
         a = min(self.accept_rate, 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
@@ -209,3 +213,78 @@ class DepthBudget:
             if v is not None and v > 0:
                 old = getattr(self, name)
                 setattr(self, name, v if old == 0.0 else 0.8 * old + 0.2 * v)
+
+
+class BatchBudget:
+    """The draft length of a batched step, from measured acceptance per request and the measured
+    cost of the batched verify pass.
+
+    Every row of a pass is padded to the longest one, so the pass costs V(R * (k + 1)) for R rows
+    and drafts of k tokens: V is measured as a function of the tokens in the pass (the lower median
+    of its last 5 passes; unmeasured sizes linear between measured neighbours, beyond them a mild
+    slope). One length k serves the drafting rows; it is the k in [0, max_draft] with the best
+    expected tokens per second of the whole step:
+
+        (plain rows + sum over drafting rows of E_r(k)) / (V(R * (k + 1)) + k * sum_r draft_r)
+
+    with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) from row r's own acceptance rate a_r and draft_r its
+    measured draft time per token. A full batch of a compute-bound target makes V grow with every
+    token, so k falls, down to 0 (plain batched decode) when drafting no longer pays. While off,
+    1 token is drafted after 4, 8, ... 64 plain steps so acceptance and cost are measured again;
+    every 8th drafting step tries a neighbouring length to keep those costs fresh.
+
+    Only rows whose lengths may follow timings use it (greedy rows and unseeded sampling): a seeded
+    sampled row keeps its own untimed budget, so its output stays that of the request alone."""
+    SAMPLES = 5
+    VERIFY_SLOPE = 0.03
+    EXPLORE_EVERY = 8
+    MAX_PROBE_INTERVAL = 64
+
+    def __init__(self, max_draft: int, adaptive: bool = True):
+        self.max_draft, self.adaptive = max_draft, adaptive
+        self.verify_time: dict[int, list[float]] = {}  # tokens in the pass -> last seconds
+        self._off_steps, self._probe_interval, self._drafting_steps = 0, 4, 0
+
+    def verify_costs(self, sizes: list[int]) -> list[float | None]:
+        """Seconds of a pass of each size in ``sizes`` (None before anything is measured)."""
+        measured = {t: DraftBudget._median(v) for t, v in self.verify_time.items()}
+        lo, hi = min(sizes), max(sizes)
+        filled = _fill(measured, range(lo, hi + 1), lambda x, x0, t0: t0 * (1.0 + self.VERIFY_SLOPE * (x - x0)))
+        return [filled[t - lo] for t in sizes]
+
+    def choose(self, rows_in_pass: int, plain_rows: int, drafting: list[tuple[float, float]]) -> int:
+        """k for this step. ``drafting``: (acceptance rate, draft seconds per token) of each row
+        that drafts by this budget; ``plain_rows``: the other active rows (one token each)."""
+        if not self.adaptive or self.max_draft == 0 or not drafting:
+            return self.max_draft if drafting else 0
+        ks = range(self.max_draft + 1)
+        verify = self.verify_costs([rows_in_pass * (k + 1) for k in ks])
+        if verify[0] is None:
+            return min(2, self.max_draft)  # nothing measured yet: start short, then follow the numbers
+        per_token = sum(d for _, d in drafting)
+
+        def tokens(k: int) -> float:
+            return plain_rows + sum((1.0 - min(a, 0.999) ** (k + 1)) / (1.0 - min(a, 0.999)) for a, _ in drafting)
+        rates = [tokens(k) / (verify[k] + k * per_token) for k in ks]
+        best = 0
+        for k in ks[1:]:
+            if rates[k] > rates[best] * 1.0001:
+                best = k
+        if best > 0:
+            self._off_steps, self._probe_interval = 0, 4
+            self._drafting_steps += 1
+            if self._drafting_steps % self.EXPLORE_EVERY == 0:
+                up = self._drafting_steps % (2 * self.EXPLORE_EVERY) == 0
+                return min(best + 1, self.max_draft) if up else max(best - 1, 1)
+            return best
+        self._off_steps += 1
+        if self._off_steps > self._probe_interval:
+            self._off_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
+            return 1
+        return 0
+
+    def record(self, tokens_in_pass: int, seconds: float) -> None:
+        samples = self.verify_time.setdefault(tokens_in_pass, [])
+        samples.append(seconds)
+        del samples[:-self.SAMPLES]

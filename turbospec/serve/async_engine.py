@@ -108,7 +108,7 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         if self._thread is None:
             self._stop = False
-            self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter)
+            self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter, self.engine.batch_budget())
             self._thread = threading.Thread(target=self._work, name="turbospec-engine", daemon=True)
             self._thread.start()
         return self
