@@ -82,22 +82,40 @@ async def closed_loop(served, prompts: list[str], concurrency: int, n_requests: 
 
 
 def run_mode(engine, prompts, levels, max_new, temperature, speculate, requests_per_level) -> dict:
-    from turbospec.serve import AsyncEngine
+    """One mode at every level. The engine steps on this (the main) thread, as ``turbospec serve``
+    does; the clients' event loop runs on another thread."""
+    import threading
 
-    async def main():
-        out = {}
-        async with AsyncEngine(engine, max_waiting=1024) as served:
-            # warm-up (allocations, the budget's first measurements), not timed
-            await closed_loop(served, prompts, min(4, max(levels)), min(4, max(levels)), 16, temperature, speculate)
-            for c in levels:
-                n = max(requests_per_level * c, 4)
-                out[c] = await closed_loop(served, prompts, c, n, max_new, temperature, speculate)
-                r = out[c]
-                print(f"  c={c:2d}: {r['tok_s']:7.1f} tok/s  {r['req_s']:.2f} req/s  ttft p50 {r['ttft_p50']*1e3:6.0f} ms "
-                      f"p99 {r['ttft_p99']*1e3:6.0f} ms  itl p50 {r['itl_p50']*1e3:5.1f} ms p99 {r['itl_p99']*1e3:6.1f} ms"
-                      f"  tau {r['tau']:.2f}", flush=True)
-        return out
-    return asyncio.run(main())
+    from turbospec.serve import AsyncEngine
+    served = AsyncEngine(engine, max_waiting=1024).start(thread=False)
+    out, failed = {}, []
+
+    async def clients():
+        # warm-up (allocations, the budget's first measurements), not timed
+        await closed_loop(served, prompts, min(4, max(levels)), min(4, max(levels)), 16, temperature, speculate)
+        for c in levels:
+            n = max(requests_per_level * c, 4)
+            out[c] = await closed_loop(served, prompts, c, n, max_new, temperature, speculate)
+            r = out[c]
+            print(f"  c={c:2d}: {r['tok_s']:7.1f} tok/s  {r['req_s']:.2f} req/s  ttft p50 {r['ttft_p50']*1e3:6.0f} ms "
+                  f"p99 {r['ttft_p99']*1e3:6.0f} ms  itl p50 {r['itl_p50']*1e3:5.1f} ms p99 {r['itl_p99']*1e3:6.1f} ms"
+                  f"  tau {r['tau']:.2f}", flush=True)
+
+    def drive():
+        try:
+            asyncio.run(clients())
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            served.close()
+
+    thread = threading.Thread(target=drive, name="bench-clients")
+    thread.start()
+    served.work()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out
 
 
 def hf_padded(model_dir: str, gguf: str | None, tokenizer, prompts, levels, max_new, temperature) -> dict:

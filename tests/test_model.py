@@ -359,3 +359,41 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype):
         runs[use_cpp] = [a, b, c, feats, d] + cache.tensors() + cache2.tensors()
     for x, y in zip(runs[False], runs[True]):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
+    """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs
+    the C++ layer loop with per-row cache lengths on CPU: logits, features and every cache slot are
+    identical to the Python loop (its specification), and each row's K/V lands at its own slots."""
+    from turbospec.ops import has_op
+    if not has_op("llama_layers"):
+        pytest.skip("turbospec._C with llama_layers is not built")
+    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    lens = torch.tensor([7, 0, 23])
+    n = 4
+    prompts = [torch.randint(0, 256, (1, int(s)), generator=g) for s in lens]
+    ids = torch.randint(0, 256, (3, n), generator=g)
+    packed = torch.tensor([[1, 3, 5, 11], [1, 3, 7, 15], [1, 2, 4, 8]])  # a tree, a chain, padding rows
+    positions = lens[:, None] + torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]])
+    runs = {}
+    for use_cpp in (False, True):
+        model.use_cpp_layers = use_cpp
+        cache = model.new_cache(40, batch_size=3)
+        for b, p in enumerate(prompts):
+            if p.shape[1]:
+                model.forward(p, torch.arange(p.shape[1])[None], cache.rows(b, b + 1), 0, logits="none")
+        logits, feats = model.forward_static(ids, positions, cache, lens, packed, features=[0, 1])
+        runs[use_cpp] = [logits, feats] + cache.tensors()
+    for x, y in zip(runs[False], runs[True]):
+        assert torch.equal(x, y)
+    # row b's new K/V sit at [lens[b], lens[b] + n): later slots are untouched (zero)
+    k0 = runs[True][2]
+    for b, s in enumerate(lens.tolist()):
+        assert k0[b, :, s: s + n].abs().sum() > 0 and k0[b, :, s + n:].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="cache overflow"):
+        model.forward_static(ids, positions, cache, torch.tensor([7, 0, 37]), packed)
+    with pytest.raises(RuntimeError, match="cache_lens must be an int64 CPU tensor"):
+        model.forward_static(ids, positions, cache, torch.tensor([7, 0]), packed)

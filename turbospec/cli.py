@@ -96,8 +96,7 @@ def _serve(args) -> int:
     app = create_app(engine, name, max_waiting=args.max_waiting)
     print(f"[turbospec] serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, "
           f"drafter {engine.drafter.name if engine.drafter else 'none'})", file=sys.stderr)
-    run(app, args.host, args.port, log_level=args.log_level)
-    return 0
+    return run(app, args.host, args.port, log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,7 +55,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
                                    const at::Tensor& mask, const at::Tensor& lens, at::TensorList norms,
                                    at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef counts,
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
-                                   int64_t cache_len, int64_t H, int64_t Hkv, double eps_d, double scale,
+                                   int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
                                    at::IntArrayRef capture, int64_t activations) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
@@ -82,8 +82,8 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
     TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
                 " elements, got ", biases[l].numel());
     for (const at::Tensor& c : {k_cache[l], v_cache[l]})
-      TORCH_CHECK(c.dim() == 4 && c.size(0) == B && c.size(1) == Hkv && c.size(2) >= cache_len + n && c.size(3) == d,
-                  "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", cache_len + n, ", ", d,
+      TORCH_CHECK(c.dim() == 4 && c.size(0) == B && c.size(1) == Hkv && c.size(2) >= max_len + n && c.size(3) == d,
+                  "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", max_len + n, ", ", d,
                   "], got ", c.sizes());
   }
   at::Tensor x = x_in.contiguous().clone();
@@ -98,6 +98,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
   float* qp = q.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  const int64_t* lp = lens.data_ptr<int64_t>();  // row b's new tokens go to slots lp[b] + i
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor gu, act;
   size_t seg = 0;
@@ -126,7 +127,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
       const float* src = qkvp + r * nqkv;
       for (int64_t hh = 0; hh < H + Hkv; ++hh) {
         const float* xs = src + hh * d;
-        float* dst = hh < H ? qp + (r * H + hh) * d : kp + b * ks0 + (hh - H) * ks1 + (cache_len + i) * ks2;
+        float* dst = hh < H ? qp + (r * H + hh) * d : kp + b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2;
         for (int64_t e = 0; e < d; ++e) {
           const float a = xs[e] * c[e];
           const float rot = xs[e < half ? e + half : e - half] * sn[e];
@@ -135,7 +136,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
       }
       for (int64_t hv = 0; hv < Hkv; ++hv)
         std::copy(src + (H + Hkv + hv) * d, src + (H + Hkv + hv + 1) * d,
-                  vp + b * vs0 + hv * vs1 + (cache_len + i) * vs2);
+                  vp + b * vs0 + hv * vs1 + (lp[b] + i) * vs2);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
@@ -167,7 +168,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::IntArrayRef formats, at::IntArrayRef counts, at::TensorList biases,
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                     at::IntArrayRef capture, int64_t activations) {
+                                     at::IntArrayRef capture, int64_t activations,
+                                     const std::optional<at::Tensor>& cache_lens) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -190,18 +192,33 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "llama_layers: num_heads must be a multiple of num_kv_heads");
   const int64_t B = x_in.size(0), n = x_in.size(1);
-  const int64_t d = cos.size(-1), total = cache_len + n;
-  TORCH_CHECK(num_layers == 0 || total <= k_cache[0].size(2), "llama_layers: cache overflow: cache_len ",
-              cache_len, " + ", n, " new tokens > max_seq_len ", k_cache[0].size(2));
+  const int64_t d = cos.size(-1);
+  at::Tensor lens;  // int64 [B]: each row's prefix length
+  if (cache_lens.has_value()) {
+    lens = *cache_lens;
+    TORCH_CHECK(lens.device().is_cpu() && lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.size(0) == B,
+                "llama_layers: cache_lens must be an int64 CPU tensor [", B, "], got ", lens.scalar_type(), " ",
+                lens.sizes(), " on ", lens.device());
+    lens = lens.contiguous();
+  } else {
+    lens = at::full({B}, cache_len, x_in.options().dtype(at::kLong));
+  }
+  int64_t min_len = B ? lens.data_ptr<int64_t>()[0] : 0, max_len = min_len;
+  for (int64_t b = 1; b < B; ++b) {
+    min_len = std::min(min_len, lens.data_ptr<int64_t>()[b]);
+    max_len = std::max(max_len, lens.data_ptr<int64_t>()[b]);
+  }
+  TORCH_CHECK(min_len >= 0, "llama_layers: cache_len must be >= 0, got ", min_len);
+  TORCH_CHECK(num_layers == 0 || max_len + n <= k_cache[0].size(2), "llama_layers: cache overflow: cache_len ",
+              max_len, " + ", n, " new tokens > max_seq_len ", k_cache[0].size(2));
   for (int64_t c : capture)
     TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
   const auto dtype = x_in.scalar_type();
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
-  const at::Tensor lens = at::full({B}, cache_len, x_in.options().dtype(at::kLong));
   if (dtype == at::kFloat && cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat &&
       all_float(norms) && all_float(biases) && raw_caches(k_cache) && raw_caches(v_cache) && d % 2 == 0)
     return layers_f32(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache, v_cache,
-                      cache_len, num_heads, num_kv_heads, eps, scale, capture, activations);
+                      max_len, num_heads, num_kv_heads, eps, scale, capture, activations);
   at::Tensor x = x_in;
   std::vector<at::Tensor> out(1 + capture.size());
   size_t seg = 0;
@@ -220,8 +237,18 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     qk = qk * cos + at::roll(qk, {d / 2}, {-1}) * sin_signed;
     const at::Tensor& kc = k_cache[l];
     const at::Tensor& vc = v_cache[l];
-    kc.narrow(2, cache_len, n).copy_(qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2));
-    vc.narrow(2, cache_len, n).copy_(qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads).transpose(1, 2));
+    const at::Tensor k_new = qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2);
+    const at::Tensor v_new = qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads).transpose(1, 2);
+    if (!cache_lens.has_value()) {
+      kc.narrow(2, cache_len, n).copy_(k_new);
+      vc.narrow(2, cache_len, n).copy_(v_new);
+    } else {
+      const int64_t* lp = lens.data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; ++b) {
+        kc[b].narrow(1, lp[b], n).copy_(k_new[b]);
+        vc[b].narrow(1, lp[b], n).copy_(v_new[b]);
+      }
+    }
     at::Tensor q = qk.narrow(2, 0, num_heads).to(kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);

@@ -156,3 +156,41 @@ def test_closed_engine_refuses(engine):
         with pytest.raises(RuntimeError, match="not running"):
             served.submit(Request(prompt(0)))
     run(main())
+
+
+def test_steps_on_the_callers_thread(engine):
+    """start(thread=False) + work(): the engine steps on the calling thread (the main thread in
+    ``turbospec serve``) while the event loop runs on another; close() from the loop's thread ends
+    work(), and a request submitted afterwards is refused with a clear error."""
+    import threading
+    served = AsyncEngine(engine).start(thread=False)
+    assert served.started
+    reqs = [Request(prompt(i), max_new_tokens=N_NEW, temperature=0.0) for i in range(6)]
+    alone = [engine.generate(r.prompt, max_new_tokens=N_NEW).token_ids for r in reqs]
+    result, stepped_on = {}, set()
+    served.on_step = lambda outputs, seconds: stepped_on.add(threading.current_thread().name)
+
+    async def clients():
+        gens = await asyncio.gather(*(served.generate(r) for r in reqs))
+        result["ids"] = [g.token_ids for g in gens]
+
+    def loop_thread():
+        try:
+            asyncio.run(clients())
+        finally:
+            served.close()
+
+    t = threading.Thread(target=loop_thread, name="loop")
+    t.start()
+    served.work()  # returns once close() ran on the loop thread
+    t.join()
+    assert result["ids"] == alone
+    assert stepped_on == {threading.current_thread().name}
+    assert not served.started
+
+    async def late():
+        return await served.generate(prompt(0), max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="not running"):
+        run(late())
+    with pytest.raises(RuntimeError, match=r"start\(thread=False\)"):
+        served.work()

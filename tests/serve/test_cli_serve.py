@@ -58,6 +58,24 @@ def test_serve_default_model_chat_equals_alone(smollm2):
         assert r.choices[0].message.content == want.text
         assert r.usage.completion_tokens == len(want.token_ids)
         assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        proc.terminate()  # SIGTERM: a clean shutdown (the engine steps on the main thread, uvicorn beside it)
+        assert proc.wait(timeout=30) == 0, proc.stdout.read()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_serve_port_in_use_exits_nonzero(smollm2):
+    """A port already taken: uvicorn's error is printed and turbospec serve exits with status 1 (the
+    engine's worker on the main thread ends with it; nothing hangs)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        r = subprocess.run([sys.executable, "-m", "turbospec.cli", "serve", "--port", str(port), "--max-batch", "1",
+                            "--threads", "1", "--log-level", "warning"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "address already in use" in r.stderr

@@ -380,8 +380,15 @@ class Transformer:
         cfg = self.cfg
         bsz, n = input_ids.shape
         cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
-        slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
         capture = self._capture_layers(features)
+        if self.use_cpp_layers and self._flat is not None:  # CPU: the C++ loop, per-row prefix lengths
+            norms, weights, formats, counts, biases = self._flat
+            x, *captured = torch.ops.turbospec.llama_layers(
+                self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
+                cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
+                ACTIVATION_MODES[self.activations], cache_len)
+            return self._head(x, features, captured)
+        slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
@@ -392,7 +399,12 @@ class Transformer:
             return out
 
         x, captured = self._decoder(self.embed[input_ids], cos, sin, attend, capture)
-        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        return self._head(x, features, captured)
+
+    def _head(self, x: Tensor, features, captured) -> Tensor | tuple[Tensor, Tensor]:
+        """Final norm + LM head over every row of the static path (logits [B, n, V] float32), with
+        the drafter's features when asked."""
+        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head(x).float()
         if features is None:
             return logits

@@ -12,6 +12,14 @@ failure (a bad draft, non-finite logits) ends that request with the error; the o
 
 Each request decodes exactly as it would alone (greedy: the same tokens; seeded sampling: the same
 tokens as alone with that seed): see ``decode.batch``.
+
+Which thread steps. By default (``start()``) a worker thread of its own. On CPU, the fastest is the
+thread that ran the process's earlier torch work (usually the main thread): torch's OpenMP keeps one
+thread pool per thread that has run a parallel region, and once two pools share the cores, libgomp
+stops spinning between regions, so every kernel pays a wake-up. Measured on 2 cores: a step of
+SmolLM2 took 25 ms on a worker thread vs 11 ms on the main thread. ``start(thread=False)`` and then
+``work()`` on that thread (with the event loop on another one) avoids it; ``turbospec serve`` and
+``bench/bench_serve.py`` do this.
 """
 from __future__ import annotations
 
@@ -100,26 +108,41 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._started = False
+        self._thread: threading.Thread | None = None  # the worker thread start() made, if it made one
+        self._stopped = threading.Event()  # set when the worker loop has ended
+        self._worker: threading.Thread | None = None  # the thread running work(), while it runs
         self._sched: Scheduler | None = None
         self._error: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "AsyncEngine":
-        if self._thread is None:
-            self._stop = False
+    def start(self, thread: bool = True) -> "AsyncEngine":
+        """Accept requests from now on; ``thread``: step on a worker thread of its own, else the
+        caller runs ``work()`` on the thread that should step (see the module docstring)."""
+        if not self._started:
+            self._stop, self._started = False, True
+            self._stopped.clear()
             self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter, self.engine.batch_budget())
-            self._thread = threading.Thread(target=self._work, name="turbospec-engine", daemon=True)
-            self._thread.start()
+            if thread:
+                self._thread = threading.Thread(target=self.work, name="turbospec-engine", daemon=True)
+                self._thread.start()
         return self
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
     def close(self) -> None:
-        """Stop the worker (requests still running are abandoned)."""
-        if self._thread is not None:
+        """Stop the worker (requests still running end with an error) and wait for it to end."""
+        if self._started:
             self._stop = True
             self._wake.set()
-            self._thread.join()
-            self._thread = None
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            elif self._worker is not None and threading.current_thread() is not self._worker:
+                self._stopped.wait()
+            self._started = False
 
     async def __aenter__(self) -> "AsyncEngine":
         return self.start()
@@ -142,7 +165,7 @@ class AsyncEngine:
         """Check ``request`` (ValueError naming the bad field), queue it (QueueFullError when
         ``max_waiting`` requests already wait) and return its job and the queue its steps arrive
         on: (tokens kept, done) per step. Call from the event loop; ``stream`` does this for you."""
-        if self._thread is None:
+        if not self._started:
             raise RuntimeError("the AsyncEngine is not running: call start() or use 'async with'")
         if self._error is not None:
             raise RuntimeError(f"the engine's worker stopped: {self._error!r}")
@@ -214,8 +237,13 @@ class AsyncEngine:
                 return delta.generation
         raise RuntimeError("the request ended without a result")  # not reached: the last delta has one
 
-    # -- the worker thread -------------------------------------------------------------------
-    def _work(self) -> None:
+    # -- the worker ---------------------------------------------------------------------------
+    def work(self) -> None:
+        """The worker loop: step while requests are in, until ``close()``. ``start()`` runs it on a
+        thread of its own; after ``start(thread=False)`` call it on the thread that should step."""
+        if not self._started:
+            raise RuntimeError("call start(thread=False) before work()")
+        self._worker = threading.current_thread()
         subscribers: dict[int, Callable] = {}
         sched = self._sched
         try:
@@ -266,3 +294,5 @@ class AsyncEngine:
                 if push is not None:
                     push(([], True))
             sched.waiting.clear()
+            self._worker = None
+            self._stopped.set()

@@ -43,7 +43,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64) -> FastAP
 
     @asynccontextmanager
     async def lifespan(app):
-        served.start()
+        served.start()  # a worker thread, unless run() already started it to step on its own thread
         yield
         served.close()
 
@@ -68,7 +68,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64) -> FastAP
 
     @app.get("/health")
     async def health():
-        if served._error is not None or served._thread is None:
+        if served._error is not None or not served.started:
             return _error(APIError("the engine is not running", status=503, type="server_error"))
         return {"status": "ok", "running": served.running, "waiting": served.waiting}
 
@@ -161,8 +161,40 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64) -> FastAP
     return app
 
 
-def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted (``sockets``: already bound sockets to use)."""
+def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info") -> int:
+    """Serve ``app`` until interrupted (Ctrl-C, SIGTERM) or until the server stops (``sockets``:
+    already bound sockets to use). The engine steps on the calling thread (the one that loaded the
+    model: see ``AsyncEngine`` on OpenMP thread pools); uvicorn's event loop runs on another.
+    Returns the exit status: 0, or 1 when the HTTP server could not start (e.g. the port is taken)."""
+    import signal
+    import threading
+
     import uvicorn
+    served: AsyncEngine = app.state.served
+    served.start(thread=False)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    server.run(sockets=sockets)
+
+    def http() -> None:
+        try:
+            server.run(sockets=sockets)
+        except SystemExit:  # uvicorn exits this way when it cannot bind; server.started stays False
+            pass
+        finally:  # the server ended (shut down, or failed to start): end the worker too
+            served.close()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+    thread = threading.Thread(target=http, name="turbospec-http", daemon=True)
+    thread.start()
+    try:
+        served.work()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        thread.join()
+        served.close()
+    return 0 if server.started else 1
