@@ -81,13 +81,14 @@ async def closed_loop(served, prompts: list[str], concurrency: int, n_requests: 
                 wall_s=wall)
 
 
-def run_mode(engine, prompts, levels, max_new, temperature, speculate, requests_per_level) -> dict:
+def run_mode(engine, prompts, levels, max_new, temperature, speculate, requests_per_level,
+             prefill_chunk: int | None = 64) -> dict:
     """One mode at every level. The engine steps on this (the main) thread, as ``turbospec serve``
     does; the clients' event loop runs on another thread."""
     import threading
 
     from turbospec.serve import AsyncEngine
-    served = AsyncEngine(engine, max_waiting=1024).start(thread=False)
+    served = AsyncEngine(engine, max_waiting=1024, prefill_chunk=prefill_chunk).start(thread=False)
     out, failed = {}, []
 
     async def clients():
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per client at each level")
     p.add_argument("--num-draft", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per step while others decode (0: whole)")
     p.add_argument("--data", default=DATA)
     p.add_argument("--out", default=None, help="write <out>.json and <out>.png")
     args = p.parse_args(argv)
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
                 print(f"  drafter: {engines[adaptive].drafter.name if engines[adaptive].drafter else 'none'}, "
                       f"num_draft {engines[adaptive].num_draft}", flush=True)
             results[(mode, temp)] = run_mode(engines[adaptive], prompts, args.concurrency, args.max_new_tokens, temp,
-                                             mode != "off", args.requests_per_level)
+                                             mode != "off", args.requests_per_level, args.prefill_chunk or None)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

@@ -145,3 +145,73 @@ def test_batch_bad_input_is_named(tiny):
         shared.generate([[1, 2], [3, 4]], max_new_tokens=3)
     # one request at a time through a Drafter instance is fine
     assert len(shared.generate([[1, 2], Request([3, 4], speculate=False)], max_new_tokens=3)) == 2
+
+
+def test_chunked_prefill_ngram_equals_alone(tiny):
+    """prefill_chunk=5 on a random target (attention live: a clobbered partial prompt would show)."""
+    _, target = tiny
+    eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=3, adaptive=False)
+    chunked_prefill_run(eng, prompts_mixed(3, seed=5)[2] * 3 + PROMPT)
+
+
+def test_chunked_prefill_eagle3_features(cyc, monkeypatch):  # noqa: F811
+    """prefill_chunk=5 with EAGLE-3 (the head reads the target's features of the prompt): the
+    features its drafter starts from are, bit for bit, those of the prompt prefilled alone."""
+    from turbospec.decode.loop import Sequence
+    _, target, ref, vocab = cyc
+    eng = engine(target, "eagle3", make_head("eagle3", target, vocab=vocab), vocab=vocab, max_seq_len=256,
+                 max_batch=3, num_draft=6, adaptive=False)
+    started = {}
+    real = Sequence.start
+
+    def spy(self, cache_len, features):
+        started.setdefault(tuple(self.ids), []).append((cache_len, features))
+        return real(self, cache_len, features)
+
+    monkeypatch.setattr(Sequence, "start", spy)
+    jobs, out = chunked_prefill_run(eng, PROMPT + ref)  # (each request also ran alone: a second start)
+    assert all(eng.generation(j, out[j.index]).stats["tau"] > 1.0 for j in (jobs[1], jobs[3]))  # drafts accepted
+    for job in jobs:
+        (n_a, f_a), (n_b, f_b) = started[tuple(job.seq.ids)]
+        assert n_a == n_b == len(job.seq.ids) - 1 and f_a.shape[0] == n_a
+        assert torch.equal(f_a, f_b)
+
+
+def chunked_prefill_run(eng, base):
+    """prefill_chunk=5: prompts joining a running batch go in 5 tokens per step (a slot being
+    prefilled rides along in the verify pass as a padding row without touching its partial prompt);
+    the rows already decoding get tokens at every one of those steps; every output and acceptance
+    count equals the request decoded alone."""
+    reqs = [Request(base[:6], max_new_tokens=N_NEW), Request(base[:29], max_new_tokens=N_NEW),
+            Request(base[2:9], max_new_tokens=6), Request(base[3:26], max_new_tokens=N_NEW)]
+    jobs = [eng.job(r, index=i) for i, r in enumerate(reqs)]
+    sched = batch_mod.Scheduler(eng.batch_step(), eng.slot_drafter, eng.batch_budget(), prefill_chunk=5)
+    sched.add(jobs[0])
+    sched.add(jobs[2])
+    out = {i: [] for i in range(4)}
+    chunked_steps = below = 0
+    for step in range(400):
+        if step == 2:
+            sched.add(jobs[1])  # joins while two decode: 28 prompt tokens in chunks of 5
+        if step == 6:
+            sched.add(jobs[3])
+        if not sched.busy:
+            break
+        was_prefilling = set(sched.prefilling)
+        decoding_before = [s for s in sched.active if s not in sched.prefilling]
+        outs = sched.step()
+        for o in outs:
+            assert o.job.error is None
+            out[o.job.index].extend(o.tokens)
+        if was_prefilling and decoding_before:
+            chunked_steps += 1
+            below += min(was_prefilling) < max(decoding_before)  # a partial prompt rode along as padding
+            assert len([o for o in outs if o.tokens]) >= len(decoding_before)  # nobody stalled
+    assert chunked_steps >= 8 and below >= 1
+    for i, r in enumerate(reqs):
+        alone = eng.generate(r.prompt, max_new_tokens=r.max_new_tokens)
+        assert out[i] == alone.token_ids, i
+        assert eng.generation(jobs[i], out[i]).stats["tau"] == alone.stats["tau"], i
+    with pytest.raises(ValueError, match="prefill_chunk must be None or an integer >= 1"):
+        batch_mod.Scheduler(eng.batch_step(), eng.slot_drafter, prefill_chunk=0)
+    return jobs, out

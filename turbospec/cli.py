@@ -81,7 +81,7 @@ def served_model_name(model: str) -> str:
 
 
 def _serve(args) -> int:
-    for name in ("max_batch", "port", "max_waiting"):
+    for name in ("max_batch", "port", "max_waiting", "prefill_chunk"):
         v = getattr(args, name)
         lo = 0 if name != "max_batch" else 1
         if v < lo or (name == "port" and v > 65535):
@@ -93,7 +93,7 @@ def _serve(args) -> int:
         raise ValueError(f"turbospec serve needs fastapi, uvicorn and prometheus-client ({e})") from None
     engine = _engine(args, max_batch=args.max_batch)
     name = args.served_model_name or served_model_name(args.model)
-    app = create_app(engine, name, max_waiting=args.max_waiting)
+    app = create_app(engine, name, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk or None)
     print(f"[turbospec] serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, "
           f"drafter {engine.drafter.name if engine.drafter else 'none'})", file=sys.stderr)
     return run(app, args.host, args.port, log_level=args.log_level)
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--max-batch", type=int, default=8, help="requests decoded at once (KV-cache slots)")
     sv.add_argument("--max-waiting", type=int, default=64,
                     help="requests that may wait for a slot; beyond that the server answers 429")
+    sv.add_argument("--prefill-chunk", type=int, default=64,
+                    help="prompt tokens prefilled per step while others decode (chunked prefill; 0: whole prompts)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None,

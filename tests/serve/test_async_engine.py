@@ -131,11 +131,11 @@ def test_failed_step_fails_its_requests_only(engine):
             real = batch.step
             calls = {"n": 0}
 
-            def flaky(rows):
+            def flaky(rows, parked=None):
                 calls["n"] += 1
                 if calls["n"] == 2:
                     raise RuntimeError("simulated kernel failure")
-                return real(rows)
+                return real(rows, parked)
             batch.step = flaky
             try:
                 with pytest.raises(RuntimeError, match="simulated kernel failure"):
@@ -194,3 +194,35 @@ def test_steps_on_the_callers_thread(engine):
         run(late())
     with pytest.raises(RuntimeError, match=r"start\(thread=False\)"):
         served.work()
+
+
+def test_long_prompt_joins_in_chunks_while_others_stream(engine):
+    """A long prompt arriving while two requests stream is prefilled 8 tokens per step: the two
+    keep getting tokens during its prefill (no stall of the whole prompt), and all three equal
+    their solo outputs."""
+    long_prompt = " ".join(f"w{(j * 7) % 256}" for j in range(150))
+    reqs = [Request(prompt(1), max_new_tokens=N_NEW), Request(prompt(2), max_new_tokens=N_NEW),
+            Request(long_prompt, max_new_tokens=8)]
+    alone = [engine.generate(r.prompt, max_new_tokens=r.max_new_tokens).token_ids for r in reqs]
+    log = []  # per step: (requests decoding that got tokens, prompt tokens of the long one in the cache)
+
+    def on_step(outputs, seconds):
+        sched = served._sched
+        log.append((sum(1 for o in outputs if o.tokens and o.job.index != 2),
+                    [p[0] for p in sched.prefilling.values()]))
+
+    served = AsyncEngine(engine, on_step=on_step, prefill_chunk=8)
+
+    async def main():
+        async with served:
+            first = [asyncio.create_task(served.generate(r)) for r in reqs[:2]]
+            while served.counters.tokens < 4:
+                await asyncio.sleep(0.001)
+            late = await served.generate(reqs[2])
+            return [await t for t in first] + [late]
+    gens = run(main())
+    assert [g.token_ids for g in gens] == alone
+    during = [got for got, parts in log if parts]  # steps while the long prompt was partly in
+    assert len(during) >= 5 and all(got >= 1 for got in during)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        AsyncEngine(engine, prefill_chunk=0)

@@ -289,7 +289,7 @@ def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine)
     batch = app.state.served._sched.batch
     real = batch.step
 
-    def broken(rows):
+    def broken(rows, parked=None):
         raise RuntimeError("simulated kernel failure")
     batch.step = broken
     try:

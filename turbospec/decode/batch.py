@@ -59,10 +59,26 @@ class BatchStep:
         return prefill(self.target, self.cache.rows(slot, slot + 1), ids, self.features)
 
     @torch.inference_mode()
-    def step(self, rows: dict[int, Sequence]) -> dict[int, tuple[list[int], int, Tensor | None]]:
+    def prefill_part(self, slot: int, ids: list[int], start: int, end: int) -> Tensor | None:
+        """Prompt tokens ``ids[start:end]`` into the slot after the ``start`` already there (chunked
+        prefill: the same K/V and features as one ``prefill``, since every token's numbers are the
+        same whatever shares its pass). Returns their features [end - start, F] when the drafter reads
+        them."""
+        dev = self.target.device
+        x = torch.tensor([ids[start:end]], dtype=torch.int64).to(dev)
+        pos = torch.arange(start, end, device=dev)[None]
+        out = self.target.forward(x, pos, self.cache.rows(slot, slot + 1), start, logits="none",
+                                  features=self.features)
+        return None if self.features is None else out[1][0]
+
+    @torch.inference_mode()
+    def step(self, rows: dict[int, Sequence], parked: dict[int, int] | None = None
+             ) -> dict[int, tuple[list[int], int, Tensor | None]]:
         """One verify pass over the planned drafts of ``rows`` (slot -> request). Returns, per slot,
         (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes);
-        a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens."""
+        a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens.
+        ``parked``: slots holding a prompt being prefilled in chunks (slot -> tokens in the cache);
+        when they ride along as padding rows, they write after their prefix, never over it."""
         # the pass covers slots [0, highest active slot]: idle slots below it ride along as one-node
         # padding rows, those above it cost nothing (the scheduler fills the lowest free slot first)
         bsz, dev = max(rows) + 1, self.target.device
@@ -82,6 +98,10 @@ class BatchStep:
         with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
         probs = torch.zeros(bsz, n, self.target.cfg.vocab_size) if with_probs else None
         trees = False
+        for b, length in (parked or {}).items():
+            if b < bsz:
+                cache_len[b] = length
+                positions[b] = length
         for b, s in rows.items():
             d = s.draft
             k = 0 if d is None else len(d)
@@ -190,16 +210,28 @@ class Scheduler:
     the slot for the next one. ``drafter_for_slot(slot)`` gives the drafter of a drafting job in that
     slot (set on its sequence when it starts; a job with ``speculate=False`` gets none).
 
+    ``prefill_chunk`` (tokens; None: a whole prompt at once) bounds the prompt tokens prefilled per
+    step: a long prompt joining a running batch is written in chunks, one per step, so that the
+    requests already decoding keep getting tokens (chunked prefill) instead of stalling for the
+    whole prompt; while nobody decodes, prompts go in whole. The chunks give the same cache as one
+    pass (batch-invariant kernels), so outputs do not change.
+
     One thread drives ``step``; ``add`` and ``Job.cancel`` may come from others between steps (a
     deque append and a flag). A failure that belongs to one job (its prompt, its drafter, its
     non-finite logits) fails that job only; anything else propagates."""
 
     def __init__(self, step: BatchStep, drafter_for_slot: Callable[[int], Drafter | None],
-                 budget: BatchBudget | None = None):
+                 budget: BatchBudget | None = None, prefill_chunk: int | None = None):
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
+                             f"got {prefill_chunk!r}")
         self.batch, self.drafter_for_slot, self.budget = step, drafter_for_slot, budget
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Job] = deque()
         self.free = list(range(step.max_batch))  # a heap: the lowest free slot is taken first
-        self.active: dict[int, Job] = {}
+        self.active: dict[int, Job] = {}  # slot -> job, prefilling or decoding
+        self.prefilling: dict[int, list] = {}  # slot -> [tokens in the cache, features so far] (in join order)
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
@@ -214,11 +246,13 @@ class Scheduler:
             job.error = error
         if job.slot is not None:
             del self.active[job.slot]
+            self.prefilling.pop(job.slot, None)
             heapq.heappush(self.free, job.slot)
             job.slot = None
 
     def step(self) -> list[StepOutput]:
-        """Admit waiting jobs into free slots, run one verify step over the active ones, commit."""
+        """Admit waiting jobs into free slots, prefill (a chunk of) joining prompts, run one verify
+        step over the decoding jobs, commit."""
         out: list[StepOutput] = []
         for job in [j for j in self.active.values() if j.cancelled]:
             self.leave(job)
@@ -230,27 +264,26 @@ class Scheduler:
                 continue
             job.slot = heapq.heappop(self.free)
             self.active[job.slot] = job
-            try:
-                job.seq.drafter = self.drafter_for_slot(job.slot) if job.speculate else None
-                job.seq.start(*self.batch.prefill(job.slot, job.seq.ids))
-            except (ValueError, NonFiniteLogitsError) as e:
-                self.leave(job, e)
-                out.append(StepOutput(job, []))
-        k = self._draft_length()
-        for job in list(self.active.values()):
+            self.prefilling[job.slot] = [0, []]
+        self._prefill(out)
+        decoding = {slot: job for slot, job in self.active.items() if slot not in self.prefilling}
+        k = self._draft_length(decoding)
+        for job in list(decoding.values()):
             try:
                 job.seq.plan(k if self._budgeted(job) else None)
             except ValueError as e:  # a drafter's bad proposal (check_draft) fails its own request
                 self.leave(job, e)
                 out.append(StepOutput(job, []))
-        if not self.active:
+        decoding = {slot: job for slot, job in decoding.items() if job.slot == slot}  # not failed
+        if not decoding:
             return out
         t = time.perf_counter()
-        results = self.batch.step({slot: job.seq for slot, job in self.active.items()})
+        parked = {slot: p[0] for slot, p in self.prefilling.items()}
+        results = self.batch.step({slot: job.seq for slot, job in decoding.items()}, parked)
         seconds = time.perf_counter() - t
         if self.budget is not None:
-            n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in self.active.values())
-            self.budget.record((max(self.active) + 1) * n, seconds)
+            n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in decoding.values())
+            self.budget.record((max(decoding) + 1) * n, seconds)
         for slot, (toks, n_acc, feats) in results.items():
             job = self.active[slot]
             if isinstance(toks, Exception):
@@ -266,17 +299,53 @@ class Scheduler:
         return out
 
 
+    def _prefill(self, out: list[StepOutput]) -> None:
+        """Write joining prompts into their slots, in join order: whole while nobody decodes, else
+        up to ``prefill_chunk`` tokens this step. A prompt fully in starts decoding (its drafter
+        reads it) at this step's verify pass."""
+        decoding = len(self.active) > len(self.prefilling)
+        budget = self.prefill_chunk if (self.prefill_chunk is not None and decoding) else None
+        for slot in list(self.prefilling):
+            job = self.active[slot]
+            state = self.prefilling[slot]
+            ids = job.seq.ids
+            n = len(ids) - 1  # every prompt token but the last (the first root)
+            try:
+                if state[0] == 0 and (budget is None or n <= budget):  # in one piece: as alone
+                    if budget is not None:
+                        budget -= n
+                    job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
+                    job.seq.start(*self.batch.prefill(slot, ids))
+                    del self.prefilling[slot]
+                    continue
+                if budget is not None and budget <= 0:
+                    break
+                end = n if budget is None else min(n, state[0] + budget)
+                f = self.batch.prefill_part(slot, ids, state[0], end)
+                if budget is not None:
+                    budget -= end - state[0]
+                state[0] = end
+                if f is not None:
+                    state[1].append(f)
+                if end == n:
+                    del self.prefilling[slot]
+                    job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
+                    job.seq.start(n, torch.cat(state[1]) if state[1] else None)
+            except (ValueError, NonFiniteLogitsError) as e:
+                self.leave(job, e)
+                out.append(StepOutput(job, []))
+
     def _budgeted(self, job: Job) -> bool:
         """Does the batch budget set this job's draft length? (Drafting rows whose lengths may follow
         timings; a seeded sampled request keeps its own untimed budget: output as alone.)"""
         return self.budget is not None and job.seq.drafter is not None and job.seq.budget.timed
 
-    def _draft_length(self) -> int | None:
-        if self.budget is None or not self.active:
+    def _draft_length(self, decoding: dict[int, Job]) -> int | None:
+        if self.budget is None or not decoding:
             return None
         drafting = [(j.seq.budget.accept_rate, j.seq.budget.draft_cost())
-                    for j in self.active.values() if self._budgeted(j)]
-        return self.budget.choose(max(self.active) + 1, len(self.active) - len(drafting), drafting)
+                    for j in decoding.values() if self._budgeted(j)]
+        return self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting)
 
 
 def run_batch(step: BatchStep, jobs: list[Job], drafter_for_slot: Callable[[int], Drafter | None],

@@ -90,19 +90,26 @@ class Counters:
 class AsyncEngine:
     """Serve ``engine`` to asyncio code: ``stream`` (``async for`` over a request's deltas) and
     ``generate`` (await the whole ``Generation``). Up to ``engine.max_batch`` requests decode at
-    once; up to ``max_waiting`` more wait in order (beyond that ``QueueFullError``). ``on_step``
+    once; up to ``max_waiting`` more wait in order (beyond that ``QueueFullError``). A prompt
+    joining a running batch is prefilled ``prefill_chunk`` tokens per step (None: whole), so the
+    running requests keep streaming meanwhile (``decode.batch.Scheduler``). ``on_step``
     (optional) is called by the worker after every step with (outputs, seconds).
 
     While an AsyncEngine runs, it owns the engine: don't call the engine's own ``generate`` then."""
 
     def __init__(self, engine: Engine, max_waiting: int = 64,
-                 on_step: Callable[[list[StepOutput], float], None] | None = None):
+                 on_step: Callable[[list[StepOutput], float], None] | None = None, prefill_chunk: int | None = 64):
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         if engine._shared_drafter and engine.max_batch > 1:
             raise ValueError("a Drafter instance holds one request's state: build the Engine with the drafter's "
                              "name ('ngram', 'draft_model', 'eagle', 'medusa') to serve a batch, or max_batch=1")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
+                             f"got {prefill_chunk!r}")
         self.engine, self.max_waiting, self.on_step = engine, max_waiting, on_step
+        self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self._inbox: deque[tuple[Job, Callable]] = deque()
         self._lock = threading.Lock()
@@ -122,7 +129,8 @@ class AsyncEngine:
         if not self._started:
             self._stop, self._started = False, True
             self._stopped.clear()
-            self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter, self.engine.batch_budget())
+            self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter, self.engine.batch_budget(),
+                                    self.prefill_chunk)
             if thread:
                 self._thread = threading.Thread(target=self.work, name="turbospec-engine", daemon=True)
                 self._thread.start()

@@ -35,9 +35,10 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(engine: Engine, model_name: str, max_waiting: int = 64) -> FastAPI:
-    """The server's FastAPI app; the engine's worker starts and stops with the app."""
-    served = AsyncEngine(engine, max_waiting=max_waiting)
+def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_chunk: int | None = 64) -> FastAPI:
+    """The server's FastAPI app; the engine's worker starts and stops with the app (``prefill_chunk``:
+    see ``AsyncEngine``)."""
+    served = AsyncEngine(engine, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
     metrics = ServerMetrics(served)
     served.on_step = metrics.on_step
 
