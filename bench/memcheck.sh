@@ -25,11 +25,11 @@ LOG=bench/out/memcheck.log
 STATUS=0
 for tool in ${TOOLS:-memcheck racecheck}; do
   if [ "$tool" = memcheck ]; then SEL="cuda"; else SEL="cuda and not large_vocab and not sampling"; fi
-  echo "== $tool: tests/test_ops.py tests/test_tree_attention.py -k '$SEL'" | tee -a "$LOG"
+  echo "== $tool: tests/ops/test_ops.py tests/ops/test_tree_attention.py -k '$SEL'" | tee -a "$LOG"
   # PYTORCH_NO_CUDA_MEMORY_CACHING: every allocation is its own cudaMalloc, so an out-of-bounds
   # access is not hidden inside a larger cached block.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 20 \
-    python -m pytest tests/test_ops.py tests/test_tree_attention.py -q -x -k "$SEL" >> "$LOG" 2>&1
+    python -m pytest tests/ops/test_ops.py tests/ops/test_tree_attention.py -q -x -k "$SEL" >> "$LOG" 2>&1
   rc=$?
   tail -n 3 "$LOG"
   if [ "$rc" -ne 0 ]; then echo "== $tool: FAILED (exit $rc; see $LOG)"; STATUS=1; else echo "== $tool: clean"; fi

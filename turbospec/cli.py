@@ -71,6 +71,37 @@ def _generate(args) -> int:
     return 0
 
 
+def _audit(args) -> int:
+    import json
+
+    import torch
+
+    from .auditing import audit
+    from .heads.shipped import shipped_heads
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    head = args.head
+    if head is None and args.drafter in ("eagle", "medusa"):
+        if args.model != "default":
+            raise ValueError(f"--drafter {args.drafter} needs --head (shipped heads exist for the default model only)")
+        heads = shipped_heads()
+        method = next((m for m in (("eagle3", "eagle") if args.drafter == "eagle" else ("medusa",)) if m in heads), None)
+        if method is None:
+            raise ValueError(f"--drafter {args.drafter}: no shipped head; pass --head")
+        head = heads[method]
+    report = audit(args.model, args.drafter, args.dtype, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                   greedy=not args.no_greedy, sampling=not args.no_sampling, sampling_prompt=args.sampling_prompt,
+                   k=args.k, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
+                   detect_tv=args.detect_tv, power=args.power, alpha=args.alpha, seed=args.seed,
+                   num_draft=args.num_draft, head=head, draft_model=args.draft_model,
+                   log=lambda m: print(f"[audit] {m}", file=sys.stderr, flush=True))
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=1)
+    return 0 if report.ok else 1
+
+
 def served_model_name(model: str) -> str:
     """The name clients pass as ``model``: the default model's name, else the path's last part."""
     import os
@@ -127,6 +158,36 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model name clients use (default: the model's file or directory name)")
     sv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
+    a = sub.add_parser("audit", help="check that speculative decoding is lossless (greedy and sampling)",
+                       description="Greedy: speculative output token for token against plain decoding over a "
+                                   "prompt set. Sampling: seeded runs of the first k tokens with and without "
+                                   "speculation, chi-square per position, with a biased-acceptance negative "
+                                   "control that must be rejected. Exit status 1 when the audit fails.")
+    a.add_argument("--model", default="default", help="as in generate")
+    a.add_argument("--drafter", default="auto", choices=["auto", "ngram", "draft_model", "eagle", "medusa"],
+                   help="the drafter to audit (eagle / medusa without --head: the default model's shipped head)")
+    a.add_argument("--head", default=None, help="draft head checkpoint directory")
+    a.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")
+    a.add_argument("--num-draft", type=int, default=None)
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a.add_argument("--prompts", default=None, help="greedy prompts: .jsonl (prompt / text / turns) or .txt "
+                                                   "(one per line); default: a built-in sample")
+    a.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    a.add_argument("--no-greedy", action="store_true")
+    a.add_argument("--no-sampling", action="store_true")
+    a.add_argument("--sampling-prompt", default=None, help="the prompt sampled (no chat template)")
+    a.add_argument("--k", type=int, default=2, help="tokens per sampled run (>= 2)")
+    a.add_argument("--temperature", type=float, default=1.0)
+    a.add_argument("--top-k", type=int, default=0)
+    a.add_argument("--top-p", type=float, default=1.0)
+    a.add_argument("--samples", type=int, default=None, help="runs per arm (default: chosen for the power)")
+    a.add_argument("--detect-tv", type=float, default=0.15, help="total-variation difference to detect")
+    a.add_argument("--power", type=float, default=0.9)
+    a.add_argument("--alpha", type=float, default=0.01)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--threads", type=int, default=None)
+    a.add_argument("--json", default=None, help="also write the report as JSON to this file")
+
     b = sub.add_parser("bench", help="end-to-end benchmark vs Hugging Face generate")
     from .benchmark import add_args as add_bench_args
     add_bench_args(b)
@@ -143,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.cmd == "serve":
             return _serve(args)
+        if args.cmd == "audit":
+            return _audit(args)
         if args.cmd == "train":
             from .train.trainer import run_cli as run_train
             return run_train(args, argv)

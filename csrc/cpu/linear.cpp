@@ -13,7 +13,7 @@
 //   * a verify pass over k+1 tokens computes for each token exactly what a one-token step computes;
 //   * a quantized model computes exactly what the same model dequantized to float32 computes.
 //
-// Variants (picked per call; all give the same bits, tests/test_linear.py):
+// Variants (picked per call; all give the same bits, tests/ops/test_linear.py):
 //   scalar   every format, std::fma lane by lane (the baseline ISA)
 //   avx2     fused: weights dequantized in registers; 4 weight rows x 1 input row, or (up to
 //            kFusedRows input rows) 1 weight row x passes of 2-4 input rows; dense weights 2 x 3

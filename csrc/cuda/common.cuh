@@ -5,7 +5,7 @@
 // at most 1024) with block-uniform control flow; results are identical in every thread and do not
 // depend on timing (fixed reduction trees, no floating-point atomics).
 //
-// The kernels only use the CUDA features below, so that tests/cuda_emu can also run them on the CPU
+// The kernels only use the CUDA features below, so that tests/ops/cuda_emu can also run them on the CPU
 // (TURBOSPEC_EMULATE: one std::thread per CUDA thread) to check their logic without a GPU.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Host glue shared by the CUDA entry points: the device guard, the launch on the current stream,
-// and the block size. Under TURBOSPEC_EMULATE (tests/cuda_emu) the same entry points run their
+// and the block size. Under TURBOSPEC_EMULATE (tests/ops/cuda_emu) the same entry points run their
 // kernels on the CPU, one std::thread per CUDA thread.
 #pragma once
 

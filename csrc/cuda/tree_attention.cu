@@ -39,7 +39,7 @@ namespace turbospec {
 namespace gpu {
 
 #ifdef TURBOSPEC_EMULATE
-// Test hooks (tests/cuda_emu): the SM count the split heuristic sees, and forced splits / chunk size.
+// Test hooks (tests/ops/cuda_emu): the SM count the split heuristic sees, and forced splits / chunk size.
 inline int attn_emu_sms = 4, attn_emu_splits = 0, attn_emu_min_chunk = 0;
 #endif
 

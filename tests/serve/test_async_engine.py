@@ -9,7 +9,8 @@ import pytest
 from turbospec import Engine, Request
 from turbospec.serve import AsyncEngine, QueueFullError
 
-from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
+
 
 N_NEW = 24
 

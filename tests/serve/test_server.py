@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from turbospec import Engine
 from turbospec.serve.server import create_app
 
-from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
+
 
 MODEL = "tiny"
 MAX_BATCH = 4

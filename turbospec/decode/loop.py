@@ -147,6 +147,7 @@ class Sequence:
         self.stats.update(
             new_tokens=self.emitted, verify_steps=self.steps, tau=self.emitted / max(self.steps, 1),
             accept_per_position=[a / p if p else None for a, p in zip(self.accepted_at, self.proposed_at)],
+            draft_proposed=sum(self.proposed_at), draft_accepted=sum(self.accepted_at),
             tokens_per_s=self.emitted / elapsed,
             decode_tokens_per_s=self.emitted / max(elapsed - self.t_prefill, 1e-9),
             prefill_s=self.t_prefill, draft_s=self.t_draft, verify_s=self.t_verify, total_s=elapsed,

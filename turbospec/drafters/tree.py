@@ -14,7 +14,7 @@ drafted token x as a point mass (accept with probability p(x), on rejection reno
 is also lossless, because x was drawn independently of the target's coins; but it accepts x with
 probability p(x) instead of min(1, p(x) / q(x)), i.e. less often whenever q(x) < 1. turbospec keeps
 q (``Draft.draft_probs``) and gets the higher acceptance. What is never allowed is a q that is not
-the distribution the drafts were drawn from (tests/test_heads.py shows that such a drafter fails
+the distribution the drafts were drawn from (tests/heads/test_heads.py shows that such a drafter fails
 the distribution test). Medusa's "typical acceptance" is lossy and is not implemented.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ A ``QuantWeight`` is a matrix [N, K] stored as GGUF blocks (uint8 [N, row bytes]
 GGML type id (``reference.WEIGHT_FORMATS``). ``turbospec::linear`` multiplies by it without
 dequantizing it in memory: every weight is dequantized in registers to exactly the float32 value
 gguf's dequantization gives, so a quantized model computes what the same model dequantized to
-float32 computes, bit for bit (tests/test_linear.py, tests/test_quantized_model.py).
+float32 computes, bit for bit (tests/ops/test_linear.py, tests/model/test_quantized_model.py).
 
 ``quantize`` makes Q8_0 / Q4_0 blocks from a dense matrix (``Engine(weights="q8_0")`` for HF
 checkpoints), with gguf's own rounding rules.

@@ -10,7 +10,8 @@ from turbospec.model import loader
 from turbospec import ops
 from turbospec.model.transformer import Transformer
 
-from conftest import make_tiny_model, on_every_isa
+from helpers import make_tiny_model, on_every_isa
+
 
 pytestmark = pytest.mark.skipif(not ops.has_op("llama_layers"), reason="turbospec._C not built")
 

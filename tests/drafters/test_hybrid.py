@@ -9,7 +9,7 @@ from turbospec import ops
 from turbospec.drafters.base import Draft
 from turbospec.drafters.hybrid import HybridDrafter, merge_chain
 
-from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)
+from helpers import N_NEW, PROMPT, engine, hf_greedy, make_head
 
 
 def paths(d: Draft) -> set[tuple[int, ...]]:

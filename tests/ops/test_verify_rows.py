@@ -19,69 +19,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from test_ops import SAMPLING, gen, make_verify_inputs, need_kernels
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from turbospec import ops
     from turbospec.ops import reference
 
-# Row specs: (real nodes incl. the root, tree kind, (temperature, top_k, top_p), boost). The values are
-# exact in float32, so float32 tensors hold exactly the scalars each row is checked against alone.
-ROWS = [
-    (5, "chain", (0.0, 0, 1.0), 2.0),         # greedy, accepts deep
-    (9, "random", (1.0, 0, 1.0), None),       # plain sampling
-    (1, "wide", (0.75, 7, 1.0), None),        # no drafts: all padding
-    (12, "star", (1.25, 0, 0.75), 2.0),       # the longest row: top-p
-    (3, "random", (0.0, 0, 1.0), None),       # greedy tree
-    (8, "chain", (0.875, 20, 0.875), 2.0),    # top-k and top-p
-    (7, "wide", (0.625, 5, 1.0), 3.0),        # top-k tree
-]
-EXTRA_PAD = 2  # even the longest row has padding
-
-
-def ragged_batch(specs: list, vocab: int, with_q: bool, seed: int, dtype: torch.dtype = torch.float32):
-    """A padded batch of rows built independently (``make_verify_inputs``), and each row alone.
-
-    Returns (batch inputs: logits, parents, tokens, draft_probs, uniform; per-row temperature
-    float32 [B], top_k int64 [B], top_p float32 [B]; the rows alone: a list of (inputs [1, n_real],
-    (temperature, top_k, top_p) scalars); the real node counts)."""
-    g = gen(seed)
-    n = max(s[0] for s in specs) + EXTRA_PAD
-    bsz = len(specs)
-    logits = torch.full((bsz, n, vocab), float("nan"))
-    parents = torch.full((bsz, n), -1, dtype=torch.int64)
-    tokens = torch.full((bsz, n), -1, dtype=torch.int64)
-    draft_probs = torch.full((bsz, n, vocab), float("nan")) if with_q else None
-    uniform = torch.zeros(bsz, n)
-    alone, num_real = [], []
-    for b, (n_real, kind, params, boost) in enumerate(specs):
-        row = make_verify_inputs(1, n_real, vocab, kind, with_q, *params, seed=seed * 100 + b, boost=boost)
-        row = (row[0].to(dtype),) + row[1:3] + (None if row[3] is None else row[3].to(dtype),) + row[4:]
-        logits[b, :n_real], parents[b, :n_real], tokens[b, :n_real], uniform[b, :n_real] = (
-            row[0][0], row[1][0], row[2][0], row[4][0])
-        if with_q:
-            draft_probs[b, :n_real] = row[3][0]
-        for i in range(n_real, n):
-            parents[b, i] = int(torch.randint(0, i, (1,), generator=g))
-        alone.append((row, params))
-        num_real.append(n_real)
-    temperature = torch.tensor([s[2][0] for s in specs], dtype=torch.float32)
-    top_k = torch.tensor([s[2][1] for s in specs], dtype=torch.int64)
-    top_p = torch.tensor([s[2][2] for s in specs], dtype=torch.float32)
-    inputs = (logits.to(dtype), parents, tokens, None if draft_probs is None else draft_probs.to(dtype), uniform)
-    return inputs, (temperature, top_k, top_p), alone, num_real
-
-
-def assert_row_equals_alone(batch_out, b: int, alone_out, n_real: int, context: str = "") -> None:
-    """Row b of a batch's (accept_len, accept_index, output_token_ids) equals the row's own result
-    ([1, n_real]), padded with -1."""
-    n = batch_out[1].shape[1]
-    assert batch_out[0][b].item() == alone_out[0][0].item(), f"accept_len of row {b} {context}"
-    pad = [-1] * (n - n_real)
-    for name, got, want in (("accept_index", batch_out[1][b], alone_out[1][0]),
-                            ("output_token_ids", batch_out[2][b], alone_out[2][0])):
-        assert got.tolist() == want.tolist() + pad, f"{name} of row {b} {context}"
+from helpers import ROWS, SAMPLING, assert_row_equals_alone, make_verify_inputs, need_kernels, ragged_batch
 
 
 def cpu_verify(inputs, temperature, top_k, top_p):

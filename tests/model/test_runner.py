@@ -15,8 +15,8 @@ from turbospec import Engine
 from turbospec import ops
 from turbospec.model.runner import DEFAULT_BUCKETS, TargetRunner, chain_mask_packed
 
-from conftest import make_tiny_model
-from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)
+from helpers import N_NEW, PROMPT, engine, hf_greedy, make_head, make_tiny_model
+
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from turbospec import ops
 from turbospec.ops import reference
 
-from conftest import on_every_isa
+from helpers import on_every_isa
+
 
 pytestmark = pytest.mark.skipif(not ops.has_op("rms_norm"), reason="turbospec._C with rms_norm not built")
 

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("bench_cpu", os.path.join(ROOT, "bench", "bench_cpu.py"))
 bench_cpu = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_cpu)

@@ -1,4 +1,4 @@
-"""The CUDA kernels' logic, run on the CPU: csrc/cuda/*.cu compiled against tests/cuda_emu/emu.h
+"""The CUDA kernels' logic, run on the CPU: csrc/cuda/*.cu compiled against tests/ops/cuda_emu/emu.h
 (one std::thread per CUDA thread, real barriers, emulated warp shuffles) and compared with
 ``turbospec.reference`` like the kernels in test_ops.py.
 
@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_ops import SAMPLING, gen, make_verify_inputs, random_parents, random_paths
-from test_tree_attention import assert_close, make_inputs
-from test_verify_rows import ROWS, assert_row_equals_alone, ragged_batch
 from turbospec.ops import reference
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import (ROWS, SAMPLING, assert_close, assert_row_equals_alone, gen, make_inputs, make_verify_inputs, ragged_batch, random_parents, random_paths)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,9 @@ def emu():
         pytest.skip("no C++ compiler to build the CUDA emulator")
     from torch.utils.cpp_extension import load
     # The name carries a hash of every file compiled in, so that an edit always rebuilds.
-    files = sorted([*ROOT.glob("csrc/cuda/*"), *ROOT.glob("tests/cuda_emu/*"), ROOT / "csrc" / "checks.h"])
+    files = sorted([*ROOT.glob("csrc/cuda/*"), *ROOT.glob("tests/ops/cuda_emu/*"), ROOT / "csrc" / "checks.h"])
     digest = hashlib.sha1(b"".join(f.read_bytes() for f in files if f.is_file())).hexdigest()[:10]
-    return load(name=f"turbospec_cuda_emu_{digest}", sources=[str(ROOT / "tests" / "cuda_emu" / "emu_ops.cpp")],
+    return load(name=f"turbospec_cuda_emu_{digest}", sources=[str(ROOT / "tests" / "ops" / "cuda_emu" / "emu_ops.cpp")],
                 extra_cflags=["-O1", "-std=c++20"], verbose=False)
 
 

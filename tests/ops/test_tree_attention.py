@@ -15,18 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_ops import gen, random_parents
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from turbospec import ops
     from turbospec.ops import reference
 
+from helpers import assert_close, gen, make_inputs, random_parents
+
 DEVICES = ["cpu", "cuda"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (out atol = rtol, lse atol): float32 within 1e-5; 16-bit outputs are rounded to the dtype (and the
-# CUDA kernel rounds P to it before P V, as flash attention does).
-TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-4), torch.float16: (4e-3, 1e-4)}
 
 
 def need_op(device: str) -> torch.device:
@@ -37,29 +35,11 @@ def need_op(device: str) -> torch.device:
     return torch.device(device)
 
 
-def make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind="random", dtype=torch.float32, seed=0):
-    """q [B, n, Hq, D], caches [B, Hkv, S, D] (randn), cache_len int64 [B], tree_mask_packed [B, n]."""
-    g = gen(seed)
-    q = torch.randn(bsz, n, hq, d, generator=g).to(dtype)
-    k = torch.randn(bsz, hkv, seq, d, generator=g).to(dtype)
-    v = torch.randn(bsz, hkv, seq, d, generator=g).to(dtype)
-    packed = reference.build_tree(random_parents(bsz, n, kind, g))[1]
-    return q, k, v, torch.tensor(cache_len, dtype=torch.int64), packed
-
-
 def run_op(dev, q, k, v, cache_len, packed, scale, include_prefix=True):
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), 123.0, device=dev)
     out, lse = ops.tree_attention(q.to(dev), k.to(dev), v.to(dev), cache_len.to(dev), packed.to(dev), scale,
                                   include_prefix, lse=lse)
     return out.cpu(), lse.cpu()
-
-
-def assert_close(out, lse, ref_out, ref_lse, dtype, context=""):
-    tol_o, tol_l = TOL[dtype]
-    assert out.dtype == ref_out.dtype
-    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol_o, rtol=tol_o,
-                               msg=lambda m: f"out {context}: {m}")
-    torch.testing.assert_close(lse, ref_lse, atol=tol_l, rtol=1e-5, msg=lambda m: f"lse {context}: {m}")
 
 
 CASES = {  # name: (B, n, Hq, Hkv, S, D, cache_len, tree kind)

@@ -13,7 +13,8 @@ from turbospec.model import loader
 from turbospec import ops
 from turbospec.model.transformer import ModelConfig, Transformer
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
+
 
 ATOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

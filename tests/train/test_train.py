@@ -12,7 +12,6 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny_model, make_tiny_tokenizer
 from turbospec import Engine, cli, load_model
 from turbospec.heads import formats as checkpoints
 from turbospec.train import config, objectives
@@ -21,6 +20,8 @@ from turbospec.train import trainer as train
 from turbospec.heads.formats import build_head
 from turbospec.heads.config import HeadConfig
 from turbospec.heads.layers import head_cache, init_weights
+
+from helpers import make_tiny_model, make_tiny_tokenizer
 
 VOCAB = 64
 

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_GPU = os.path.join(ROOT, "bench", "bench_gpu.py")
 NSYS_SH = os.path.join(ROOT, "bench", "profile_nsys.sh")
 NCU_SH = os.path.join(ROOT, "bench", "profile_ncu.sh")

@@ -20,39 +20,10 @@ with warnings.catch_warnings():
     from turbospec import ops
     from turbospec.ops import reference
 
-KERNELS = ops.kernels_available()
+from helpers import SAMPLING, gen, make_verify_inputs, need_kernels, random_parents, random_paths
+
 DEVICES = ["cpu", "cuda"]
 FLOAT_DTYPES = [torch.float32, torch.bfloat16]
-
-
-def need_kernels(device: str) -> torch.device:
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if not KERNELS.get(device, False):
-        pytest.skip(f"turbospec._C has no {device} kernels (build with `python setup.py build_ext --inplace`)")
-    return torch.device(device)
-
-
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-# ----------------------------------------------------------------------------------------------
-# trees
-# ----------------------------------------------------------------------------------------------
-def random_parents(bsz: int, n: int, kind: str, g: torch.Generator) -> torch.Tensor:
-    """int64 [bsz, n]: "random" (any valid tree), "chain", "star" or "wide" (few levels, many siblings)."""
-    parents = torch.full((bsz, n), -1, dtype=torch.int64)
-    for i in range(1, n):
-        if kind == "chain":
-            parents[:, i] = i - 1
-        elif kind == "star":
-            parents[:, i] = 0
-        elif kind == "wide":
-            parents[:, i] = torch.randint(0, min(i, 4), (bsz,), generator=g)
-        else:
-            parents[:, i] = torch.randint(0, i, (bsz,), generator=g)
-    return parents
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,64 +139,6 @@ def test_build_tree_bad_arguments_raise():
         op(p, m, pk, torch.empty(3, dtype=torch.int64), r)
     with pytest.raises(RuntimeError, match="build_tree: output retrieve_index must be contiguous"):
         op(p, m, pk, d, torch.empty(1, 3, 3, dtype=torch.int64).transpose(1, 2))
-
-
-# ----------------------------------------------------------------------------------------------
-# verify
-# ----------------------------------------------------------------------------------------------
-SAMPLING = {  # name: (temperature, top_k, top_p)
-    "greedy": (0.0, 0, 1.0),
-    "sample": (1.0, 0, 1.0),
-    "temp": (0.6, 0, 1.0),
-    "top_k": (0.8, 7, 1.0),
-    "top_p": (1.2, 0, 0.8),
-    "top_k_top_p": (0.9, 20, 0.9),
-}
-
-
-def make_verify_inputs(bsz: int, n: int, vocab: int, kind: str, with_q: bool, temperature: float, top_k: int,
-                       top_p: float, seed: int, scale: float = 2.0, boost: float | None = None, hot: int = 0):
-    """Random logits and a tree whose drafts are often accepted: each draft is the target's argmax at
-    its parent, a sample from the target there, or a random token. With ``boost``, the target
-    likes the drafts (a good drafter): the logit of each draft at its parent is set to the row's
-    maximum + boost, so that paths go deep. With ``hot``, every row gets that many tokens 3-4
-    above its maximum, holding most of the mass, as in a real LM: then a top-p cut falls between
-    tokens of large probability, never within float rounding (a flat 100k-token tail would put the
-    cut between masses ~1e-6 apart, where the float32 softmax's own rounding decides)."""
-    g = gen(seed)
-    parents = random_parents(bsz, n, kind, g)
-    logits = torch.randn(bsz, n, vocab, generator=g) * scale
-    if hot:
-        idx = torch.randint(0, vocab, (bsz, n, hot), generator=g)
-        logits.scatter_(2, idx, logits.amax(-1, keepdim=True) + 3.0 + torch.rand(bsz, n, hot, generator=g))
-    tokens = torch.randint(0, vocab, (bsz, n), generator=g)
-    argmax = logits.argmax(-1)
-    probs = (reference.logits_to_probs(logits, temperature, top_k, top_p) if temperature > 0
-             else torch.softmax(logits, -1))
-    sampled = torch.multinomial(probs.reshape(-1, vocab), 1, generator=g).reshape(bsz, n)
-    choice = torch.randint(0, 3, (bsz, n), generator=g)
-    for b in range(bsz):
-        for i in range(1, n):
-            p = int(parents[b, i])
-            if choice[b, i] == 0:
-                tokens[b, i] = argmax[b, p]
-            elif choice[b, i] == 1:
-                tokens[b, i] = sampled[b, p]
-    if boost is not None:
-        row_max = logits.amax(-1)
-        jitter = torch.rand(bsz, n, generator=g)
-        for b in range(bsz):
-            for i in range(1, n):
-                p = int(parents[b, i])
-                logits[b, p, tokens[b, i]] = row_max[b, p] + boost + jitter[b, i]
-    draft_probs = torch.softmax(torch.randn(bsz, n, vocab, generator=g) * scale, -1) if with_q else None
-    if with_q:  # make the drafter like its own drafts
-        for b in range(bsz):
-            for i in range(1, n):
-                draft_probs[b, int(parents[b, i]), tokens[b, i]] += 0.5
-        draft_probs /= draft_probs.sum(-1, keepdim=True)
-    uniform = torch.rand(bsz, n, generator=g)
-    return logits, parents, tokens, draft_probs, uniform
 
 
 def run_both(device, dtype, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p):
@@ -464,21 +377,6 @@ def test_verify_float16_and_strided_logits(device):
     inputs[0] = big[:, 2:8]            # a [B, N, V] view with a row stride != N * V
     out, ref = run_both(device, torch.float16, *inputs, 0.8, 0, 1.0)
     assert_same(out, ref)
-
-
-# ----------------------------------------------------------------------------------------------
-# compact_kv
-# ----------------------------------------------------------------------------------------------
-def random_paths(accept_len: list[int], n: int, g: torch.Generator) -> torch.Tensor:
-    """int64 [B, n]: increasing node paths starting at the root, padded with -1."""
-    index = torch.full((len(accept_len), n), -1, dtype=torch.int64)
-    for b, a in enumerate(accept_len):
-        if a < 0:
-            continue
-        nodes = torch.randperm(n - 1, generator=g)[:a].sort().values + 1
-        index[b, 0] = 0
-        index[b, 1:a + 1] = nodes
-    return index
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -10,7 +10,8 @@ from turbospec import ops
 from turbospec.model import quant
 from turbospec.ops import reference
 
-from conftest import on_every_isa
+from helpers import on_every_isa
+
 
 pytestmark = pytest.mark.skipif(not ops.has_op("linear"), reason="turbospec._C with linear not built")
 

@@ -14,7 +14,8 @@ from turbospec.drafters.draft_model import DraftModelDrafter, layer_skip_draft
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.ops.sampling import SamplingParams
 
-from conftest import make_tiny_model
+from helpers import make_tiny_model
+
 
 GREEDY = SamplingParams()
 

@@ -21,48 +21,7 @@ from turbospec.heads.config import HeadConfig
 from turbospec.heads.layers import init_weights
 from turbospec.ops.reference import logits_to_probs
 
-from conftest import make_tiny_model
-
-PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
-N_NEW = 40
-
-
-def hf_greedy(hf, prompt, n, eos_token_id=None):
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                      eos_token_id=eos_token_id, pad_token_id=0 if eos_token_id is None else eos_token_id)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def cyc(request):
-    """A 4-layer target whose greedy continuation cycles (attention outputs zeroed), its
-    transformers greedy reference, and the set of tokens the continuation uses."""
-    hf = make_tiny_model(request.param, seed=1, num_hidden_layers=4)
-    with torch.no_grad():
-        for layer in hf.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-    target = turbospec.load_model(hf)
-    ref = hf_greedy(hf, PROMPT, N_NEW)
-    return hf, target, ref, sorted(set(ref))
-
-
-def make_head(method, target, seed=0, vocab=None, std=0.3, **kw):
-    torch.manual_seed(seed)
-    if method == "eagle3" and vocab is not None:
-        kw["draft_vocab_size"] = len(vocab)
-    head = build_head(HeadConfig.for_target(method, target.cfg, **kw))
-    init_weights(head, std)
-    if method == "eagle3" and vocab is not None:
-        head.set_draft_vocab(torch.tensor(vocab))
-    return head.eval()
-
-
-def engine(target, method, head, vocab=None, **kw):
-    tree = dict(kw.pop("tree", {}))
-    if vocab is not None and method != "eagle3":
-        tree["draft_vocab"] = vocab
-    return Engine(target, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree, **kw)
+from helpers import N_NEW, PROMPT, engine, hf_greedy, make_head, make_tiny_model
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
@@ -223,7 +182,7 @@ def test_sampling_first_two_tokens_follow_target(small, method, t, top_p):
     """2,000 generations of three tokens (at most two drafts per step) with the head drafting a tree; the (x1, x2) counts against
     the exact target joint: chi-square p > 1e-5 (pooled cells, expected >= 5 each). A drafter
     that ignored q (treated drafts as point masses) is shown to fail the same test on its own
-    data in tests/test_sampling_stats.py; here the head's q comes from a random head at a
+    data in tests/ops/test_sampling_stats.py; here the head's q comes from a random head at a
     different temperature than the target's, so acceptance and residual sampling both occur."""
     target = small
     prompt = [1, 5, 7, 2, 9, 4]

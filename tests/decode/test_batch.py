@@ -11,8 +11,7 @@ import turbospec
 from turbospec import Engine, Request
 from turbospec.decode import batch as batch_mod
 
-from conftest import make_tiny_model, make_tiny_tokenizer
-from test_heads import PROMPT, N_NEW, cyc, engine, hf_greedy, make_head  # noqa: F401  (cyc: fixture)
+from helpers import N_NEW, PROMPT, engine, hf_greedy, make_head, make_tiny_model, make_tiny_tokenizer
 
 
 def prompts_mixed(n: int, seed: int = 0) -> list[list[int]]:

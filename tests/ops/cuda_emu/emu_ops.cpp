@@ -1,15 +1,15 @@
 // turbospec's CUDA entry points (csrc/cuda/*.cu), compiled for the CPU emulator in emu.h and
-// exposed as a Python module for tests/test_cuda_emulated.py. The sources are included as they are;
+// exposed as a Python module for tests/ops/test_cuda_emulated.py. The sources are included as they are;
 // TURBOSPEC_EMULATE switches their launch glue (csrc/cuda/launch.cuh) to emu::launch.
 #define TURBOSPEC_EMULATE 1
 #include "emu.h"
 
 #include <torch/extension.h>
 
-#include "../../csrc/cuda/build_tree.cu"
-#include "../../csrc/cuda/compact_kv.cu"
-#include "../../csrc/cuda/tree_attention.cu"
-#include "../../csrc/cuda/verify.cu"
+#include "../../../csrc/cuda/build_tree.cu"
+#include "../../../csrc/cuda/compact_kv.cu"
+#include "../../../csrc/cuda/tree_attention.cu"
+#include "../../../csrc/cuda/verify.cu"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_block_threads", [](int n) { emu::block_threads_override = n; },

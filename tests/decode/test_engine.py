@@ -12,7 +12,8 @@ import turbospec
 from turbospec import Draft, Drafter, Engine, NonFiniteLogitsError
 from turbospec.drafters.draft_model import layer_skip_draft
 
-from conftest import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_model, make_tiny_tokenizer
+
 
 V = 256
 REPEAT_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]  # n-gram lookup always finds a match
