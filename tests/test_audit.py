@@ -106,3 +106,19 @@ def test_cli_default_model(smollm2, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "turbospec.cli", "audit", "--k", "1"], env=env, capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode == 2 and "k must be" in bad.stderr
+
+
+def test_runs_ending_at_eos_count_as_ended():
+    """A sampled run may end at EOS before k tokens: "ended" (-1) is a category of the later
+    positions, in both arms alike, and the audit still passes."""
+    import torch
+    probe = make_tiny_model("llama", seed=7)
+    with torch.no_grad():
+        logits = probe(torch.tensor([REPEATING])).logits[0, -1]
+    eos = int(logits.argmax())  # the likeliest first token ends the run
+    assert torch.softmax(logits, -1)[eos] > 0.05  # 150 runs: about 14 end at once (P(none) < 1e-3)
+    tiny_eos = make_tiny_model("llama", seed=7, eos_token_id=eos)
+    r = turbospec.audit(tiny_eos, "ngram", greedy=False, sampling_prompt=REPEATING, samples=150, k=3, seed=2,
+                        max_seq_len=256)
+    assert r.ok, r.table()
+    assert any(t.categories >= 2 for t in r.sampling.positions)

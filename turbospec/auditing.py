@@ -333,10 +333,8 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
             out = []
             for r in range(n):
                 gen = engine.generate(prompt, seed=base + r, **kw)
-                if len(gen.token_ids) < k:
-                    raise ValueError(f"sampling_prompt: a run ended after {len(gen.token_ids)} tokens (EOS) "
-                                     f"before k = {k}; use another prompt or a smaller k")
-                out.append(tuple(gen.token_ids[:k]))
+                # a run that ended (EOS) before k tokens: "ended" (-1) is a category of the later positions
+                out.append(tuple(gen.token_ids[:k]) + (-1,) * (k - len(gen.token_ids)))
                 if count_drafts:
                     s.draft_tokens_proposed += gen.stats["draft_proposed"]
                     s.draft_tokens_accepted += gen.stats["draft_accepted"]

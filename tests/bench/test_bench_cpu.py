@@ -5,7 +5,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from helpers import make_tiny_model
 

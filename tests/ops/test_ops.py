@@ -260,7 +260,7 @@ def test_verify_sampling_hand_drawn(device, with_q):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["sample", "top_k", "top_p"])
 def test_verify_sampling_full_and_empty_acceptance(device, mode):
-    dev = need_kernels(device)
+    need_kernels(device)
     temperature, top_k, top_p = SAMPLING[mode]
     bsz, n, vocab = 4, 5, 64
     g = gen(11)
@@ -280,7 +280,7 @@ def test_verify_sampling_full_and_empty_acceptance(device, mode):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_verify_non_finite_logits(device, temperature):
-    dev = need_kernels(device)
+    need_kernels(device)
     bsz, n, vocab = 6, 4, 32
     g = gen(5)
     parents = random_parents(bsz, n, "chain", g)
@@ -304,7 +304,7 @@ def test_verify_non_finite_logits(device, temperature):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_non_finite_draft_probs(device):
-    dev = need_kernels(device)
+    need_kernels(device)
     bsz, n, vocab = 3, 3, 16
     inputs = list(make_verify_inputs(bsz, n, vocab, "chain", True, 1.0, 0, 1.0, seed=3))
     draft_probs = inputs[3]
@@ -370,7 +370,7 @@ def test_verify_bad_arguments_raise():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_float16_and_strided_logits(device):
-    dev = need_kernels(device)
+    need_kernels(device)
     inputs = list(make_verify_inputs(3, 6, 200, "random", True, 0.8, 0, 1.0, seed=21))
     big = torch.randn(3, 9, 200)
     big[:, 2:8] = inputs[0]
