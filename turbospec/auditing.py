@@ -276,7 +276,7 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
           max_new_tokens: int = 64, greedy: bool = True, sampling: bool = True, sampling_prompt: str | None = None,
           k: int = 2, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, samples: int | None = None,
           detect_tv: float = 0.15, power: float = 0.9, alpha: float = 0.01, seed: int = 0, num_draft: int | None = None,
-          head=None, draft_model=None, max_seq_len: int = 1024, log=None) -> AuditReport:
+          head=None, draft_model=None, max_seq_len: int = 4096, log=None) -> AuditReport:
     """Check that speculative decoding with ``drafter`` is lossless for ``model`` (see the module
     docstring). ``prompts``: greedy prompts (list, or a .jsonl / .txt path; default: a built-in
     sample); ``samples``: runs per arm (default: enough for ``detect_tv`` at ``power``)."""

@@ -93,7 +93,7 @@ def _audit(args) -> int:
                    greedy=not args.no_greedy, sampling=not args.no_sampling, sampling_prompt=args.sampling_prompt,
                    k=args.k, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
                    detect_tv=args.detect_tv, power=args.power, alpha=args.alpha, seed=args.seed,
-                   num_draft=args.num_draft, head=head, draft_model=args.draft_model,
+                   num_draft=args.num_draft, head=head, draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                    log=lambda m: print(f"[audit] {m}", file=sys.stderr, flush=True))
     print(report.table())
     if args.json:
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--prompts", default=None, help="greedy prompts: .jsonl (prompt / text / turns) or .txt "
                                                    "(one per line); default: a built-in sample")
     a.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt")
+    a.add_argument("--max-seq-len", type=int, default=4096, help="KV-cache length (prompt + new tokens must fit)")
     a.add_argument("--no-greedy", action="store_true")
     a.add_argument("--no-sampling", action="store_true")
     a.add_argument("--sampling-prompt", default=None, help="the prompt sampled (no chat template)")

@@ -1,8 +1,9 @@
 """``AsyncEngine``: an ``Engine`` serving many requests at once, for asyncio code (the HTTP server).
 
-One worker thread owns the engine's batch (``decode.batch.Scheduler``): requests submitted from the
-event loop join between steps, every step runs one batched verify pass, and each request's new
-tokens go back to its own ``async for`` as they are accepted. A consumer that stops iterating
+One worker (a thread of its own, or the thread that calls ``work()``; see below) owns the engine's
+batch (``decode.batch.Scheduler``): requests submitted from the event loop join between steps,
+every step runs one batched verify pass, and each request's new tokens go back to its own
+``async for`` as they are accepted. A consumer that stops iterating
 (a client that disconnects) cancels its request; its slot is free at the next step. A request's
 failure (a bad draft, non-finite logits) ends that request with the error; the others go on.
 
