@@ -41,6 +41,51 @@ from .loop import Sequence
 from .step import NonFiniteLogitsError, prefill
 
 
+class _Staging:
+    """A batch step's host inputs, allocated once: flat buffers for ``max_batch`` rows of up to
+    ``MAX_TREE_NODES`` nodes, each step viewing a contiguous [bsz, n] prefix (draft probabilities:
+    grown to the largest [bsz, n, vocab] seen, then reused). Off the CPU the host buffers are pinned
+    and ``to_device`` copies into device twins of the same layout, so a step allocates nothing on
+    either side once warm (the host buffers are refilled only after the step's one host read, by
+    which time the copies have completed)."""
+    NODES = ("ids", "draft_ids", "parents", "positions", "packed")
+    ROWS = ("cache_len", "temperature", "top_k", "top_p")
+    DTYPES = dict(ids=torch.int64, draft_ids=torch.int64, parents=torch.int64, positions=torch.int64,
+                  packed=torch.int64, uniform=torch.float32, cache_len=torch.int64, temperature=torch.float64,
+                  top_k=torch.int64, top_p=torch.float64)
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device = torch.device(device)
+        self.pin = self.device.type != "cpu"
+        size = {name: max_batch * (1 if name in self.ROWS else MAX_TREE_NODES) for name in self.DTYPES}
+        self.host = {name: torch.empty(size[name], dtype=dt, pin_memory=self.pin) for name, dt in self.DTYPES.items()}
+        self.dev = ({name: torch.empty(size[name], dtype=dt, device=self.device) for name, dt in self.DTYPES.items()}
+                    if self.pin else {})
+        self._probs = self._probs_dev = None
+
+    def view(self, name: str, *shape: int) -> Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        return self.host[name][:numel].view(*shape)
+
+    def probs(self, bsz: int, n: int, vocab: int) -> Tensor:
+        numel = bsz * n * vocab
+        if self._probs is None or self._probs.numel() < numel:
+            self._probs = torch.empty(numel, pin_memory=self.pin)
+            self._probs_dev = torch.empty(numel, device=self.device) if self.pin else None
+        return self._probs[:numel].view(bsz, n, vocab)
+
+    def to_device(self, name: str, host: Tensor) -> Tensor:
+        """The device copy of ``view(name, ...)`` / ``probs(...)`` (``name`` "probs"); the view itself on CPU."""
+        if not self.pin:
+            return host
+        buf = self._probs_dev if name == "probs" else self.dev[name]
+        out = buf[:host.numel()].view(host.shape)
+        out.copy_(host, non_blocking=True)
+        return out
+
+
 class BatchStep:
     """The target side of a batch of up to ``max_batch`` requests (see the module docstring)."""
 
@@ -53,6 +98,7 @@ class BatchStep:
         target.ensure_rope(self.cache.max_seq_len)
         self._chain = chain_mask_packed(MAX_TREE_NODES)[0]  # packed mask rows, built once
         self._pad = pad_mask_packed(MAX_TREE_NODES)[0]
+        self._stage = _Staging(max_batch, target.device)
 
     def prefill(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
         """A joining request's prompt (all but its last token) into its slot, alone."""
@@ -81,22 +127,27 @@ class BatchStep:
         when they ride along as padding rows, they write after their prefix, never over it."""
         # the pass covers slots [0, highest active slot]: idle slots below it ride along as one-node
         # padding rows, those above it cost nothing (the scheduler fills the lowest free slot first)
-        bsz, dev = max(rows) + 1, self.target.device
+        bsz = max(rows) + 1
         n = max(1 + (0 if s.draft is None else len(s.draft)) for s in rows.values())
-        ids = torch.zeros(bsz, n, dtype=torch.int64)
-        draft_ids = torch.full((bsz, n), -1, dtype=torch.int64)
+        st = self._stage
+        ids, draft_ids, parents, positions, packed = (st.view(name, bsz, n) for name in _Staging.NODES)
+        cache_len, temperature, top_k, top_p = (st.view(name, bsz) for name in _Staging.ROWS)
+        uniform = st.view("uniform", bsz, n)
+        ids.zero_()
+        draft_ids.fill_(-1)
         draft_ids[:, 0] = 0
-        parents = torch.zeros(bsz, n, dtype=torch.int64)
+        parents.zero_()
         parents[:, 0] = -1
-        positions = torch.zeros(bsz, n, dtype=torch.int64)
-        packed = self._pad[:n].repeat(bsz, 1)
-        cache_len = torch.zeros(bsz, dtype=torch.int64)
-        uniform = torch.zeros(bsz, n)
+        positions.zero_()
+        packed.copy_(self._pad[:n].expand(bsz, n))
+        cache_len.zero_()
+        uniform.zero_()
         # float64: the Python numbers exactly, as a request decoded alone passes them
-        temperature = torch.zeros(bsz, dtype=torch.float64)
-        top_k, top_p = torch.zeros(bsz, dtype=torch.int64), torch.ones(bsz, dtype=torch.float64)
+        temperature.zero_()
+        top_k.zero_()
+        top_p.fill_(1.0)
         with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
-        probs = torch.zeros(bsz, n, self.target.cfg.vocab_size) if with_probs else None
+        probs = st.probs(bsz, n, self.target.cfg.vocab_size).zero_() if with_probs else None
         trees = False
         for b, length in (parked or {}).items():
             if b < bsz:
@@ -130,15 +181,17 @@ class BatchStep:
                 elif not s.params.greedy and k:
                     raise ValueError("a batch mixes sampled rows with point-mass drafts and rows with draft "
                                      "probabilities; verify takes one kind per pass")
-        ids, positions, packed, cache_len_d = (t.to(dev) for t in (ids, positions, packed, cache_len))
+        ids, positions, packed, cache_len_d = (st.to_device(name, t) for name, t in (
+            ("ids", ids), ("positions", positions), ("packed", packed), ("cache_len", cache_len)))
         with nvtx.range("verify"):
             out = self.target.forward_static(ids, positions, self.cache.rows(0, bsz), cache_len_d, packed,
                                              self.features)
         logits, feats = (out, None) if self.features is None else out
         with nvtx.range("accept"):
             accept_len, accept_index, emitted = ops.verify(
-                logits, parents.to(dev), draft_ids.to(dev), None if probs is None else probs.to(dev),
-                uniform.to(dev), temperature.to(dev), top_k.to(dev), top_p.to(dev))
+                logits, st.to_device("parents", parents), st.to_device("draft_ids", draft_ids),
+                None if probs is None else st.to_device("probs", probs), st.to_device("uniform", uniform),
+                st.to_device("temperature", temperature), st.to_device("top_k", top_k), st.to_device("top_p", top_p))
             host = torch.cat((accept_len, emitted.flatten())).tolist()  # the one host read of the step
         if trees:
             with nvtx.range("compact"):
