@@ -93,6 +93,72 @@ def hf_greedy(src: str, dtype, prompt_ids: list[list[int]], max_new_tokens: int,
     return out
 
 
+def invariance_cost(src: str, dtypes: list[str], tokens: int, rounds: int) -> list[dict]:
+    """What batch invariance costs: plain decode tok/s (decode-only, as llama-bench tg) and the time
+    of an 8-token verify pass with turbospec's kernels (one reduction order per row, the default)
+    against the same model with every linear through torch's ``F.linear`` and the Python layer loop
+    (MKL / oneDNN: faster kernels chosen per shape, so a row's bits depend on the rows beside it).
+    Dense weights in each dtype; rounds alternate the two paths; medians."""
+    import statistics
+    import torch
+    import turbospec
+    from turbospec.model.loader import parse_dtype
+
+    def decode_tps(model) -> float:
+        cache = model.new_cache(16 + tokens + 1)
+        ids = torch.arange(8)[None] + 10
+        tok = model.forward(ids, torch.arange(8)[None], cache, 0, logits="last")[0, -1].argmax()
+        t = time.perf_counter()
+        for i in range(tokens):
+            tok = model.forward(tok.view(1, 1), torch.tensor([[8 + i]]), cache, 8 + i, logits="last")[0, -1].argmax()
+        return tokens / (time.perf_counter() - t)
+
+    def verify_ms(model, n: int = 8, reps: int = 10) -> float:
+        cache = model.new_cache(160)
+        model.forward(torch.arange(128)[None] % 1000 + 10, torch.arange(128)[None], cache, 0, logits="none")
+        ids, pos = torch.arange(n)[None] + 20, torch.arange(n)[None] + 128
+        model.forward(ids, pos, cache, 128)
+        t = time.perf_counter()
+        for _ in range(reps):
+            model.forward(ids, pos, cache, 128)
+        return (time.perf_counter() - t) / reps * 1e3
+
+    def torch_path(model, on: bool):
+        model.use_cpp_layers = not on
+        for lin in [model.lm_head] + [m for layer in model.layers for m in layer.linears()]:
+            lin.kernel = not on
+            lin._dense = lin.dense() if on else None
+
+    out = []
+    for name in dtypes:
+        model = turbospec.load_model(src, parse_dtype(name), weights="dense")
+        runs = {"turbospec": [], "torch": [], "v_turbospec": [], "v_torch": []}
+        ids = torch.arange(32)[None] * 7 % 1000 + 10
+        logits = []
+        for on in (False, True):  # the two paths compute the same model (not the same bits)
+            torch_path(model, on)
+            logits.append(model.forward(ids, torch.arange(32)[None], model.new_cache(32), 0).float())
+        diff = float((logits[0] - logits[1]).abs().max())
+        for _ in range(rounds):
+            for key, on in (("turbospec", False), ("torch", True)):
+                torch_path(model, on)
+                try:
+                    runs[key].append(decode_tps(model))
+                    runs["v_" + key].append(verify_ms(model))
+                except RuntimeError as e:  # e.g. a torch bf16 kernel this CPU lacks
+                    runs[key].append(float("nan"))
+                    runs["v_" + key].append(float("nan"))
+                    print(f"{name} {key}: {str(e).splitlines()[0]}", flush=True)
+        torch_path(model, False)
+        row = {"dtype": name, **{k: statistics.median(v) for k, v in runs.items()}, "max_logit_diff": diff}
+        row["ratio"] = row["turbospec"] / row["torch"]
+        out.append(row)
+        print(f"invariance cost {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k != "dtype"),
+              flush=True)
+        del model
+    return out
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
@@ -130,6 +196,10 @@ def main() -> int:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--hf-prompts", type=int, default=0, help="also HF generate greedy on the first N prompts")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cost", default="", help="only measure what invariance costs, for these dtypes "
+                   "(comma list, e.g. float32,bfloat16); see invariance_cost")
+    p.add_argument("--cost-rounds", type=int, default=3)
+    p.add_argument("--shard", default="0/1", help="I/N: only prompts with index % N == I (parallel processes)")
     p.add_argument("--resume", action="store_true", help="skip (config, prompt, system) already in OUT/exact.jsonl")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args()
@@ -139,12 +209,23 @@ def main() -> int:
     systems = [s for s in args.systems.split(",") if s]
     if args.prompts < 1 or args.max_new_tokens < 1:
         p.error("--prompts and --max-new-tokens must be >= 1")
+    try:
+        shard, shards = (int(v) for v in args.shard.split("/"))
+        assert 0 <= shard < shards
+    except (ValueError, AssertionError):
+        p.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
 
     import torch
     import turbospec
     from turbospec.model.loader import load_tokenizer, parse_dtype
     torch.set_num_threads(args.threads)
     src = turbospec.default_model_path() if args.model == "default" else args.model
+    if args.cost:
+        rows = invariance_cost(src, args.cost.split(","), 64, args.cost_rounds)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "invariance_cost.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return 0
     prompts = specbench_prompts(args.data, args.prompts)
     tokenizer = load_tokenizer(src)
     os.makedirs(args.out, exist_ok=True)
@@ -162,7 +243,7 @@ def main() -> int:
         target = turbospec.load_model(src, parse_dtype(dtype), weights=weights, activations=activations)
         eng = engines(target, tokenizer, systems, args.max_seq_len)
         for i, (cat, prompt) in enumerate(prompts):
-            if all((cfg, i, s) in done for s in ["plain", *systems]):
+            if i % shards != shard or all((cfg, i, s) in done for s in ["plain", *systems]):
                 continue
             t = time.perf_counter()
             ref = eng["plain"].generate(prompt, max_new_tokens=args.max_new_tokens)
