@@ -1,7 +1,7 @@
 """A GGUF model kept quantized computes exactly what the same model dequantized to float32 computes,
 and every token's numbers are independent of how many tokens share the pass (batch invariance):
 prefill == token-by-token decode, a 64-token chain or a 64-node tree == each token decoded alone,
-bit for bit, in float32, bfloat16 and quantized weights."""
+bit for bit, in float32, bfloat16, float16 and quantized weights."""
 import pytest
 import torch
 
@@ -51,7 +51,8 @@ def _model(kind: str, weights: str, dtype: torch.dtype, activations: str = "exac
 VARIANTS = [("llama", "auto", torch.float32, "exact"), ("qwen2", "auto", torch.float32, "exact"),
             ("llama", "auto", torch.bfloat16, "exact"), ("llama", "q8_0", torch.float32, "exact"),
             ("qwen2", "q4_0", torch.float32, "exact"), ("llama", "q4_0", torch.bfloat16, "exact"),
-            ("llama", "q4_0", torch.float32, "int8"), ("qwen2", "q8_0", torch.float32, "int8")]
+            ("llama", "q4_0", torch.float32, "int8"), ("qwen2", "q8_0", torch.float32, "int8"),
+            ("llama", "auto", torch.float16, "exact"), ("qwen2", "q8_0", torch.float16, "exact")]
 
 
 @pytest.mark.parametrize("kind,weights,dtype,activations", VARIANTS)
