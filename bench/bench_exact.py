@@ -151,6 +151,25 @@ def invariance_cost(src: str, dtypes: list[str], tokens: int, rounds: int) -> li
                     print(f"{name} {key}: {str(e).splitlines()[0]}", flush=True)
         torch_path(model, False)
         row = {"dtype": name, **{k: statistics.median(v) for k, v in runs.items()}, "max_logit_diff": diff}
+        # the kernels alone: one decoder layer's linears + the LM head, rows R = 1 and 8
+        lins = [model.lm_head] + list(model.layers[0].linears())
+        for rows in (1, 8):
+            t = {"turbospec": 0.0, "torch": 0.0}
+            for lin in lins:
+                x = torch.randn(rows, lin.in_features).to(model.dtype)
+                w = lin.dense()
+                fns = {"turbospec": lambda: lin(x), "torch": lambda: torch.nn.functional.linear(x, w)}
+                for key, fn in fns.items():
+                    for _ in range(3):
+                        fn()
+                    best = float("inf")
+                    for _ in range(rounds * 3):
+                        t0 = time.perf_counter()
+                        for _ in range(10):
+                            fn()
+                        best = min(best, (time.perf_counter() - t0) / 10)
+                    t[key] += best * 1e6
+            row[f"linears_us_r{rows}_turbospec"], row[f"linears_us_r{rows}_torch"] = t["turbospec"], t["torch"]
         row["ratio"] = row["turbospec"] / row["torch"]
         out.append(row)
         print(f"invariance cost {name}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k != "dtype"),
