@@ -277,6 +277,7 @@ def main() -> int:
                        "first_difference": d, "compared": min(len(ref.token_ids), len(g.token_ids)),
                        "new_tokens": len(g.token_ids), "seconds": secs,
                        "verify_steps": g.stats.get("verify_steps", 0),
+                       "draft_proposed": g.stats.get("draft_proposed", 0),
                        "draft_accepted": g.stats.get("draft_accepted", 0)}
                 sink.write(json.dumps(rec) + "\n")
             sink.flush()
