@@ -218,6 +218,7 @@ def main() -> int:
     p.add_argument("--cost", default="", help="only measure what invariance costs, for these dtypes "
                    "(comma list, e.g. float32,bfloat16); see invariance_cost")
     p.add_argument("--cost-rounds", type=int, default=3)
+    p.add_argument("--cost-tokens", type=int, default=64, help="decode tokens per --cost round")
     p.add_argument("--shard", default="0/1", help="I/N: only prompts with index % N == I (parallel processes)")
     p.add_argument("--resume", action="store_true", help="skip (config, prompt, system) already in OUT/exact.jsonl")
     p.add_argument("--out", default=os.path.join("bench", "out"))
@@ -226,6 +227,9 @@ def main() -> int:
         if c not in CONFIGS:
             p.error(f"--configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}")
     systems = [s for s in args.systems.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            p.error(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         p.error("--prompts and --max-new-tokens must be >= 1")
     try:
@@ -240,7 +244,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     src = turbospec.default_model_path() if args.model == "default" else args.model
     if args.cost:
-        rows = invariance_cost(src, args.cost.split(","), 64, args.cost_rounds)
+        rows = invariance_cost(src, args.cost.split(","), args.cost_tokens, args.cost_rounds)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "invariance_cost.json"), "w") as f:
             json.dump(rows, f, indent=1)
