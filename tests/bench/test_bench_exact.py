@@ -22,10 +22,20 @@ def rows(out) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def write_data(tmp_path) -> str:
+    """A Spec-Bench-shaped file (the shared sample may not be on this machine)."""
+    path = tmp_path / "sample.jsonl"
+    rows = [("qa", "What is the capital of France? Answer in one sentence."),
+            ("translation", "Translate to German: the cat sleeps on the warm windowsill."),
+            ("qa", "Name three primary colors.")]
+    path.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in rows))
+    return str(path)
+
+
 def test_small_run_shard_and_resume(smollm2_dir, tmp_path):
-    out = str(tmp_path / "o")
+    out, data = str(tmp_path / "o"), write_data(tmp_path)
     r = run("--configs", "f32", "--systems", "ngram,medusa", "--prompts", "3", "--max-new-tokens", "8",
-            "--shard", "1/2", "--out", out)
+            "--shard", "1/2", "--data", data, "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     got = rows(out)
     assert sorted({x["prompt_index"] for x in got}) == [1]  # shard 1 of 2 over prompts 0..2
@@ -35,7 +45,7 @@ def test_small_run_shard_and_resume(smollm2_dir, tmp_path):
     assert "| f32 | ngram | 1 | 1 / 1 (100.0%)" in table and "| f32 | medusa |" in table
     # resume: shard 0 adds prompts 0 and 2, keeps prompt 1's rows
     r = run("--configs", "f32", "--systems", "ngram,medusa", "--prompts", "3", "--max-new-tokens", "8",
-            "--shard", "0/2", "--resume", "--out", out)
+            "--shard", "0/2", "--resume", "--data", data, "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted({x["prompt_index"] for x in rows(out)}) == [0, 1, 2]
     assert len(rows(out)) == 9
@@ -57,6 +67,7 @@ def test_invariance_cost_mode(smollm2_dir, tmp_path):
     (["--systems", "lookahead", "--prompts", "1"], "unknown system 'lookahead'"),
     (["--shard", "2/2"], "--shard: expected I/N"),
     (["--prompts", "0"], "--prompts and --max-new-tokens must be >= 1"),
+    (["--data", "/nonexistent/specbench.jsonl"], "--data: no such file"),
 ])
 def test_bad_arguments(args, message, tmp_path):
     r = run(*args, "--out", str(tmp_path))

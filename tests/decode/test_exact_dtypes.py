@@ -110,7 +110,8 @@ def test_smollm2_bf16_speculative_equals_plain(smol_bf16, drafter):
         kw = dict(head=heads[drafter])
         drafter = "eagle" if drafter == "eagle3" else "medusa"
     plain = Engine(target, drafter="none", tokenizer=tok, max_seq_len=1024)
-    spec = Engine(target, drafter=drafter, tokenizer=tok, max_seq_len=1024, **kw)
+    # a fixed draft length: the adaptive budget may stop drafting on a loaded machine (timings)
+    spec = Engine(target, drafter=drafter, tokenizer=tok, max_seq_len=1024, adaptive=False, **kw)
     accepted = 0
     for p in _prompts():
         accepted += _check_same(plain, spec, p, False, f"{drafter}: {p[:40]!r}").stats["draft_accepted"]
