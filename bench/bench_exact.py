@@ -232,13 +232,13 @@ def main() -> int:
             p.error(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
     if args.prompts < 1 or args.max_new_tokens < 1:
         p.error("--prompts and --max-new-tokens must be >= 1")
-    if not args.cost and not os.path.isfile(args.data):
-        p.error(f"--data: no such file {args.data!r} (the Spec-Bench sample, ../shared/data/specbench_dev.jsonl)")
     try:
         shard, shards = (int(v) for v in args.shard.split("/"))
         assert 0 <= shard < shards
     except (ValueError, AssertionError):
         p.error(f"--shard: expected I/N with 0 <= I < N, got {args.shard!r}")
+    if not args.cost and not os.path.isfile(args.data):
+        p.error(f"--data: no such file {args.data!r} (the Spec-Bench sample, ../shared/data/specbench_dev.jsonl)")
 
     import torch
     import turbospec
