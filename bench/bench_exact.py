@@ -219,7 +219,7 @@ def main() -> int:
                    "(comma list, e.g. float32,bfloat16); see invariance_cost")
     p.add_argument("--cost-rounds", type=int, default=3)
     p.add_argument("--cost-tokens", type=int, default=64, help="decode tokens per --cost round")
-    p.add_argument("--shard", default="0/1", help="I/N: only prompts with index % N == I (parallel processes)")
+    p.add_argument("--shard", default="0/1", help="I/N: only prompts with index %% N == I (parallel processes)")
     p.add_argument("--resume", action="store_true", help="skip (config, prompt, system) already in OUT/exact.jsonl")
     p.add_argument("--out", default=os.path.join("bench", "out"))
     args = p.parse_args()

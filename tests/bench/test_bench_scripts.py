@@ -312,3 +312,17 @@ def test_profile_ncu_refuses_without_cuda_kernels(tmp_path):
                           env=env, timeout=120)
     assert proc.returncode == 1
     assert "no CUDA device" in proc.stderr or "CUDA kernels are not built" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+BENCH_PY = sorted(f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", BENCH_PY)
+def test_bench_script_help(script):
+    """``--help`` prints usage for every bench script (argparse help strings are %-formatted: a bare
+    ``%`` in one crashed bench_exact.py's --help)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:200]
