@@ -82,21 +82,38 @@ class Sequence:
     def plan(self, k: int | None = None) -> Draft | None:
         """The draft for the next verify step (None: a plain step): ``k`` tokens at most when given
         (a batch's budget), else what this request's own budget chooses."""
-        remaining = self.max_new_tokens - self.emitted
-        if self.drafter is None:
-            k = 0
-        else:
-            k = min(self.budget.choose() if k is None else k, remaining - 1)
+        k = self._draft_length(k)
         t1 = time.perf_counter()
         with nvtx.range("draft"):
             draft = self.drafter.propose(self.tokens, k, self.params, self.generator) if k > 0 else None
+        self._take(draft, k)
+        self.planned(time.perf_counter() - t1)
+        return draft
+
+    def plan_steps(self, k: int | None = None):
+        """``plan`` as a generator of the drafter's shared-weight requests (``drafters.lockstep``),
+        for a batch that drafts all its requests together; the caller then calls ``planned``."""
+        k = self._draft_length(k)
+        self.draft = None
+        draft = (yield from self.drafter.propose_steps(self.tokens, k, self.params, self.generator)) if k > 0 else None
+        self._take(draft, k)
+        return draft
+
+    def _draft_length(self, k: int | None) -> int:
+        if self.drafter is None:
+            return 0
+        return min(self.budget.choose() if k is None else k, self.max_new_tokens - self.emitted - 1)
+
+    def _take(self, draft: Draft | None, k: int) -> None:
         if draft is not None:
             check_draft(draft, k, self.vocab)
-        self._t_plan = time.perf_counter()
-        self._draft_seconds = self._t_plan - t1
-        self.t_draft += self._draft_seconds
         self.draft = draft
-        return draft
+
+    def planned(self, draft_seconds: float) -> None:
+        """The planned draft took ``draft_seconds`` (this request's share of a batch's drafting)."""
+        self._t_plan = time.perf_counter()
+        self._draft_seconds = draft_seconds
+        self.t_draft += draft_seconds
 
     def uniform(self) -> Tensor:
         """The coins of the planned step's nodes [k + 1] (zeros when greedy), from this request's

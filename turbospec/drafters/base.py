@@ -57,6 +57,14 @@ class Drafter:
         """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none."""
         raise NotImplementedError
 
+    def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None):
+        """``propose`` as a generator that yields its shared-weight products as ``lockstep.Rows``
+        requests, so that a batch's proposals share each weight read (``lockstep.drive``); returns
+        the draft. This default computes everything itself (nothing to share)."""
+        return self.propose(tokens, max_tokens, params, generator)
+        yield  # noqa: unreachable - makes this a generator
+
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         """After verification: ``tokens`` is the new committed sequence (its last element is the
         next root), ``num_accepted`` how many of the last proposal's tokens were kept."""

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .budget import DepthBudget
 from .base import Draft, Drafter
+from .lockstep import Rows, run_one
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache
@@ -28,31 +29,45 @@ class EagleDrafter(Drafter):
     rollback). Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
     ``top_k`` children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens``
     nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft).
+
+    ``share``: another EagleDrafter over the same head and options (a batch's other slots) whose
+    prepared head copy and LM head this one uses too: one copy of the weights, and in a batch one
+    LM-head call per round for every request (``propose_steps``). Each drafter keeps its own KV cache.
     """
 
     name = "eagle"
 
     def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int = 4,
                  draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
-                 adaptive_depth: bool = True):
+                 adaptive_depth: bool = True, share: "EagleDrafter | None" = None):
         check_head_compatible(head, target.cfg)
         if depth < 1 or top_k < 1:
             raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
         self.target, self.depth, self.top_k = target, depth, top_k
         dtype = draft_dtype or torch.float32
         dev = self.device = target.device  # the head drafts where the target runs
-        self.head = inference_copy(head, dtype, dev)
         self.dtype = dtype
         self.features = head.feature_spec
         # committed pairs + the tree grown after them (up to two trees' worth of nodes ahead)
         self.kv = head_cache(head.cfg, max_seq_len + 2 * MAX_TREE_NODES, dtype=dtype, device=dev)
-        if head.eagle3:
-            self.lm = None
-            self.vocab_ids = self.head.draft_vocab_ids()
+        # self.logits: rows [n, H] of head outputs -> draft logits [n, draft vocab] (float32), one
+        # object for all the drafters that share the head, so that a batch's requests go in one call
+        if share is not None:
+            if share.target is not target or share.dtype != dtype or share.head.cfg != head.cfg:
+                raise ValueError("EagleDrafter: share= must be a drafter of the same target, head and draft_dtype")
+            self.head, self.lm, self.vocab_ids, self.logits = share.head, share.lm, share.vocab_ids, share.logits
         else:
-            draft_vocab = None if draft_vocab is None else draft_vocab.to(dev)
-            self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
-            self.vocab_ids = draft_vocab
+            self.head = inference_copy(head, dtype, dev)
+            if head.eagle3:
+                self.lm = None
+                self.vocab_ids = self.head.draft_vocab_ids()
+                lm_head = self.head.logits
+                self.logits = lambda out: lm_head(out).float()
+            else:
+                draft_vocab = None if draft_vocab is None else draft_vocab.to(dev)
+                self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
+                self.vocab_ids = draft_vocab
+                self.logits = self.lm
         self._cached = 0
         self._feats: Tensor | None = None
         # greedy steps: the number of expansion rounds from measured acceptance by depth and timings
@@ -77,15 +92,15 @@ class EagleDrafter(Drafter):
             self.depth_budget.record(depth_used, num_accepted, t_round, None)
         self._pending = None
 
-    def _logits(self, out: Tensor) -> Tensor:
-        return self.head.logits(out).float() if self.lm is None else self.lm(out)
-
     def _token(self, idx: Tensor) -> Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
 
-    @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
+        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
+
+    def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None):
         t_start = time.perf_counter()
         if self.depth_budget is not None and self._t_end is not None and self._steps_since == 1:
             self.depth_budget.record(0, 0, None, t_start - self._t_end)  # one step's verify + the rest
@@ -111,7 +126,7 @@ class EagleDrafter(Drafter):
         nodes: list[Node] = []
         slot_of: dict[int, int] = {}          # node -> KV slot (relative to _cached)
         hidden: dict[int, Tensor] = {-1: out[0, -1]}
-        logits: dict[int, Tensor] = {-1: self._logits(out[0, -1:])[0]}
+        logits: dict[int, Tensor] = {-1: (yield Rows(self.logits, out[0, -1:]))[0]}
         frontier = [-1]
         root_q = None
         k = self.top_k
@@ -160,7 +175,7 @@ class EagleDrafter(Drafter):
             e_in = embed[torch.tensor([nodes[i].token for i in expand], device=dev)].to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
             o = self.head(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None], fused=True)
-            lg = self._logits(o[0])
+            lg = yield Rows(self.logits, o[0])
             for j, i in enumerate(expand):
                 hidden[i] = o[0, j]
                 logits[i] = lg[j]

@@ -96,7 +96,8 @@ def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
 
 def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Callable[[], Drafter]:
     """EAGLE or Medusa drafters from ``head`` (a checkpoint directory or a loaded head; for the
-    default target, None picks its shipped head) and the tree options."""
+    default target, None picks its shipped head) and the tree options. The drafters built share one
+    prepared copy of the head (``share=``), so a batch drafts with one weight read per round."""
     if head is None and s.default_target:
         heads = shipped_heads()
         head = next((heads[m] for m in (("medusa",) if kind == "medusa" else ("eagle3", "eagle")) if m in heads),
@@ -125,7 +126,8 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
                              f"draft_vocab, ngram)")
 
         def build():
-            return MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype, **opts)
+            return MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype,
+                                 share=first[0] if first else None, **opts)
     else:
         bad = set(opts) - {"depth", "top_k"}
         if bad:
@@ -134,7 +136,13 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
 
         def build():
             return EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab, draft_dtype=s.draft_dtype,
-                                adaptive_depth=s.adaptive, **opts)
-    if ngram:
-        return lambda: HybridDrafter(build(), ngram_tokens=ngram)
-    return build
+                                adaptive_depth=s.adaptive, share=first[0] if first else None, **opts)
+
+    # The drafters this builder makes (one per batch slot) share the first one's prepared head.
+    first: list[Drafter] = []
+
+    def build_shared():
+        d = build()
+        first[:] = first or [d]
+        return HybridDrafter(d, ngram_tokens=ngram) if ngram else d
+    return build_shared

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
+from .lockstep import run_one
 from .ngram import NgramDrafter
 from ..ops.sampling import SamplingParams
 
@@ -70,9 +71,13 @@ class HybridDrafter(Drafter):
 
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
+        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
+
+    def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None):
         if not params.greedy or max_tokens < 2:
-            return self.head.propose(tokens, max_tokens, params, generator)
+            return (yield from self.head.propose_steps(tokens, max_tokens, params, generator))
         found = self.ngram.propose(tokens, min(self.ngram_tokens, max_tokens - 1), params, generator)
         chain = [] if found is None else found.token_ids
-        tree = self.head.propose(tokens, max_tokens - len(chain), params, generator)
+        tree = yield from self.head.propose_steps(tokens, max_tokens - len(chain), params, generator)
         return merge_chain(tree, chain, max_tokens)

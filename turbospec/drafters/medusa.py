@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
+from .lockstep import Rows, run_one
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
 from ..ops.reference import MAX_TREE_NODES
@@ -58,29 +59,41 @@ class MedusaDrafter(Drafter):
     when a trained checkpoint carries it) truncated to the step's budget. Greedy: node [.., r] at
     depth d is the rank-r token of head d-1; sampling: the siblings of a node are the first draws,
     without replacement, from head d-1's distribution (shared by all nodes of that depth; each node
-    is tested against it at most once per path), with that distribution kept for exact acceptance."""
+    is tested against it at most once per path), with that distribution kept for exact acceptance.
+
+    ``share``: another MedusaDrafter over the same heads and options (a batch's other slots) whose
+    prepared heads and LM heads this one uses too: one copy, and in a batch one call of each per
+    step for every request (``propose_steps``)."""
 
     name = "medusa"
     features = "final"
 
     def __init__(self, target, heads: MedusaHeads, choices: list[list[int]] | None = None,
                  num_nodes: int = 32, draft_vocab: Tensor | None = None,
-                 draft_dtype: torch.dtype | None = None):
+                 draft_dtype: torch.dtype | None = None, share: "MedusaDrafter | None" = None):
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
-        self.heads = inference_copy(heads, dtype, target.device)  # the heads draft where the target runs
         self.target, self.dtype = target, dtype
-        draft_vocab = None if draft_vocab is None else draft_vocab.to(target.device)
         k = heads.cfg.medusa_num_heads
         if choices is None:
             acc = getattr(heads, "extra", {}).get("head_accuracy")
             choices = default_choices(k, num_nodes, acc)
         self.choices = _check_choices(choices, k)
-        if heads.lm_heads is not None:
-            self.lms = [DraftLMHead(lm.weight.detach(), draft_vocab, dtype) for lm in self.heads.lm_heads]
+        if share is not None:
+            if share.target is not target or share.dtype != dtype or share.heads.cfg != heads.cfg:
+                raise ValueError("MedusaDrafter: share= must be a drafter of the same target, heads and draft_dtype")
+            self.heads, self.lms, self.head_rows = share.heads, share.lms, share.head_rows
         else:
-            shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
-            self.lms = [shared] * k
+            self.heads = inference_copy(heads, dtype, target.device)  # the heads draft where the target runs
+            draft_vocab = None if draft_vocab is None else draft_vocab.to(target.device)
+            if heads.lm_heads is not None:
+                self.lms = [DraftLMHead(lm.weight.detach(), draft_vocab, dtype) for lm in self.heads.lm_heads]
+            else:
+                shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype)
+                self.lms = [shared] * k
+            blocks = self.heads
+            #: features [n, H] -> the K heads' outputs [n, K, H] (one object for the sharing drafters)
+            self.head_rows = lambda f: blocks(f).transpose(0, 1)
         self._f: Tensor | None = None
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
@@ -89,9 +102,12 @@ class MedusaDrafter(Drafter):
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self._f = None if features is None else features[-1]
 
-    @torch.inference_mode()
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
+        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
+
+    def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None):
         f, self._f = self._f, None
         if f is None or max_tokens <= 0:
             return None
@@ -100,10 +116,16 @@ class MedusaDrafter(Drafter):
         ranks = [0] * depth
         for c in choices:
             ranks[len(c) - 1] = max(ranks[len(c) - 1], c[-1] + 1)
-        out = self.heads(f.to(self.dtype)[None])[:, 0]  # [K, H]
+        out = (yield Rows(self.head_rows, f.to(self.dtype)[None]))[0]  # [K, H]
+        if all(lm is self.lms[0] for lm in self.lms[:depth]):  # one LM head: all depths in one call
+            logits = yield Rows(self.lms[0], out[:depth])
+        else:
+            logits = []
+            for d in range(depth):
+                logits.append((yield Rows(self.lms[d], out[d:d + 1]))[0])
         cand, qs = [], []
         for d in range(depth):
-            idx, _, q = choose_children(self.lms[d](out[d:d + 1])[0], ranks[d], params, generator)
+            idx, _, q = choose_children(logits[d], ranks[d], params, generator)
             cand.append(self.lms[d].to_target(idx).tolist())
             qs.append(q)
         index = {(): -1}

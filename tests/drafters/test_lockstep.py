@@ -1,0 +1,103 @@
+"""A batch's drafting in lockstep (turbospec.drafters.lockstep): the requests' shared-weight products
+go in one call per round, and every request gets exactly the drafts it gets alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turbospec.decode.loop import Sequence
+from turbospec.drafters.lockstep import Rows, drive, run_one
+from turbospec.drafters.tree import DraftLMHead
+from turbospec.heads.eagle import EagleHead
+
+from helpers import N_NEW, PROMPT, engine, make_head
+
+
+class Counting:
+    """A row-wise op (x @ w) that records the row count of every call."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w, self.calls = w, []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.shape[0])
+        return x @ self.w
+
+
+def proposal(ops, xs, fail_at=None):
+    """Asks ``ops[i](xs[i])`` in turn; returns the sums of the answers (raises at round ``fail_at``)."""
+    total = []
+    for r, (op, x) in enumerate(zip(ops, xs)):
+        if r == fail_at:
+            raise ValueError(f"bad proposal at round {r}")
+        total.append(float((yield Rows(op, x)).sum()))
+    return total
+
+
+def test_drive_groups_requests_by_op_and_returns_what_each_alone_returns():
+    g = torch.Generator().manual_seed(0)
+    a, b = Counting(torch.randn(4, 3, generator=g)), Counting(torch.randn(4, 5, generator=g))
+    plans = [([a, b, a], [torch.randn(n, 4, generator=g) for n in (2, 1, 3)]),
+             ([a, a], [torch.randn(n, 4, generator=g) for n in (1, 4)]),
+             ([b], [torch.randn(3, 4, generator=g)]),
+             ([], [])]
+    alone = [run_one(proposal(*p)) for p in plans]
+    a.calls.clear(), b.calls.clear()
+    together = drive([proposal(*p) for p in plans])
+    for x, y in zip(together, alone):
+        assert x == pytest.approx(y, rel=1e-6)
+    # round 1: a (2 + 1 rows) and b (3 rows); round 2: b (1) and a (4); round 3: a (3)
+    assert a.calls == [3, 4, 3] and b.calls == [3, 1]
+    assert together[3] == []
+
+
+def test_drive_hands_back_one_proposals_failure_and_finishes_the_others():
+    w = Counting(torch.eye(2))
+    x = torch.ones(1, 2)
+    out = drive([proposal([w, w], [x, x]), proposal([w, w], [x, x], fail_at=1), proposal([w], [x])])
+    assert out[0] == [2.0, 2.0] and out[2] == [2.0]
+    assert isinstance(out[1], ValueError) and "round 1" in str(out[1])
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  # noqa: F811
+    """Every request of a batch gets, step by step, the very drafts it gets decoded alone, while
+    the batch computes the same LM-head rows in fewer calls; the slots share one head copy."""
+    _, target, _, vocab = cyc
+    drafts: dict[tuple, list] = {}
+    take = Sequence._take
+
+    def record(self, draft, k):
+        drafts.setdefault(tuple(self.ids), []).append(
+            None if draft is None else (draft.token_ids, draft.parents))
+        return take(self, draft, k)
+    monkeypatch.setattr(Sequence, "_take", record)
+    rows: list[int] = []
+
+    def counted(fn):
+        def call(self, x):
+            rows.append(x.shape[0])
+            return fn(self, x)
+        return call
+    monkeypatch.setattr(DraftLMHead, "__call__", counted(DraftLMHead.__call__))
+    monkeypatch.setattr(EagleHead, "logits", counted(EagleHead.logits))
+
+    head = make_head(method, target, vocab=vocab)
+    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
+    out = eng.generate(prompts, max_new_tokens=N_NEW)
+    batched, batched_rows = dict(drafts), list(rows)
+    drafts.clear(), rows.clear()
+    for p, g in zip(prompts, out):
+        assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
+    assert batched.keys() == drafts.keys()
+    for p in prompts:
+        assert batched[tuple(p)] == drafts[tuple(p)], f"prompt {p}: drafts differ in the batch"
+    assert sum(d is not None for p in prompts for d in drafts[tuple(p)]) > 20
+    assert sum(batched_rows) == sum(rows)         # the same rows ...
+    assert len(batched_rows) < 0.6 * len(rows)    # ... in fewer calls: several requests per call
+    slots = [eng.slot_drafter(i) for i in range(4)]
+    shared = "heads" if method == "medusa" else "head"
+    assert all(getattr(d, shared) is getattr(slots[0], shared) for d in slots)
+    if method != "medusa":
+        assert len({id(d.kv) for d in slots}) == 4  # each request keeps its own head KV cache
