@@ -1,4 +1,4 @@
-"""A batch's drafting in lockstep (turbospec.drafters.lockstep): the requests' shared-weight products
+"""A batch's drafting in lockstep (turbospec.heads.lockstep): the requests' shared-weight products
 go in one call per round, and every request gets exactly the drafts it gets alone."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from turbospec.decode.loop import Sequence
-from turbospec.drafters.lockstep import Rows, drive, run_one
+from turbospec.heads.lockstep import Rows, drive, run_one
 from turbospec.drafters.tree import DraftLMHead
 from turbospec.heads.eagle import EagleHead
 
@@ -81,13 +81,20 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
         return call
     monkeypatch.setattr(DraftLMHead, "__call__", counted(DraftLMHead.__call__))
     monkeypatch.setattr(EagleHead, "logits", counted(EagleHead.logits))
+    layer_rows: list[int] = []
+    output = EagleHead._output
+
+    def counted_output(self, x):  # the head layer's row-wise output side (o_proj, MLP)
+        layer_rows.append(x.shape[0])
+        return output(self, x)
+    monkeypatch.setattr(EagleHead, "_output", counted_output)
 
     head = make_head(method, target, vocab=vocab)
     eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
     prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
     out = eng.generate(prompts, max_new_tokens=N_NEW)
-    batched, batched_rows = dict(drafts), list(rows)
-    drafts.clear(), rows.clear()
+    batched, batched_rows, batched_layer = dict(drafts), list(rows), list(layer_rows)
+    drafts.clear(), rows.clear(), layer_rows.clear()
     for p, g in zip(prompts, out):
         assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
     assert batched.keys() == drafts.keys()
@@ -96,6 +103,8 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
     assert sum(d is not None for p in prompts for d in drafts[tuple(p)]) > 20
     assert sum(batched_rows) == sum(rows)         # the same rows ...
     assert len(batched_rows) < 0.6 * len(rows)    # ... in fewer calls: several requests per call
+    if method != "medusa":
+        assert sum(batched_layer) == sum(layer_rows) and len(batched_layer) < 0.6 * len(layer_rows)
     slots = [eng.slot_drafter(i) for i in range(4)]
     shared = "heads" if method == "medusa" else "head"
     assert all(getattr(d, shared) is getattr(slots[0], shared) for d in slots)

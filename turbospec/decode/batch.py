@@ -33,7 +33,7 @@ from torch import Tensor
 from .. import ops
 from ..drafters.base import Drafter
 from ..drafters.budget import BatchBudget
-from ..drafters.lockstep import drive
+from ..heads.lockstep import drive
 from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops import nvtx

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .budget import DepthBudget
 from .base import Draft, Drafter
-from .lockstep import Rows, run_one
+from ..heads.lockstep import Rows, run_one
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache
@@ -32,7 +32,8 @@ class EagleDrafter(Drafter):
 
     ``share``: another EagleDrafter over the same head and options (a batch's other slots) whose
     prepared head copy and LM head this one uses too: one copy of the weights, and in a batch one
-    LM-head call per round for every request (``propose_steps``). Each drafter keeps its own KV cache.
+    call per round of each row-wise part (the head's projections and MLP, the LM head) for every
+    request (``propose_steps``). Each drafter keeps its own KV cache and runs its own attention.
     """
 
     name = "eagle"
@@ -117,7 +118,7 @@ class EagleDrafter(Drafter):
         dev = self.device
         emb = embed[torch.tensor(tokens[self._cached + 1: root_pos + 1], device=dev)].to(self.dtype)[None]
         pos = torch.arange(self._cached, root_pos, device=dev)[None]
-        out = self.head(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
+        out = yield from self.head.forward_steps(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
         self._cached = root_pos
         if max_tokens <= 0:
             return None
@@ -174,7 +175,8 @@ class EagleDrafter(Drafter):
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
             e_in = embed[torch.tensor([nodes[i].token for i in expand], device=dev)].to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
-            o = self.head(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None], fused=True)
+            o = yield from self.head.forward_steps(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None],
+                                                   fused=True)
             lg = yield Rows(self.logits, o[0])
             for j, i in enumerate(expand):
                 hidden[i] = o[0, j]

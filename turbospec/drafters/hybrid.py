@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from .lockstep import run_one
+from ..heads.lockstep import run_one
 from .ngram import NgramDrafter
 from ..ops.sampling import SamplingParams
 

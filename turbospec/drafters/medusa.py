@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from .lockstep import Rows, run_one
+from ..heads.lockstep import Rows, run_one
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
 from ..ops.reference import MAX_TREE_NODES

@@ -22,9 +22,14 @@ from torch import Tensor, nn
 from .config import HeadConfig
 from ..model.kv_cache import KVCache
 from .layers import MLP, Attention, RMSNorm, Rotary
+from .lockstep import Rows, compute
 
 
 class EagleLayer(nn.Module):
+    """The head's decoder layer. ``EagleHead.forward_steps`` runs it in three parts: the row-wise
+    input side (norms, q/k/v projections), the attention over the head's cache, and the row-wise
+    output side (o_proj, residual, MLP)."""
+
     def __init__(self, cfg: HeadConfig, eagle3: bool):
         super().__init__()
         h = cfg.hidden_size
@@ -36,13 +41,16 @@ class EagleLayer(nn.Module):
             self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
             self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None,
-                cache_len: int, mask: Tensor | None) -> Tensor:
+    def qkv(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.eagle3:
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         else:
             x = hidden  # EAGLE-1/2: fc already mixed the embedding in; no input norm
-        h = hidden + self.self_attn(x, cos, sin, kv, cache_len, mask)
+        a = self.self_attn
+        return a.q_proj(x), a.k_proj(x), a.v_proj(x)
+
+    def out(self, attended: Tensor, hidden: Tensor) -> Tensor:
+        h = hidden + self.self_attn.o_proj(attended)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -105,12 +113,42 @@ class EagleHead(nn.Module):
         embeds: the target's embedding of the token after each position [B, n, H].
         kv / cache_len / mask: see ``heads.Attention`` (None: causal over these n only, training).
         """
+        return compute(self.forward_steps(hidden, embeds, position_ids, kv, cache_len, mask, fused))
+
+    def forward_steps(self, hidden: Tensor, embeds: Tensor, position_ids: Tensor, kv: KVCache | None = None,
+                      cache_len: int = 0, mask: Tensor | None = None, fused: bool = False):
+        """``forward`` as a generator of its two row-wise parts (``lockstep.Rows``: every projection
+        and the MLP), so that a batch of drafters computes them in one call each
+        (``lockstep.drive``); only the attention over each request's own cache runs per request."""
+        b, n, h = embeds.shape
+        a = self.layer.self_attn
         cos, sin = self.rotary(position_ids, embeds.dtype)
+        rows = torch.cat((hidden, embeds), dim=-1).reshape(b * n, -1)
+        pre = (yield Rows(self._input_fused if fused else self._input, rows)).view(b, n, -1)
+        g, q, k, v = pre.split([h, a.nh * a.d, a.nkv * a.d, a.nkv * a.d], dim=-1)
+        attended = a.attend(q, k, v, cos, sin, kv, cache_len, mask)
+        out = yield Rows(self._output, torch.cat((attended, g), dim=-1).reshape(b * n, -1))
+        return out.view(b, n, h)
+
+    def _input(self, rows: Tensor, fused: bool = False) -> Tensor:
+        """rows [N, F + H] (features, embedding) -> [N, H + q + k + v]: the layer's hidden input
+        g (eagle3: fc(features), or the features themselves when ``fused``) and its projections."""
+        h = self.cfg.hidden_size
+        hidden, embeds = rows.split([rows.shape[-1] - h, h], dim=-1)
         if self.eagle3:
             g = hidden if fused else self.fc(hidden)
-            return self.midlayer(embeds, g, cos, sin, kv, cache_len, mask)
-        g = self.fc(torch.cat((embeds, hidden), dim=-1))
-        return self.layers[0](embeds, g, cos, sin, kv, cache_len, mask)
+        else:
+            g = self.fc(torch.cat((embeds, hidden), dim=-1))
+        return torch.cat((g, *self.layer.qkv(embeds, g)), dim=-1)
+
+    def _input_fused(self, rows: Tensor) -> Tensor:
+        return self._input(rows, fused=True)
+
+    def _output(self, rows: Tensor) -> Tensor:
+        """rows [N, nh * d + H] (attention output, g) -> the head's output [N, H]."""
+        h = self.cfg.hidden_size
+        attended, g = rows.split([rows.shape[-1] - h, h], dim=-1)
+        return self.layer.out(attended, g)
 
     def logits(self, out: Tensor) -> Tensor:
         """EAGLE-3 only: draft-vocab logits of the head's output (EAGLE-1/2 use the target's LM head)."""

@@ -63,27 +63,33 @@ class Attention(nn.Module):
         the prefix [0, cache_len) (all of it) and the new tokens under ``mask`` (bool [B or 1, n, n],
         None = causal), or under a full ``mask`` [B or 1, n, cache_len + n]. Without ``kv``: attention
         over the new tokens only (training)."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.nkv, self.d).transpose(1, 2)
+        return self.o_proj(self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, kv, cache_len, mask))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None,
+               cache_len: int, mask: Tensor | None) -> Tensor:
+        """``forward`` between the projections: q [B, n, nh * d], k / v [B, n, nkv * d] (before
+        RoPE) -> the attention output [B, n, nh * d] (before o_proj)."""
+        b, n, _ = q.shape
+        q = q.view(b, n, self.nh, self.d).transpose(1, 2)
+        k = k.view(b, n, self.nkv, self.d).transpose(1, 2)
+        v = v.view(b, n, self.nkv, self.d).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if mask is not None and kv is not None and mask.shape[-1] == cache_len + n:
             allowed = mask.view(-1, 1, n, cache_len + n)  # a full mask over prefix + new tokens
         elif mask is not None:
             allowed = mask.view(-1, 1, n, n)
         else:
-            allowed = torch.ones(1, 1, n, n, dtype=torch.bool, device=x.device).tril_()
+            allowed = torch.ones(1, 1, n, n, dtype=torch.bool, device=q.device).tril_()
         if kv is not None:
             kc, vc = kv.k[0], kv.v[0]
             kc[:, :, cache_len:cache_len + n] = k.to(kc.dtype)
             vc[:, :, cache_len:cache_len + n] = v.to(vc.dtype)
             k, v = kc[:, :, :cache_len + n].to(q.dtype), vc[:, :, :cache_len + n].to(q.dtype)
             if allowed.shape[-1] != cache_len + n:
-                prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=x.device)
+                prefix = torch.ones(allowed.shape[0], 1, n, cache_len, dtype=torch.bool, device=q.device)
                 allowed = torch.cat((prefix, allowed), dim=-1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=self.nkv != self.nh)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.nh * self.d))
+        return out.transpose(1, 2).reshape(b, n, self.nh * self.d)
 
 
 class MLP(nn.Module):

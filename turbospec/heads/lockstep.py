@@ -1,8 +1,8 @@
 """Drafting for many requests at once: one weight read per batch instead of one per request.
 
-A tree drafter's costly part is a few row-wise matrix products per expansion round (EAGLE: the LM
-head over the round's nodes; Medusa: the heads and their LM head) whose weights are shared by every
-request. Written as a generator (``Drafter.propose_steps``), a proposal yields each such product as
+A tree drafter's costly part is a few row-wise matrix products per expansion round (EAGLE: the
+head's projections before and after its attention, and the LM head, over the round's nodes; Medusa:
+the heads and their LM head) whose weights are shared by every request. Written as a generator (``Drafter.propose_steps``), a proposal yields each such product as
 a ``Rows`` request and receives its result; ``drive`` runs the proposals of a whole batch in
 lockstep, concatenating the requests that name the same ``op`` into one call per round. turbospec's
 kernels are batch-invariant (a row's result does not depend on the other rows), so every request
@@ -26,18 +26,24 @@ class Rows:
     x: Tensor
 
 
-# Both drivers run the generators under inference mode: a generator must not enter it itself (a
-# ``with`` block held open across a yield would be exited in another generator's order).
-
-@torch.inference_mode()
-def run_one(gen: Generator):
-    """Runs one proposal generator alone; returns its return value."""
+def compute(gen: Generator):
+    """Runs one generator of ``Rows`` requests alone (autograd as the caller has it); returns its
+    return value."""
     try:
         req = next(gen)
         while True:
             req = gen.send(req.op(req.x))
     except StopIteration as stop:
         return stop.value
+
+
+# The drafting drivers run the generators under inference mode: a generator must not enter it
+# itself (a ``with`` block held open across a yield would be exited in another generator's order).
+
+@torch.inference_mode()
+def run_one(gen: Generator):
+    """Runs one proposal generator alone, under inference mode; returns its return value."""
+    return compute(gen)
 
 
 @torch.inference_mode()
