@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..heads.lockstep import run_one
 from ..ops.sampling import SamplingParams
 
 
@@ -54,8 +55,11 @@ class Drafter:
 
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
-        """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none."""
-        raise NotImplementedError
+        """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none. A drafter
+        that writes ``propose_steps`` instead gets this from it (run alone)."""
+        if type(self).propose_steps is Drafter.propose_steps:
+            raise NotImplementedError(f"{type(self).__name__} implements neither propose nor propose_steps")
+        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                       generator: torch.Generator | None):

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .budget import DepthBudget
 from .base import Draft, Drafter
-from ..heads.lockstep import Rows, run_one
+from ..heads.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache
@@ -95,10 +95,6 @@ class EagleDrafter(Drafter):
 
     def _token(self, idx: Tensor) -> Tensor:
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
-
-    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
-        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                       generator: torch.Generator | None):

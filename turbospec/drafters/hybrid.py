@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from ..heads.lockstep import run_one
 from .ngram import NgramDrafter
 from ..ops.sampling import SamplingParams
 
@@ -68,10 +67,6 @@ class HybridDrafter(Drafter):
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self.head.observe(tokens, num_accepted, features=features)
         self.ngram.observe(tokens, num_accepted)
-
-    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
-        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                       generator: torch.Generator | None):

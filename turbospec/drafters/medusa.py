@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from ..heads.lockstep import Rows, run_one
+from ..heads.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
 from ..ops.reference import MAX_TREE_NODES
@@ -101,10 +101,6 @@ class MedusaDrafter(Drafter):
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self._f = None if features is None else features[-1]
-
-    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
-        return run_one(self.propose_steps(tokens, max_tokens, params, generator))
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                       generator: torch.Generator | None):
