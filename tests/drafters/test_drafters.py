@@ -187,13 +187,15 @@ def test_draft_model_catches_up_only_on_new_tokens(tiny_target):
     draft = layer_skip_draft(tiny_target, tiny_target.cfg.num_layers)
     d = DraftModelDrafter(draft, max_seq_len=256)
     forwarded = []
-    real_forward = draft.forward
 
-    def counting_forward(ids, *args, **kwargs):
-        forwarded.append(ids.shape[1])
-        return real_forward(ids, *args, **kwargs)
+    def counting(real):  # the prompt goes through forward, proposals through the pool's forward_static
+        def call(ids, *args, **kwargs):
+            forwarded.append(ids.shape[1])
+            return real(ids, *args, **kwargs)
+        return call
 
-    draft.forward = counting_forward
+    draft.forward = counting(draft.forward)
+    draft.forward_static = counting(draft.forward_static)
     prompt = list(range(10, 50))
     ref = greedy_reference(tiny_target, prompt, 20)
     d.begin(prompt)

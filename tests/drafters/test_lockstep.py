@@ -110,3 +110,72 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
     assert all(getattr(d, shared) is getattr(slots[0], shared) for d in slots)
     if method != "medusa":
         assert len({id(d.kv) for d in slots}) == 4  # each request keeps its own head KV cache
+
+
+def test_batched_draft_model_drafts_equal_the_drafts_alone(cyc, monkeypatch):  # noqa: F811
+    """A draft model drafts for the whole batch with one forward per round (``DraftPool.step``):
+    every request gets, step by step, the drafts it gets decoded alone, with fewer draft forwards;
+    the slots share one pool, each in its own cache row."""
+    from turbospec import Engine
+    from turbospec.drafters.draft_model import DraftPool, layer_skip_draft
+    _, target, _, _ = cyc
+    drafts: dict[tuple, list] = {}
+    take = Sequence._take
+
+    def record(self, draft, k):
+        drafts.setdefault(tuple(self.ids), []).append(None if draft is None else draft.token_ids)
+        return take(self, draft, k)
+    monkeypatch.setattr(Sequence, "_take", record)
+    rows: list[int] = []
+    step = DraftPool.step
+
+    def counted(self, x):
+        rows.append(x.shape[0])
+        return step(self, x)
+    monkeypatch.setattr(DraftPool, "step", counted)
+    eng = Engine(target, drafter="draft_model", draft_model=layer_skip_draft(target, 2), max_seq_len=256,
+                 max_batch=4, num_draft=6, adaptive=False)
+    prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
+    out = eng.generate(prompts, max_new_tokens=N_NEW)
+    batched, batched_rows = dict(drafts), list(rows)
+    drafts.clear(), rows.clear()
+    for p, g in zip(prompts, out):
+        assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
+    assert batched.keys() == drafts.keys()
+    for p in prompts:
+        assert batched[tuple(p)] == drafts[tuple(p)], f"prompt {p}: drafts differ in the batch"
+    assert sum(d is not None for p in prompts for d in drafts[tuple(p)]) > 20
+    assert sum(batched_rows) == sum(rows)         # the same rows ...
+    assert len(batched_rows) < 0.6 * len(rows)    # ... in fewer forwards: several requests per call
+    slots = [eng.slot_drafter(i) for i in range(4)]
+    assert all(d.pool is slots[0].pool for d in slots) and len({d.slot for d in slots}) == 4
+
+
+def test_draft_pool_rows_equal_each_row_alone(cyc):  # noqa: F811
+    """One ``DraftPool.step`` over rows feeding different token counts at different prefix lengths,
+    with an idle slot riding along, gives each row the logits (bit for bit) and the cache the row
+    gets fed alone; the idle slot's cache keeps what it held; bad requests name the limits."""
+    from turbospec.drafters.draft_model import CHUNK, DraftPool
+    _, target, _, _ = cyc
+    g = torch.Generator().manual_seed(3)
+    pools = [DraftPool(target, 64, 4) for _ in range(2)]
+    prompts = {0: PROMPT[:9], 1: PROMPT[:4], 2: PROMPT[3:17], 3: PROMPT[:11]}
+    for pool in pools:
+        for slot, p in prompts.items():
+            target.forward(torch.tensor([p]), torch.arange(len(p))[None], pool.cache.rows(slot, slot + 1), 0)
+            pool.reset(slot, len(p))
+    feeds = {0: [5, 6, 7], 2: [9], 3: torch.randint(0, 200, (CHUNK,), generator=g).tolist()}  # slot 1 idle
+    together = pools[0].step(torch.cat([DraftPool.request(s, len(prompts[s]), ids) for s, ids in feeds.items()]))
+    for r, (s, ids) in enumerate(feeds.items()):
+        alone = pools[1].step(DraftPool.request(s, len(prompts[s]), ids))
+        assert torch.equal(together[r], alone[0]), f"slot {s}"
+    for a, b in zip(pools[0].cache.tensors(), pools[1].cache.tensors()):
+        for s, ids in feeds.items():
+            n = len(prompts[s]) + len(ids)
+            assert torch.equal(a[s, :, :n], b[s, :, :n])
+        assert torch.equal(a[1, :, :len(prompts[1])], b[1, :, :len(prompts[1])])  # the idle slot
+    end = pools[0].cache.max_seq_len
+    with pytest.raises(ValueError, match=f"slot 0 asks for 2 tokens after {end - 1}"):
+        pools[0].step(DraftPool.request(0, end - 1, [1, 2]))
+    with pytest.raises(ValueError, match="slots must be an integer >= 1"):
+        DraftPool(target, 64, 0)

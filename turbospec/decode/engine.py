@@ -114,7 +114,8 @@ class Engine:
         settings = DraftSettings(self.target, tokenizer, max_seq_len, dtype,
                                  parse_dtype(draft_dtype) if draft_dtype is not None else dtype,
                                  weights=self.weights, activations=activations, adaptive=adaptive,
-                                 static=static, graphs=cuda_graphs, default_target=default_target)
+                                 static=static, graphs=cuda_graphs, default_target=default_target,
+                                 slots=max_batch + 1)  # a drafter per batch slot and the solo one
         self._new_drafter = drafter_builder(drafter, settings, draft_model=draft_model,
                                             draft_tokenizer=draft_tokenizer, head=head, tree=tree)
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time

@@ -1,9 +1,12 @@
 """A separate, smaller draft model (any checkpoint the loader takes) drafting a chain.
 
-The draft keeps its own static KV cache. ``_cached`` counts the committed tokens whose K/V it holds;
-a proposal feeds the committed tokens it has not seen (the root, and the last accepted draft when
-every draft was kept), then drafts autoregressively, writing speculative entries that ``observe``
-keeps only for the accepted prefix.
+Each request's drafter keeps the draft's K/V in one slot of a ``DraftPool``: a static KV cache with
+a row per request. ``_cached`` counts the committed tokens whose K/V the slot holds; a proposal
+feeds the committed tokens it has not seen (the root, and the last accepted draft when every draft
+was kept), then drafts autoregressively, writing speculative entries that ``observe`` keeps only
+for the accepted prefix. Every draft forward is a ``lockstep.Rows`` request on the pool, so a
+batch's proposals run one draft forward per round over all their rows (``lockstep.drive``); the
+kernels are batch-invariant, so each request drafts what it drafts alone.
 """
 from __future__ import annotations
 
@@ -11,9 +14,13 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
+from ..heads.lockstep import Rows
+from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops.reference import MAX_TREE_NODES, logits_are_valid
 from ..ops.sampling import SamplingParams, draft_sample
+
+CHUNK = 16  # committed tokens a pooled request feeds per forward (a longer catch-up takes several)
 
 
 def check_compatible(target: Transformer, draft: Transformer, target_tokenizer=None, draft_tokenizer=None):
@@ -36,21 +43,95 @@ def layer_skip_draft(target: Transformer, num_layers: int) -> Transformer:
     return target.first_layers(num_layers)
 
 
+class DraftPool:
+    """The draft model's KV cache for up to ``slots`` requests (one batch row each) and the batched
+    forward their proposals share. ``step`` is the ``Rows`` op: row r of its input asks for the
+    logits after feeding up to ``CHUNK`` tokens to one slot; one call runs every row asked in a round
+    as one forward over slots [0, highest asked], idle slots below it riding along as one-token
+    padding rows that write after everything their slot ever wrote (``_written``)."""
+
+    def __init__(self, model: Transformer, max_seq_len: int, slots: int):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+        self.model = model
+        # slack after max_seq_len: a chain of drafts (<= MAX_TREE_NODES) and a padded chunk after it
+        self.cache = model.new_cache(max_seq_len + MAX_TREE_NODES + CHUNK, batch_size=slots)
+        model.ensure_rope(self.cache.max_seq_len)
+        self._written = [0] * slots  # per slot: 1 + the last position written since its begin
+        self._free = list(range(slots))
+        self._chain = chain_mask_packed(CHUNK)[0]
+        self._pad = pad_mask_packed(CHUNK)[0]
+
+    def acquire(self) -> int | None:
+        """A free slot (None when all are taken)."""
+        return self._free.pop(0) if self._free else None
+
+    def reset(self, slot: int, length: int) -> None:
+        """A new generation in ``slot`` whose first ``length`` positions were just written."""
+        self._written[slot] = length
+
+    @staticmethod
+    def request(slot: int, cache_len: int, ids: list[int]) -> Tensor:
+        """The input row of ``step`` for ``ids`` (1..CHUNK tokens) fed to ``slot`` after ``cache_len``."""
+        row = torch.zeros(1, 3 + CHUNK, dtype=torch.int64)
+        row[0, :3] = torch.tensor([slot, cache_len, len(ids)])
+        row[0, 3:3 + len(ids)] = torch.tensor(ids)
+        return row
+
+    @torch.inference_mode()
+    def step(self, x: Tensor) -> Tensor:
+        """``x`` int64 [R, 3 + CHUNK] rows from ``request`` (distinct slots) -> float32 [R, V]: each row's
+        logits after its last token."""
+        asked = x.tolist()
+        bsz = max(r[0] for r in asked) + 1
+        n = max(r[2] for r in asked)
+        ids = torch.zeros(bsz, n, dtype=torch.int64)
+        cache_len = torch.tensor(self._written[:bsz], dtype=torch.int64)  # idle rows: after their writes
+        packed = self._pad[:n].expand(bsz, n).clone()
+        last = torch.zeros(bsz, dtype=torch.int64)
+        for slot, start, k, *toks in asked:
+            if not 1 <= k <= CHUNK or start + n > self.cache.max_seq_len:
+                raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (1..{CHUNK} tokens "
+                                 f"inside a cache of {self.cache.max_seq_len})")
+            ids[slot, :k] = torch.tensor(toks[:k])
+            cache_len[slot] = start
+            packed[slot, :k] = self._chain[:k]
+            last[slot] = k - 1
+        for slot, start, k, *_ in asked:  # real K/V up to here (what padding rows must write after)
+            self._written[slot] = max(self._written[slot], start + k)
+        dev = self.model.device
+        positions = cache_len[:, None] + torch.arange(n)
+        logits = self.model.forward_static(ids.to(dev), positions.to(dev), self.cache.rows(0, bsz),
+                                           cache_len.to(dev), packed.to(dev), last=last.to(dev))
+        return logits[[r[0] for r in asked]]
+
+
 class DraftModelDrafter(Drafter):
-    """Chain drafting with a separate model. ``static`` (default: off CPU) runs the draft's steps
-    through a ``TargetRunner`` of its own: fixed token-count buckets, replayed from CUDA graphs on a
+    """Chain drafting with a separate model. ``pool``: the ``DraftPool`` whose free slot this drafter
+    takes (the drafters of a batch share one, so their proposals share each draft forward); None
+    or full: a pool of its own. ``static`` (default: off CPU) runs the draft's steps through a
+    ``TargetRunner`` of its own instead: fixed token-count buckets, replayed from CUDA graphs on a
     GPU (``graphs``, default on CUDA); a catch-up longer than the largest bucket (the prompt) runs
-    the ordinary forward."""
+    the ordinary forward. Static drafters draft alone (no pool)."""
 
     name = "draft_model"
 
     def __init__(self, model: Transformer, max_seq_len: int, static: bool | None = None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, pool: DraftPool | None = None):
         from ..model.runner import TargetRunner
         self.model = model
         static = model.device.type != "cpu" if static is None else static
-        self.cache = model.new_cache(max_seq_len + (MAX_TREE_NODES if static else 0))  # a bucket of slack
-        self.runner = TargetRunner(model, self.cache, static=True, graphs=graphs) if static else None
+        self.pool, self.slot, self.runner = None, None, None
+        if static:
+            self.cache = model.new_cache(max_seq_len + MAX_TREE_NODES)  # a bucket of slack
+            self.runner = TargetRunner(model, self.cache, static=True, graphs=graphs)
+        else:
+            slot = None if pool is None or pool.model is not model else pool.acquire()
+            if slot is None:
+                pool = DraftPool(model, max_seq_len, 1)
+                slot = pool.acquire()
+            self.pool, self.slot = pool, slot
+            self.cache = pool.cache.rows(slot, slot + 1)
         self._cached = 0
         self._base = 0
         self._speculative = 0
@@ -69,19 +150,19 @@ class DraftModelDrafter(Drafter):
             pos = torch.arange(len(prompt_ids) - 1, device=dev)[None]
             self.model.forward(ids, pos, self.cache, 0, logits="last")
             self._cached = self._base = len(prompt_ids) - 1
+        if self.pool is not None:
+            self.pool.reset(self.slot, self._cached)
 
-    @torch.inference_mode()
-    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
+    def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                      generator: torch.Generator | None):
         self._base, self._speculative = self._cached, 0
         if max_tokens <= 0:
             return None
         self._proposed = True
-        m = self.model
-        dev = m.device
-        pending = torch.tensor([tokens[self._cached:]], dtype=torch.int64, device=dev)
-        pos = torch.arange(self._cached, len(tokens), device=dev)[None]
-        logits = self._last_logits(pending, pos, self._cached)
+        logits = None
+        step = CHUNK if self.pool is not None else len(tokens)  # a static drafter feeds them at once
+        for start in range(self._cached, len(tokens), step):  # the committed tokens not yet fed
+            logits = yield from self._feed(tokens[start:start + step], start)
         self._base = len(tokens)
         drafted, qs = [], []
         for i in range(max_tokens):
@@ -91,8 +172,7 @@ class DraftModelDrafter(Drafter):
             drafted.append(t)
             qs.append(q)
             if i + 1 < max_tokens:
-                p = len(tokens) + i
-                logits = self._last_logits(torch.tensor([[t]], device=dev), torch.tensor([[p]], device=dev), p)
+                logits = yield from self._feed([t], len(tokens) + i)
         self._speculative = min(len(drafted), max_tokens - 1)  # drafts whose K/V were written
         if not drafted:
             return None
@@ -102,10 +182,17 @@ class DraftModelDrafter(Drafter):
             probs = torch.stack(qs)
         return Draft(token_ids=drafted, draft_probs=probs)
 
-    def _last_logits(self, ids, pos, cache_len: int):
-        if self.runner is not None and ids.shape[1] <= self.runner.max_tokens:
-            return self.runner.forward(ids, pos, cache_len)[0, -1]
-        return self.model.forward(ids, pos, self.cache, cache_len, logits="last")[0, -1]
+    def _feed(self, ids: list[int], cache_len: int):
+        """The draft's logits [V] after ``ids`` written at ``cache_len`` (a generator: a pooled drafter
+        asks its pool through a ``Rows`` request; a static one runs its own forward)."""
+        if self.pool is not None:
+            return (yield Rows(self.pool.step, DraftPool.request(self.slot, cache_len, ids)))[0]
+        dev = self.model.device
+        x = torch.tensor([ids], dtype=torch.int64, device=dev)
+        pos = torch.arange(cache_len, cache_len + len(ids), device=dev)[None]
+        if x.shape[1] <= self.runner.max_tokens:
+            return self.runner.forward(x, pos, cache_len)[0, -1]
+        return self.model.forward(x, pos, self.cache, cache_len, logits="last")[0, -1]
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         # Only a step that proposed moves the cached prefix (its accepted drafts' K/V are valid);

@@ -12,7 +12,7 @@ from ..heads.shipped import best_shipped_head, shipped_heads
 from ..model.loader import load_model, load_tokenizer
 from ..model.transformer import Transformer
 from .base import Drafter
-from .draft_model import DraftModelDrafter, check_compatible
+from .draft_model import DraftModelDrafter, DraftPool, check_compatible
 from .eagle import EagleDrafter
 from .hybrid import HybridDrafter
 from .medusa import MedusaDrafter
@@ -35,6 +35,7 @@ class DraftSettings:
     static: bool = False            # a draft model's fixed-shape path (CUDA graphs)
     graphs: bool | None = False
     default_target: bool = False    # the target is the default model (its shipped heads apply)
+    slots: int = 1                  # drafters built to run at once (a draft model's pool rows)
 
 
 def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
@@ -84,7 +85,16 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
             draft_tokenizer = load_tokenizer(draft_model)
         check_compatible(s.target, dm, s.tokenizer, draft_tokenizer)
-        return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs)
+        # the drafters built share one pool of s.slots cache rows (built with the first), so that a
+        # batch's proposals run one draft forward per round; past s.slots each gets its own
+        pool: list[DraftPool] = []
+
+        def build_draft_model():
+            if not pool and not s.static:
+                pool.append(DraftPool(dm, s.max_seq_len, s.slots))
+            return DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs,
+                                     pool=pool[0] if pool else None)
+        return build_draft_model
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
 

@@ -366,7 +366,7 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
-                       tree_mask_packed: Tensor, features=None):
+                       tree_mask_packed: Tensor, features=None, last: Tensor | None = None):
         """``forward`` with fixed shapes and no host reads, so that it can be captured in a CUDA graph
         and replayed for any prefix length.
 
@@ -375,8 +375,11 @@ class Transformer:
         row i set iff new token i attends new token j (``ops.build_tree``'s packed mask; a chain is
         bits 0..i). Rows may be padding: a row that attends only itself changes nothing for the
         others. Positions must be inside the rotary table (``ensure_rope``). Returns logits
-        [B, n, V] float32, with ``features`` as in ``forward``.
+        [B, n, V] float32, with ``features`` as in ``forward``; with ``last`` (int64 [B]) only those of
+        token ``last[b]`` of each row, [B, V] (no features).
         """
+        if last is not None and features is not None:
+            raise ValueError("forward_static: last= returns logits only (features must be None)")
         cfg = self.cfg
         bsz, n = input_ids.shape
         cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
@@ -387,7 +390,7 @@ class Transformer:
                 self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 ACTIVATION_MODES[self.activations], cache_len)
-            return self._head(x, features, captured)
+            return self._head(x, features, captured, last)
         slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -399,11 +402,13 @@ class Transformer:
             return out
 
         x, captured = self._decoder(self.embed[input_ids], cos, sin, attend, capture)
-        return self._head(x, features, captured)
+        return self._head(x, features, captured, last)
 
-    def _head(self, x: Tensor, features, captured) -> Tensor | tuple[Tensor, Tensor]:
+    def _head(self, x: Tensor, features, captured, last: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Final norm + LM head over every row of the static path (logits [B, n, V] float32), with
-        the drafter's features when asked."""
+        the drafter's features when asked; ``last``: only token last[b] of row b ([B, V])."""
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last]
         x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         logits = self.lm_head(x).float()
         if features is None:
