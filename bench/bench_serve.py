@@ -40,6 +40,17 @@ def load_prompts(path: str, n: int) -> list[str]:
     return out
 
 
+def draft_model(spec: str | None, model: str):
+    """--draft-model: None, a model path, or layer-skip:N (the target's first N layers, loaded once)."""
+    if spec is None or not spec.startswith("layer-skip:"):
+        return spec
+    import turbospec
+    from turbospec.drafters.draft_model import layer_skip_draft
+    from turbospec.model import loader
+    path = loader.default_model_path() if model == "default" else model
+    return layer_skip_draft(turbospec.load_model(path, torch.float32), int(spec.split(":", 1)[1]))
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -169,6 +180,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
     p.add_argument("--drafter", default="auto")
+    p.add_argument("--draft-model", default=None,
+                   help="with --drafter draft_model: a model path, or layer-skip:N (the target's first N layers)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7])
     p.add_argument("--modes", nargs="+", default=["off", "fixed", "auto", "hf"],
@@ -207,7 +220,8 @@ def main(argv=None) -> int:
             if adaptive not in engines:
                 # by name, so that drafter "auto" finds the default model's shipped head
                 engines[adaptive] = Engine(args.model, drafter=args.drafter, num_draft=args.num_draft,
-                                           max_batch=max_batch, max_seq_len=1024, adaptive=adaptive)
+                                           max_batch=max_batch, max_seq_len=1024, adaptive=adaptive,
+                                           draft_model=draft_model(args.draft_model, args.model))
                 print(f"  drafter: {engines[adaptive].drafter.name if engines[adaptive].drafter else 'none'}, "
                       f"num_draft {engines[adaptive].num_draft}", flush=True)
             results[(mode, temp)] = run_mode(engines[adaptive], prompts, args.concurrency, args.max_new_tokens, temp,

@@ -47,8 +47,8 @@ class DraftPool:
     """The draft model's KV cache for up to ``slots`` requests (one batch row each) and the batched
     forward their proposals share. ``step`` is the ``Rows`` op: row r of its input asks for the
     logits after feeding up to ``CHUNK`` tokens to one slot; one call runs every row asked in a round
-    as one forward over slots [0, highest asked], idle slots below it riding along as one-token
-    padding rows that write after everything their slot ever wrote (``_written``)."""
+    as one forward over slots [lowest asked, highest asked], idle slots between riding along as
+    one-token padding rows that write after everything their slot ever wrote (``_written``)."""
 
     def __init__(self, model: Transformer, max_seq_len: int, slots: int):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
@@ -83,27 +83,27 @@ class DraftPool:
         """``x`` int64 [R, 3 + CHUNK] rows from ``request`` (distinct slots) -> float32 [R, V]: each row's
         logits after its last token."""
         asked = x.tolist()
-        bsz = max(r[0] for r in asked) + 1
-        n = max(r[2] for r in asked)
+        lo, hi = min(r[0] for r in asked), max(r[0] for r in asked) + 1
+        bsz, n = hi - lo, max(r[2] for r in asked)
         ids = torch.zeros(bsz, n, dtype=torch.int64)
-        cache_len = torch.tensor(self._written[:bsz], dtype=torch.int64)  # idle rows: after their writes
+        cache_len = torch.tensor(self._written[lo:hi], dtype=torch.int64)  # idle rows: after their writes
         packed = self._pad[:n].expand(bsz, n).clone()
         last = torch.zeros(bsz, dtype=torch.int64)
         for slot, start, k, *toks in asked:
             if not 1 <= k <= CHUNK or start + n > self.cache.max_seq_len:
                 raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (1..{CHUNK} tokens "
                                  f"inside a cache of {self.cache.max_seq_len})")
-            ids[slot, :k] = torch.tensor(toks[:k])
-            cache_len[slot] = start
-            packed[slot, :k] = self._chain[:k]
-            last[slot] = k - 1
+            ids[slot - lo, :k] = torch.tensor(toks[:k])
+            cache_len[slot - lo] = start
+            packed[slot - lo, :k] = self._chain[:k]
+            last[slot - lo] = k - 1
         for slot, start, k, *_ in asked:  # real K/V up to here (what padding rows must write after)
             self._written[slot] = max(self._written[slot], start + k)
         dev = self.model.device
         positions = cache_len[:, None] + torch.arange(n)
-        logits = self.model.forward_static(ids.to(dev), positions.to(dev), self.cache.rows(0, bsz),
+        logits = self.model.forward_static(ids.to(dev), positions.to(dev), self.cache.rows(lo, hi),
                                            cache_len.to(dev), packed.to(dev), last=last.to(dev))
-        return logits[[r[0] for r in asked]]
+        return logits[[r[0] - lo for r in asked]]
 
 
 class DraftModelDrafter(Drafter):
