@@ -83,6 +83,16 @@ class DraftPool:
         """``x`` int64 [R, 3 + CHUNK] rows from ``request`` (distinct slots) -> float32 [R, V]: each row's
         logits after its last token."""
         asked = x.tolist()
+        dev = self.model.device
+        if len(asked) == 1:  # one row: the ordinary forward (the same numbers, none of the padding)
+            slot, start, k, *toks = asked[0]
+            if not 1 <= k <= CHUNK or start + k > self.cache.max_seq_len:
+                raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (1..{CHUNK} tokens "
+                                 f"inside a cache of {self.cache.max_seq_len})")
+            self._written[slot] = max(self._written[slot], start + k)
+            ids = torch.tensor([toks[:k]], dtype=torch.int64, device=dev)
+            pos = torch.arange(start, start + k, device=dev)[None]
+            return self.model.forward(ids, pos, self.cache.rows(slot, slot + 1), start, logits="last")[:, -1]
         lo, hi = min(r[0] for r in asked), max(r[0] for r in asked) + 1
         bsz, n = hi - lo, max(r[2] for r in asked)
         ids = torch.zeros(bsz, n, dtype=torch.int64)
@@ -99,7 +109,6 @@ class DraftPool:
             last[slot - lo] = k - 1
         for slot, start, k, *_ in asked:  # real K/V up to here (what padding rows must write after)
             self._written[slot] = max(self._written[slot], start + k)
-        dev = self.model.device
         positions = cache_len[:, None] + torch.arange(n)
         logits = self.model.forward_static(ids.to(dev), positions.to(dev), self.cache.rows(lo, hi),
                                            cache_len.to(dev), packed.to(dev), last=last.to(dev))
