@@ -16,7 +16,8 @@
 // Variants (picked per call; all give the same bits, tests/ops/test_linear.py):
 //   scalar   every format, std::fma lane by lane (the baseline ISA)
 //   avx2     fused: weights dequantized in registers; 4 weight rows x 1 input row, or (up to
-//            kFusedRows input rows) 1 weight row x passes of 2-4 input rows; dense weights 2 x 3
+//            kFusedRows input rows: 16, Q4_K 64) 1 weight row x passes of 2-4 input rows; dense
+//            weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
 //   avx512   dense float32/bfloat16 weights (quantized formats use the AVX2 dequantization)
@@ -48,7 +49,13 @@ namespace {
 constexpr int kLanes = 16;
 constexpr int64_t kRowBlock = 4;   // weight rows per work item
 constexpr int64_t kMaxRows = 64;   // input rows per pass; a larger x runs in passes of 64 (same order)
-constexpr int64_t kFusedRows = 16;  // up to here quantized weights are dequantized in registers
+// Up to this many input rows quantized weights are dequantized in registers (once per pass of <= 4
+// rows); past it, once per row block into a float32 panel. Q4_K, whose panel dequantization costs
+// most, is 20-40 % faster fused at 24-64 rows on the AVX2 machine of bench/RESULTS.md (2026-11-25,
+// 2 threads, 3 alternated rounds); Q5_K and Q6_K were slower fused past 16 rows and Q4_0 / Q4_1 /
+// Q8_0 within the noise between two builds (about 10 %), so they keep 16.
+template <int64_t F>
+constexpr int64_t kFusedRows = F == kQ4_K ? 64 : 16;
 
 struct FormatInfo {
   int64_t block;  // weights per block
@@ -654,7 +661,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
     return;
   }
 #endif
-  if (!direct && R > kFusedRows) {
+  if (!direct && R > kFusedRows<F>) {
     panel.resize(static_cast<size_t>(kRowBlock * K));
     dequant_rows<F>(wr, nw, K, panel.data(), isa);
     const uint8_t* pr[kRowBlock];
