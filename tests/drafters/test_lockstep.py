@@ -59,11 +59,11 @@ def test_drive_hands_back_one_proposals_failure_and_finishes_the_others():
     assert isinstance(out[1], ValueError) and "round 1" in str(out[1])
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
-def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  # noqa: F811
-    """Every request of a batch gets, step by step, the very drafts it gets decoded alone, while
-    the batch computes the same LM-head rows in fewer calls; the slots share one head copy."""
-    _, target, _, vocab = cyc
+PROMPTS = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
+
+
+def record_drafts(monkeypatch) -> dict[tuple, list]:
+    """Every draft a sequence takes, per prompt, in step order (filled as generations run)."""
     drafts: dict[tuple, list] = {}
     take = Sequence._take
 
@@ -72,39 +72,52 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
             None if draft is None else (draft.token_ids, draft.parents))
         return take(self, draft, k)
     monkeypatch.setattr(Sequence, "_take", record)
-    rows: list[int] = []
+    return drafts
 
-    def counted(fn):
-        def call(self, x):
-            rows.append(x.shape[0])
-            return fn(self, x)
-        return call
-    monkeypatch.setattr(DraftLMHead, "__call__", counted(DraftLMHead.__call__))
-    monkeypatch.setattr(EagleHead, "logits", counted(EagleHead.logits))
-    layer_rows: list[int] = []
-    output = EagleHead._output
 
-    def counted_output(self, x):  # the head layer's row-wise output side (o_proj, MLP)
-        layer_rows.append(x.shape[0])
-        return output(self, x)
-    monkeypatch.setattr(EagleHead, "_output", counted_output)
+def count_rows(monkeypatch, cls, name: str, rows: list[int]) -> None:
+    """Appends the row count of every call of the row-wise method ``cls.name`` to ``rows``."""
+    fn = getattr(cls, name)
 
-    head = make_head(method, target, vocab=vocab)
-    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
-    out = eng.generate(prompts, max_new_tokens=N_NEW)
-    batched, batched_rows, batched_layer = dict(drafts), list(rows), list(layer_rows)
-    drafts.clear(), rows.clear(), layer_rows.clear()
-    for p, g in zip(prompts, out):
+    def call(self, x):
+        rows.append(x.shape[0])
+        return fn(self, x)
+    monkeypatch.setattr(cls, name, call)
+
+
+def assert_batch_drafts_as_alone(eng, drafts: dict, counters: list[list[int]]) -> None:
+    """``PROMPTS`` generated as one batch and each alone: the same tokens, the same drafts step by
+    step (and more than 20 of them), and for every counter the same rows in fewer calls."""
+    out = eng.generate(PROMPTS, max_new_tokens=N_NEW)
+    batched, batched_calls = dict(drafts), [list(c) for c in counters]
+    drafts.clear()
+    for c in counters:
+        c.clear()
+    for p, g in zip(PROMPTS, out):
         assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
     assert batched.keys() == drafts.keys()
-    for p in prompts:
+    for p in PROMPTS:
         assert batched[tuple(p)] == drafts[tuple(p)], f"prompt {p}: drafts differ in the batch"
-    assert sum(d is not None for p in prompts for d in drafts[tuple(p)]) > 20
-    assert sum(batched_rows) == sum(rows)         # the same rows ...
-    assert len(batched_rows) < 0.6 * len(rows)    # ... in fewer calls: several requests per call
-    if method != "medusa":
-        assert sum(batched_layer) == sum(layer_rows) and len(batched_layer) < 0.6 * len(layer_rows)
+    assert sum(d is not None for p in PROMPTS for d in drafts[tuple(p)]) > 20
+    for together, alone in zip(batched_calls, counters):
+        assert sum(together) == sum(alone)          # the same rows ...
+        assert len(together) < 0.6 * len(alone)    # ... in fewer calls: several requests per call
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  # noqa: F811
+    """Every request of a batch gets, step by step, the very drafts it gets decoded alone, while
+    the batch computes the same LM-head rows in fewer calls; the slots share one head copy."""
+    _, target, _, vocab = cyc
+    drafts = record_drafts(monkeypatch)
+    rows: list[int] = []
+    layer_rows: list[int] = []  # the head layer's row-wise output side (o_proj, MLP)
+    count_rows(monkeypatch, DraftLMHead, "__call__", rows)
+    count_rows(monkeypatch, EagleHead, "logits", rows)
+    count_rows(monkeypatch, EagleHead, "_output", layer_rows)
+    head = make_head(method, target, vocab=vocab)
+    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
+    assert_batch_drafts_as_alone(eng, drafts, [rows] if method == "medusa" else [rows, layer_rows])
     slots = [eng.slot_drafter(i) for i in range(4)]
     shared = "heads" if method == "medusa" else "head"
     assert all(getattr(d, shared) is getattr(slots[0], shared) for d in slots)
@@ -119,34 +132,12 @@ def test_batched_draft_model_drafts_equal_the_drafts_alone(cyc, monkeypatch):  #
     from turbospec import Engine
     from turbospec.drafters.draft_model import DraftPool, layer_skip_draft
     _, target, _, _ = cyc
-    drafts: dict[tuple, list] = {}
-    take = Sequence._take
-
-    def record(self, draft, k):
-        drafts.setdefault(tuple(self.ids), []).append(None if draft is None else draft.token_ids)
-        return take(self, draft, k)
-    monkeypatch.setattr(Sequence, "_take", record)
+    drafts = record_drafts(monkeypatch)
     rows: list[int] = []
-    step = DraftPool.step
-
-    def counted(self, x):
-        rows.append(x.shape[0])
-        return step(self, x)
-    monkeypatch.setattr(DraftPool, "step", counted)
+    count_rows(monkeypatch, DraftPool, "step", rows)
     eng = Engine(target, drafter="draft_model", draft_model=layer_skip_draft(target, 2), max_seq_len=256,
                  max_batch=4, num_draft=6, adaptive=False)
-    prompts = [PROMPT, PROMPT[:7], PROMPT[5:], PROMPT[:12], PROMPT[2:9]]
-    out = eng.generate(prompts, max_new_tokens=N_NEW)
-    batched, batched_rows = dict(drafts), list(rows)
-    drafts.clear(), rows.clear()
-    for p, g in zip(prompts, out):
-        assert g.token_ids == eng.generate(p, max_new_tokens=N_NEW).token_ids
-    assert batched.keys() == drafts.keys()
-    for p in prompts:
-        assert batched[tuple(p)] == drafts[tuple(p)], f"prompt {p}: drafts differ in the batch"
-    assert sum(d is not None for p in prompts for d in drafts[tuple(p)]) > 20
-    assert sum(batched_rows) == sum(rows)         # the same rows ...
-    assert len(batched_rows) < 0.6 * len(rows)    # ... in fewer forwards: several requests per call
+    assert_batch_drafts_as_alone(eng, drafts, [rows])
     slots = [eng.slot_drafter(i) for i in range(4)]
     assert all(d.pool is slots[0].pool for d in slots) and len({d.slot for d in slots}) == 4
 
