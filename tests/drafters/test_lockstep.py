@@ -137,6 +137,9 @@ def test_batched_draft_model_drafts_equal_the_drafts_alone(cyc, monkeypatch):  #
     count_rows(monkeypatch, DraftPool, "step", rows)
     eng = Engine(target, drafter="draft_model", draft_model=layer_skip_draft(target, 2), max_seq_len=256,
                  max_batch=4, num_draft=6, adaptive=False)
+    eng.generate(PROMPT, max_new_tokens=4)
+    assert eng.drafter.pool.cache.k[0].shape[0] == 1  # no batch yet: one row of draft cache
+    drafts.clear(), rows.clear()
     assert_batch_drafts_as_alone(eng, drafts, [rows])
     slots = [eng.slot_drafter(i) for i in range(4)]
     assert all(d.pool is slots[0].pool for d in slots) and len({d.slot for d in slots}) == 4
@@ -153,8 +156,14 @@ def test_draft_pool_rows_equal_each_row_alone(cyc):  # noqa: F811
     prompts = {0: PROMPT[:9], 1: PROMPT[:4], 2: PROMPT[3:17], 3: PROMPT[:11]}
     for pool in pools:
         for slot, p in prompts.items():
+            assert pool.acquire() == slot  # the cache grows 1 -> 2 -> 4 rows, keeping what they hold
             target.forward(torch.tensor([p]), torch.arange(len(p))[None], pool.cache.rows(slot, slot + 1), 0)
             pool.reset(slot, len(p))
+        assert pool.acquire() is None and pool.cache.k[0].shape[0] == 4
+    alone = target.new_cache(pools[0].cache.max_seq_len)
+    target.forward(torch.tensor([prompts[0]]), torch.arange(9)[None], alone, 0)
+    for a, b in zip(pools[0].cache.tensors(), alone.tensors()):
+        assert torch.equal(a[0, :, :9], b[0, :, :9])  # slot 0 survived both growths
     feeds = {0: [5, 6, 7], 2: [9], 3: torch.randint(0, 200, (CHUNK,), generator=g).tolist()}  # slot 1 idle
     together = pools[0].step(torch.cat([DraftPool.request(s, len(prompts[s]), ids) for s, ids in feeds.items()]))
     for r, (s, ids) in enumerate(feeds.items()):

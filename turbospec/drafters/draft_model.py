@@ -48,23 +48,37 @@ class DraftPool:
     forward their proposals share. ``step`` is the ``Rows`` op: row r of its input asks for the
     logits after feeding up to ``CHUNK`` tokens to one slot; one call runs every row asked in a round
     as one forward over slots [lowest asked, highest asked], idle slots between riding along as
-    one-token padding rows that write after everything their slot ever wrote (``_written``)."""
+    one-token padding rows that write after everything their slot ever wrote (``_written``).
+
+    The cache holds rows for the slots taken so far (one at first; ``acquire`` grows it, by
+    doubling, up to ``slots``), so an engine that never batches keeps one row."""
 
     def __init__(self, model: Transformer, max_seq_len: int, slots: int):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
-        self.model = model
+        self.model, self.slots = model, slots
         # slack after max_seq_len: a chain of drafts (<= MAX_TREE_NODES) and a padded chunk after it
-        self.cache = model.new_cache(max_seq_len + MAX_TREE_NODES + CHUNK, batch_size=slots)
-        model.ensure_rope(self.cache.max_seq_len)
-        self._written = [0] * slots  # per slot: 1 + the last position written since its begin
-        self._free = list(range(slots))
+        self._seq_len = max_seq_len + MAX_TREE_NODES + CHUNK
+        self.cache = model.new_cache(self._seq_len, batch_size=1)
+        model.ensure_rope(self._seq_len)
+        self._written: list[int] = []  # per slot taken: 1 + the last position written since its begin
         self._chain = chain_mask_packed(CHUNK)[0]
         self._pad = pad_mask_packed(CHUNK)[0]
 
     def acquire(self) -> int | None:
-        """A free slot (None when all are taken)."""
-        return self._free.pop(0) if self._free else None
+        """The next slot (None when all ``slots`` are taken); slots are never given back (a drafter
+        holds its slot for its life)."""
+        slot = len(self._written)
+        if slot == self.slots:
+            return None
+        rows = self.cache.k[0].shape[0]
+        if slot == rows:  # grow the cache, keeping what the slots taken hold
+            grown = self.model.new_cache(self._seq_len, batch_size=min(self.slots, 2 * rows))
+            for new, old in zip(grown.tensors(), self.cache.tensors()):
+                new[:rows].copy_(old)
+            self.cache = grown
+        self._written.append(0)
+        return slot
 
     def reset(self, slot: int, length: int) -> None:
         """A new generation in ``slot`` whose first ``length`` positions were just written."""
@@ -132,19 +146,24 @@ class DraftModelDrafter(Drafter):
         static = model.device.type != "cpu" if static is None else static
         self.pool, self.slot, self.runner = None, None, None
         if static:
-            self.cache = model.new_cache(max_seq_len + MAX_TREE_NODES)  # a bucket of slack
-            self.runner = TargetRunner(model, self.cache, static=True, graphs=graphs)
+            self._cache = model.new_cache(max_seq_len + MAX_TREE_NODES)  # a bucket of slack
+            self.runner = TargetRunner(model, self._cache, static=True, graphs=graphs)
         else:
             slot = None if pool is None or pool.model is not model else pool.acquire()
             if slot is None:
                 pool = DraftPool(model, max_seq_len, 1)
                 slot = pool.acquire()
             self.pool, self.slot = pool, slot
-            self.cache = pool.cache.rows(slot, slot + 1)
         self._cached = 0
         self._base = 0
         self._speculative = 0
         self._proposed = False
+
+    @property
+    def cache(self):
+        """The draft's KV cache for this request (a pooled drafter: its row of the pool's cache, which
+        may be reallocated when the pool grows)."""
+        return self._cache if self.pool is None else self.pool.cache.rows(self.slot, self.slot + 1)
 
     @torch.inference_mode()
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
