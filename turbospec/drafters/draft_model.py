@@ -100,9 +100,7 @@ class DraftPool:
         dev = self.model.device
         if len(asked) == 1:  # one row: the ordinary forward (the same numbers, none of the padding)
             slot, start, k, *toks = asked[0]
-            if not 1 <= k <= CHUNK or start + k > self.cache.max_seq_len:
-                raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (1..{CHUNK} tokens "
-                                 f"inside a cache of {self.cache.max_seq_len})")
+            self._check(slot, start, k, k)
             self._written[slot] = max(self._written[slot], start + k)
             ids = torch.tensor([toks[:k]], dtype=torch.int64, device=dev)
             pos = torch.arange(start, start + k, device=dev)[None]
@@ -114,9 +112,7 @@ class DraftPool:
         packed = self._pad[:n].expand(bsz, n).clone()
         last = torch.zeros(bsz, dtype=torch.int64)
         for slot, start, k, *toks in asked:
-            if not 1 <= k <= CHUNK or start + n > self.cache.max_seq_len:
-                raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (1..{CHUNK} tokens "
-                                 f"inside a cache of {self.cache.max_seq_len})")
+            self._check(slot, start, k, n)
             ids[slot - lo, :k] = torch.tensor(toks[:k])
             cache_len[slot - lo] = start
             packed[slot - lo, :k] = self._chain[:k]
@@ -127,6 +123,13 @@ class DraftPool:
         logits = self.model.forward_static(ids.to(dev), positions.to(dev), self.cache.rows(lo, hi),
                                            cache_len.to(dev), packed.to(dev), last=last.to(dev))
         return logits[[r[0] - lo for r in asked]]
+
+    def _check(self, slot: int, start: int, k: int, width: int) -> None:
+        """A request of ``k`` tokens after ``start`` in a pass ``width`` tokens wide must fit the cache."""
+        if not 0 <= slot < len(self._written) or not 1 <= k <= CHUNK or start < 0 \
+                or start + width > self.cache.max_seq_len:
+            raise ValueError(f"draft pool: slot {slot} asks for {k} tokens after {start} (slots taken: "
+                             f"{len(self._written)}; 1..{CHUNK} tokens inside a cache of {self.cache.max_seq_len})")
 
 
 class DraftModelDrafter(Drafter):
