@@ -177,5 +177,7 @@ def test_draft_pool_rows_equal_each_row_alone(cyc):  # noqa: F811
     end = pools[0].cache.max_seq_len
     with pytest.raises(ValueError, match=f"slot 0 asks for 2 tokens after {end - 1}"):
         pools[0].step(DraftPool.request(0, end - 1, [1, 2]))
+    with pytest.raises(ValueError, match="slot 7 asks for 1 tokens after 0 .slots taken: 4"):
+        pools[0].step(DraftPool.request(7, 0, [1]))
     with pytest.raises(ValueError, match="slots must be an integer >= 1"):
         DraftPool(target, 64, 0)
