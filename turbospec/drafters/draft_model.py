@@ -87,10 +87,7 @@ class DraftPool:
     @staticmethod
     def request(slot: int, cache_len: int, ids: list[int]) -> Tensor:
         """The input row of ``step`` for ``ids`` (1..CHUNK tokens) fed to ``slot`` after ``cache_len``."""
-        row = torch.zeros(1, 3 + CHUNK, dtype=torch.int64)
-        row[0, :3] = torch.tensor([slot, cache_len, len(ids)])
-        row[0, 3:3 + len(ids)] = torch.tensor(ids)
-        return row
+        return torch.tensor([[slot, cache_len, len(ids)] + list(ids) + [0] * (CHUNK - len(ids))], dtype=torch.int64)
 
     @torch.inference_mode()
     def step(self, x: Tensor) -> Tensor:

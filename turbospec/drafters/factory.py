@@ -85,16 +85,10 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
             draft_tokenizer = load_tokenizer(draft_model)
         check_compatible(s.target, dm, s.tokenizer, draft_tokenizer)
-        # the drafters built share one pool of s.slots cache rows (built with the first), so that a
-        # batch's proposals run one draft forward per round; past s.slots each gets its own
-        pool: list[DraftPool] = []
-
-        def build_draft_model():
-            if not pool and not s.static:
-                pool.append(DraftPool(dm, s.max_seq_len, s.slots))
-            return DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs,
-                                     pool=pool[0] if pool else None)
-        return build_draft_model
+        # the drafters built share one pool of up to s.slots cache rows, so that a batch's proposals
+        # run one draft forward per round; past s.slots each gets its own (static ones draft alone)
+        pool = None if s.static else DraftPool(dm, s.max_seq_len, s.slots)
+        return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs, pool=pool)
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
 
