@@ -16,8 +16,8 @@
 // Variants (picked per call; all give the same bits, tests/ops/test_linear.py):
 //   scalar   every format, std::fma lane by lane (the baseline ISA)
 //   avx2     fused: weights dequantized in registers; 4 weight rows x 1 input row, or (up to
-//            kFusedRows input rows: 16, Q4_K 64) 1 weight row x passes of 2-4 input rows; dense
-//            weights 2 x 3
+//            kFusedRows input rows: 16, Q4_K 64) 1 weight row x passes of 2-4 input rows (Q4_0 /
+//            Q4_1 / Q8_0 at 5-8 rows: one pass, half the lanes at a time); dense weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
 //   avx512   dense float32/bfloat16 weights (quantized formats use the AVX2 dequantization)
@@ -527,6 +527,94 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
   }
 }
 
+// Half of a step of Q4_0 / Q4_1 / Q8_0 weights: the values dequant_step_avx2 puts in w[h] and
+// w[h + 2] (h = 0: weights k + 0..7 and k + 16..23, the low 8 lanes' share; h = 1: k + 8..15 and
+// k + 24..31, the high lanes'), computed the same way.
+template <int64_t F>
+TS_AVX2 inline void dequant_half_avx2(const uint8_t* row, int64_t k, int h, __m256* w) {
+  if constexpr (F == kQ8_0) {
+    const uint8_t* b = row + (k >> 5) * 34;
+    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
+    for (int j = 0; j < 2; ++j)
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h + 16 * j)))),
+                           d);
+  } else {
+    static_assert(F == kQ4_0 || F == kQ4_1, "dequant_half_avx2: Q4_0, Q4_1, Q8_0");
+    const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))));
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    const __m256i v =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
+    // bytes 8h .. 8h + 7 -> the low byte of dwords 0..7: low nibbles are weights 8h + j, high 16 + 8h + j
+    const __m256i sel = _mm256_add_epi32(_mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1),
+                                         _mm256_set1_epi32(8 * h));
+    const __m256i bh = _mm256_shuffle_epi8(v, sel);
+    const __m256i q[2] = {_mm256_and_si256(bh, _mm256_set1_epi32(0x0F)), _mm256_srli_epi32(bh, 4)};
+    if constexpr (F == kQ4_1) {
+      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+      for (int j = 0; j < 2; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+    } else {
+      const __m256i eight = _mm256_set1_epi32(8);
+      for (int j = 0; j < 2; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
+    }
+  }
+}
+
+template <int64_t F>
+constexpr bool kHasHalf = F == kQ4_0 || F == kQ4_1 || F == kQ8_0;
+
+// nw (1..4) weight rows x NX (5..8) input rows of Q4_0 / Q4_1 / Q8_0, each weight dequantized once
+// for all NX rows (passes of <= 4 rows dequantize it once per pass). NX accumulators fit the
+// registers only for 8 of the 16 lanes, so each chunk of a weight row runs twice, the low 8 lanes then
+// the high 8, the other accumulators waiting on the stack; the chunk of x stays in L1 for all nw weight
+// rows and both halves. Each lane accumulates the same products in the
+// same order as block_avx2, so the bits are the same.
+template <int64_t F, int NX>
+TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
+                              int64_t K, float (*out)[kMaxRows], int64_t r0) {
+  // the whole row when NX rows of x fit comfortably in L1 (24 KB), else chunks of 256 weights
+  const int64_t chunk = NX * K * 4 <= 24 * 1024 ? K : 256;
+  __m256 lanes[kRowBlock][2][NX];
+  for (int64_t i = 0; i < nw; ++i)
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < NX; ++r) lanes[i][h][r] = _mm256_setzero_ps();
+  const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  for (int64_t c = 0; c < K; c += chunk) {
+    const int64_t end = std::min(K, c + chunk);
+    for (int64_t i = 0; i < nw; ++i) {
+      const uint8_t* row = wr[i];
+      for (int h = 0; h < 2; ++h) {
+        __m256 acc[NX];
+        for (int r = 0; r < NX; ++r) acc[r] = lanes[i][h][r];
+        for (int64_t k = c; k < end; k += 32) {
+          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(row + ahead + k / 32 * pf_step), _MM_HINT_NTA);
+          __m256 w[2];
+          dequant_half_avx2<F>(row, k, h, w);
+          for (int r = 0; r < NX; ++r) acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr[r] + k + 8 * h), acc[r]);
+          for (int r = 0; r < NX; ++r)
+            acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr[r] + k + 16 + 8 * h), acc[r]);
+        }
+        for (int r = 0; r < NX; ++r) lanes[i][h][r] = acc[r];
+      }
+    }
+  }
+  for (int64_t i = 0; i < nw; ++i)
+    for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lanes[i][0][r], lanes[i][1][r]);
+}
+
+template <int64_t F>
+TS_AVX2 void rows_split(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t nx,
+                        int64_t K, float (*out)[kMaxRows], int64_t r0) {
+  switch (nx) {
+    case 8: block_split_avx2<F, 8>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    case 7: block_split_avx2<F, 7>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    case 6: block_split_avx2<F, 6>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    default: block_split_avx2<F, 5>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+  }
+}
+
 // nw (1..4) weight rows x R input rows, register-blocked so that the accumulators (two registers
 // per weight row x input row) and the weights fit the 16 ymm registers: one input row takes all nw
 // weight rows at once (4 weight streams); more input rows take weight rows in pairs (x 3 inputs,
@@ -559,6 +647,14 @@ TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, 
       }
     }
   } else {
+    if constexpr (kHasHalf<F>) {
+      // 5..8 rows: one split-lane pass (passes of 4 + 1..4 rows dequantize every weight twice);
+      // 9..16 rows stay in passes of <= 4, measured as fast as two split passes or faster
+      if (R >= 5 && R <= 8) {
+        rows_split<F>(wr, nw, row_bytes, xr, R, K, out, 0);
+        return;
+      }
+    }
     const int64_t passes = (R + 3) / 4, per = (R + passes - 1) / passes;  // balanced: 6 rows = 3 + 3
     for (int64_t i = 0; i < nw; ++i)
       for (int64_t r = 0; r < R; r += per) rows_nx<F, 1>(wr + i, row_bytes, xr, std::min(per, R - r), K, out + i, r);
