@@ -216,6 +216,55 @@ constexpr bool is_dense(int64_t f) { return f == kF32 || f == kF16 || f == kBF16
 template <int64_t F>
 constexpr int64_t kStep = is_dense(F) ? 16 : 32;
 
+// One 32-weight block of Q4_0 / Q4_1 / Q8_0, read once, dequantized by halves: half(h) gives the
+// weights 8h + 0..7 and 16 + 8h + 0..7 (h = 0: what the low 8 of the 16 lanes take, h = 1: the high
+// 8), so a kernel may dequantize either half alone (block_split_avx2) or both (dequant_step_avx2).
+template <int64_t F>
+struct HalfBlock {
+  static_assert(F == kQ4_0 || F == kQ4_1 || F == kQ8_0, "HalfBlock: Q4_0, Q4_1, Q8_0");
+  const uint8_t* b;
+  __m128 dm;  // d (and Q4_1's m: d and m are adjacent halves, one conversion)
+  __m256i v;  // Q4: the 16 bytes in both 128-bit lanes
+
+  TS_AVX2 HalfBlock(const uint8_t* row, int64_t k)
+      : b(row + (k >> 5) * (F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34)),
+        dm(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))))) {
+    if constexpr (F != kQ8_0)
+      v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
+  }
+
+  TS_AVX2 void half(int h, __m256& first, __m256& second) const {
+    const __m256 d = _mm256_broadcastss_ps(dm);
+    if constexpr (F == kQ8_0) {  // sign-extending loads of 8 bytes each
+      __m256 out[2];
+      for (int j = 0; j < 2; ++j)
+        out[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h + 16 * j)))),
+                               d);
+      first = out[0];
+      second = out[1];
+    } else {
+      // bytes 8h .. 8h + 7 -> the low byte of dwords 0..7 (a shuffle; the -1s give zero bytes): the
+      // low nibbles are weights 8h + j, the high nibbles (a dword shift) 16 + 8h + j
+      const __m256i sel = _mm256_add_epi32(_mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1),
+                                           _mm256_set1_epi32(8 * h));
+      const __m256i bh = _mm256_shuffle_epi8(v, sel);
+      const __m256i q[2] = {_mm256_and_si256(bh, _mm256_set1_epi32(0x0F)), _mm256_srli_epi32(bh, 4)};
+      __m256 out[2];
+      if constexpr (F == kQ4_1) {
+        const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        for (int j = 0; j < 2; ++j) out[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
+      } else {
+        const __m256i eight = _mm256_set1_epi32(8);
+        for (int j = 0; j < 2; ++j) out[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
+      }
+      first = out[0];
+      second = out[1];
+    }
+  }
+};
+
 // AVX2 dequantization of one step of weights starting at element k (the same values as dequant16):
 // w[2g], w[2g + 1] hold weights k + 16g + 0..7, 8..15.
 template <int64_t F>
@@ -241,29 +290,11 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
       w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
       w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
     }
-  } else if constexpr (F == kQ4_0 || F == kQ4_1) {
-    // The 16 bytes in both 128-bit lanes; byte j -> the low byte of dword j (shuffle), so the low
-    // nibbles are weights 0..15 and the high nibbles (a dword shift) weights 16..31.
-    const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
-    // Q4_1: d and m are adjacent halves: one conversion, two broadcasts
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))));
-    const __m256 d = _mm256_broadcastss_ps(dm);
-    const __m256i v =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
-    const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                        4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
-    const __m256i s1 = _mm256_add_epi32(s0, _mm256_set1_epi32(8));  // bytes 8..15 (the -1s stay negative)
-    const __m256i b0 = _mm256_shuffle_epi8(v, s0), b1 = _mm256_shuffle_epi8(v, s1);
-    const __m256i m4 = _mm256_set1_epi32(0x0F);
-    const __m256i q[4] = {_mm256_and_si256(b0, m4), _mm256_and_si256(b1, m4), _mm256_srli_epi32(b0, 4),
-                          _mm256_srli_epi32(b1, 4)};
-    if constexpr (F == kQ4_1) {
-      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
-    } else {
-      const __m256i eight = _mm256_set1_epi32(8);
-      for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
-    }
+  } else if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ8_0) {
+    // both halves of the step (dequant_half_avx2): w[0], w[2] and w[1], w[3]
+    const HalfBlock<F> blk(row, k);
+    blk.half(0, w[0], w[2]);
+    blk.half(1, w[1], w[3]);
   } else if constexpr (F == kQ5_0) {
     const uint8_t* b = row + (k >> 5) * 22;
     const __m256 d = _mm256_set1_ps(half_avx2(b));
@@ -285,13 +316,6 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
       w[2 * g] = _mm256_mul_ps(d, _mm256_sub_ps(lo, sixteen));
       w[2 * g + 1] = _mm256_mul_ps(d, _mm256_sub_ps(hi, sixteen));
     }
-  } else if constexpr (F == kQ8_0) {
-    const uint8_t* b = row + (k >> 5) * 34;
-    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
-    for (int j = 0; j < 4; ++j)  // sign-extending loads of 8 bytes each
-      w[j] = _mm256_mul_ps(
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j)))),
-          d);
   } else if constexpr (F == kQ4_K || F == kQ5_K) {
     const uint8_t* b = row + (k >> 8) * (F == kQ4_K ? 144 : 176);
     const int e0 = static_cast<int>(k & 255), sub = e0 >> 5;
@@ -527,39 +551,9 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
   }
 }
 
-// Half of a step of Q4_0 / Q4_1 / Q8_0 weights: the values dequant_step_avx2 puts in w[h] and
-// w[h + 2] (h = 0: weights k + 0..7 and k + 16..23, the low 8 lanes' share; h = 1: k + 8..15 and
-// k + 24..31, the high lanes'), computed the same way.
 template <int64_t F>
 TS_AVX2 inline void dequant_half_avx2(const uint8_t* row, int64_t k, int h, __m256* w) {
-  if constexpr (F == kQ8_0) {
-    const uint8_t* b = row + (k >> 5) * 34;
-    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(load_u16(b))));
-    for (int j = 0; j < 2; ++j)
-      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h + 16 * j)))),
-                           d);
-  } else {
-    static_assert(F == kQ4_0 || F == kQ4_1, "dequant_half_avx2: Q4_0, Q4_1, Q8_0");
-    const uint8_t* b = row + (k >> 5) * (F == kQ4_0 ? 18 : 20);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))));
-    const __m256 d = _mm256_broadcastss_ps(dm);
-    const __m256i v =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
-    // bytes 8h .. 8h + 7 -> the low byte of dwords 0..7: low nibbles are weights 8h + j, high 16 + 8h + j
-    const __m256i sel = _mm256_add_epi32(_mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
-                                                          4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1),
-                                         _mm256_set1_epi32(8 * h));
-    const __m256i bh = _mm256_shuffle_epi8(v, sel);
-    const __m256i q[2] = {_mm256_and_si256(bh, _mm256_set1_epi32(0x0F)), _mm256_srli_epi32(bh, 4)};
-    if constexpr (F == kQ4_1) {
-      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      for (int j = 0; j < 2; ++j) w[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[j]), m);
-    } else {
-      const __m256i eight = _mm256_set1_epi32(8);
-      for (int j = 0; j < 2; ++j) w[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], eight)));
-    }
-  }
+  HalfBlock<F>(row, k).half(h, w[0], w[1]);
 }
 
 template <int64_t F>
