@@ -220,8 +220,11 @@ constexpr int64_t kStep = is_dense(F) ? 16 : 32;
 // weights 8h + 0..7 and 16 + 8h + 0..7 (h = 0: what the low 8 of the 16 lanes take, h = 1: the high
 // 8), so a kernel may dequantize either half alone (block_split_avx2) or both (dequant_step_avx2).
 template <int64_t F>
+constexpr bool kHasHalf = F == kQ4_0 || F == kQ4_1 || F == kQ8_0;
+
+template <int64_t F>
 struct HalfBlock {
-  static_assert(F == kQ4_0 || F == kQ4_1 || F == kQ8_0, "HalfBlock: Q4_0, Q4_1, Q8_0");
+  static_assert(kHasHalf<F>, "HalfBlock: Q4_0, Q4_1, Q8_0");
   const uint8_t* b;
   __m128 dm;  // d (and Q4_1's m: d and m are adjacent halves, one conversion)
   __m256i v;  // Q4: the 16 bytes in both 128-bit lanes
@@ -291,7 +294,7 @@ TS_AVX2 inline void dequant_step_avx2(const uint8_t* row, int64_t k, int64_t lef
       w[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
     }
   } else if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ8_0) {
-    // both halves of the step (dequant_half_avx2): w[0], w[2] and w[1], w[3]
+    // both halves of the step: w[0], w[2] (low lanes) and w[1], w[3] (high lanes)
     const HalfBlock<F> blk(row, k);
     blk.half(0, w[0], w[2]);
     blk.half(1, w[1], w[3]);
@@ -551,20 +554,12 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
   }
 }
 
-template <int64_t F>
-TS_AVX2 inline void dequant_half_avx2(const uint8_t* row, int64_t k, int h, __m256* w) {
-  HalfBlock<F>(row, k).half(h, w[0], w[1]);
-}
-
-template <int64_t F>
-constexpr bool kHasHalf = F == kQ4_0 || F == kQ4_1 || F == kQ8_0;
-
 // nw (1..4) weight rows x NX (5..8) input rows of Q4_0 / Q4_1 / Q8_0, each weight dequantized once
 // for all NX rows (passes of <= 4 rows dequantize it once per pass). NX accumulators fit the
 // registers only for 8 of the 16 lanes, so each chunk of a weight row runs twice, the low 8 lanes then
 // the high 8, the other accumulators waiting on the stack; the chunk of x stays in L1 for all nw weight
-// rows and both halves. Each lane accumulates the same products in the
-// same order as block_avx2, so the bits are the same.
+// rows and both halves. Each lane accumulates the same products in the same order as block_avx2, so
+// the bits are the same.
 template <int64_t F, int NX>
 TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
                               int64_t K, float (*out)[kMaxRows], int64_t r0) {
@@ -585,7 +580,7 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
         for (int64_t k = c; k < end; k += 32) {
           if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(row + ahead + k / 32 * pf_step), _MM_HINT_NTA);
           __m256 w[2];
-          dequant_half_avx2<F>(row, k, h, w);
+          HalfBlock<F>(row, k).half(h, w[0], w[1]);
           for (int r = 0; r < NX; ++r) acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr[r] + k + 8 * h), acc[r]);
           for (int r = 0; r < NX; ++r)
             acc[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr[r] + k + 16 + 8 * h), acc[r]);
