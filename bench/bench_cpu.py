@@ -13,7 +13,8 @@ Sections (each system measured back to back, so only same-run ratios are compare
   3. speculation on the Spec-Bench sample: decode tok/s (prefill excluded, as llama.cpp prints it) of
      turbospec plain / n-gram / the shipped EAGLE-3 head + n-gram on the quantized GGUF vs
      ``llama-lookup`` (llama.cpp's prompt-lookup speculation) on the same chat-templated prompts;
-     turbospec's outputs are checked equal to its plain greedy output.
+     turbospec's outputs are checked equal to its plain greedy output; llama.cpp's plain decode on
+     the same prompts is ``llama-bench -d <prompt length> -n <max new tokens>`` per prompt.
 llama.cpp is found with ../shared/tools/build_llama_cpp.sh (built once per machine, ~8 min; never
 in CI); without it the turbospec columns are still measured. Writes bench/out/cpu.{json,md}.
 """
@@ -64,6 +65,19 @@ def parse_llama_bench(stdout: str) -> dict:
         kind = "pp" if row["n_prompt"] > 0 else "tg"
         out[(kind, row["n_prompt"] or row["n_gen"])] = float(row["avg_ts"])
     return out
+
+
+def llama_plain_at_depths(bin_dir: str, gguf: str, depths: list[int], n_gen: int, threads: int) -> dict:
+    """llama.cpp's plain decode on the same prompts' context lengths: ``llama-bench -d <each prompt's
+    length> -n n_gen`` (tg after that many cached tokens, one run each; the depth's prefill is not
+    timed), summed over the prompts as tokens / seconds. Decode slows as the context grows (attention
+    reads the whole KV cache), so this, not tg at depth 0, is the plain baseline for the prompts."""
+    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", "1", "-p", "0",
+           "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    by_depth = {int(r["n_depth"]): n_gen / float(r["avg_ts"]) for r in rows}  # seconds per depth
+    seconds = sum(by_depth[d] for d in depths)
+    return {"tok_s": n_gen * len(depths) / seconds, "tokens": n_gen * len(depths), "depths": len(by_depth)}
 
 
 def parse_llama_lookup(text: str) -> dict:
@@ -280,6 +294,9 @@ def spec_run(src: str, bin_dir: str | None, args) -> dict:
             systems[name] = dict(opts, head=head)
     out = ts_systems(target, tok, encoded, systems, args)
     if bin_dir:
+        out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,
+                                                   args.threads)
+        print(f"spec llama_plain: {out['llama_plain']}", flush=True)
         max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
         out["llama_lookup"] = llama_decode(
             [os.path.join(bin_dir, "llama-lookup"), "-m", src, "-n", str(args.max_new_tokens), "-t", str(args.threads),
@@ -323,6 +340,9 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
         lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         out["llama_plain_tg"] = {"tok_s": lb[("tg", args.tokens)]}
         print(f"spec llama_plain_tg: {out['llama_plain_tg']}", flush=True)
+        out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,
+                                                   args.threads)
+        print(f"spec llama_plain: {out['llama_plain']}", flush=True)
         max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
         for n in (int(k) for k in args.llama_draft_max.split(",")):
             name = f"llama_speculative_simple_n{n}"
@@ -352,7 +372,8 @@ def markdown(meta: dict, res: dict) -> str:
     for key, title in (("spec", "Speculation"), ("pair", "Target + draft model")):
         if not res.get(key):
             continue
-        llama = res[key].get("llama_plain_tg", {}).get("tok_s")
+        # llama.cpp plain: at the prompts' context lengths when measured, else tg at depth 0
+        llama = res[key].get("llama_plain", res[key].get("llama_plain_tg", {})).get("tok_s")
         lines += ["", f"{title}, Spec-Bench sample, decode tok/s (prefill excluded)", "",
                   "| system | tok/s | x turbospec plain (same activations) | x llama.cpp plain | tau | "
                   "output == plain greedy |", "|---|---|---|---|---|---|"]

@@ -20,6 +20,20 @@ def test_parse_llama_bench_json():
     assert bench_cpu.parse_llama_bench(json.dumps(rows)) == {("tg", 96): 113.8, ("pp", 8): 250.5}
 
 
+def test_llama_plain_at_depths_sums_seconds_per_prompt(tmp_path):
+    """One llama-bench run over the prompts' lengths (-d); tokens / seconds over the prompts, each
+    prompt weighted by its own decode time (a repeated length counts twice)."""
+    rows = [{"n_prompt": 0, "n_gen": 10, "n_depth": 100, "avg_ts": 100.0},
+            {"n_prompt": 0, "n_gen": 10, "n_depth": 500, "avg_ts": 50.0}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + json.dumps(rows) + "\nEOF\n")
+    fake.chmod(0o755)
+    got = bench_cpu.llama_plain_at_depths(str(tmp_path), "m.gguf", [100, 500, 100], 10, 2)
+    assert got["tok_s"] == pytest.approx(30 / (0.1 + 0.2 + 0.1)) and got["tokens"] == 30 and got["depths"] == 2
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-d") + 1] == "100,500,100" and args[args.index("-n") + 1] == "10"
+
+
 def test_parse_llama_lookup_log():
     log = ("0.02.315.695 I encoded   18 tokens in    0.307 seconds, speed:  175.874 t/s\n"
            "0.02.315.696 I decoded   36 tokens in    1.541 seconds, speed:   23.367 t/s\n"

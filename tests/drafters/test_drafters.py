@@ -199,6 +199,8 @@ def test_draft_model_catches_up_only_on_new_tokens(tiny_target):
     prompt = list(range(10, 50))
     ref = greedy_reference(tiny_target, prompt, 20)
     d.begin(prompt)
+    assert forwarded == []  # begin reads nothing; prepare reads the prompt but the root
+    d.prepare(prompt)
     assert forwarded == [len(prompt) - 1]
     tokens = list(prompt)
     for i in range(3):  # three plain steps
@@ -214,6 +216,69 @@ def test_draft_model_catches_up_only_on_new_tokens(tiny_target):
     forwarded.clear()
     assert d.propose(tokens, 1, GREEDY, None).token_ids == ref[7:8]
     assert forwarded == [3]  # the second draft (its K/V was not written), the target's token, the new one
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prompt-read", "no-prompt-read"])
+def test_draft_model_long_lag_restarts_from_a_window(tiny_target, prepared):
+    """A proposal missing more than max_catchup committed tokens (a probe after many plain steps,
+    or a first proposal without the prompt read) reads only the last max_catchup of them, written
+    from position 0, and drafts from that context on: the same drafts, bit for bit, as a drafter
+    that was given only those tokens as its prompt; a short lag still catches up exactly."""
+    draft = layer_skip_draft(tiny_target, 1)
+    d = DraftModelDrafter(draft, max_seq_len=256, max_catchup=20)
+    forwarded = []
+    real = draft.forward
+
+    def counting(ids, *args, **kwargs):
+        forwarded.append(ids.shape[1])
+        return real(ids, *args, **kwargs)
+
+    draft.forward = counting
+    tokens = list(range(10, 40))
+    d.begin(tokens)
+    if prepared:
+        d.prepare(tokens)
+    rng = random.Random(1)
+    tokens += [rng.randrange(256) for _ in range(25)]  # 25 plain steps (or a 55-token prompt unread)
+    forwarded.clear()
+    got = d.propose(tokens, 3, GREEDY, None).token_ids
+    assert forwarded == [16, 4, 1, 1]  # the last 20 tokens in chunks of 16, then two draft tokens
+    fresh = DraftModelDrafter(draft, max_seq_len=256, max_catchup=None)
+    fresh.begin(tokens[-20:])
+    assert fresh.propose(tokens[-20:], 3, GREEDY, None).token_ids == got
+    # from then on the window's context is kept: a short lag catches up on the new tokens only
+    d.observe(tokens + got[:1], 0)
+    fresh.observe(tokens[-20:] + got[:1], 0)
+    forwarded.clear()
+    nxt = d.propose(tokens + got[:1], 2, GREEDY, None).token_ids
+    assert forwarded == [1, 1]  # the new root (the old one was read by the proposal), one draft token
+    assert nxt == fresh.propose(tokens[-20:] + got[:1], 2, GREEDY, None).token_ids
+    with pytest.raises(ValueError, match="max_catchup"):
+        DraftModelDrafter(draft, max_seq_len=64, max_catchup=0)
+
+
+def test_sequence_reads_the_prompt_only_when_the_budget_drafts(tiny_target):
+    """The prompt read (``prepare``) is part of the prefill only when the first step is expected to
+    draft: a generation starting with speculation off (the last one ended off) reads nothing."""
+    from turbospec.decode.loop import Sequence
+
+    class Spy(DraftModelDrafter):
+        prepared = 0
+
+        def prepare(self, tokens):
+            Spy.prepared += 1
+            super().prepare(tokens)
+
+    d = Spy(layer_skip_draft(tiny_target, 1), max_seq_len=64)
+    on, off = DraftBudget(4), DraftBudget(4)
+    for _ in range(10):  # measured: drafting costs 50x a verify step and is always rejected
+        off.record(2, 0, 3, 0.01, 1.0)
+    assert on.drafting() and not off.drafting()
+    for budget, expected in ((on, 1), (off, 1)):
+        seq = Sequence([1, 2, 3, 4], 8, GREEDY, d, budget, 4, 256, set(), None, None, {})
+        seq.start(3, None)
+        assert Spy.prepared == expected
+    assert DraftBudget(3, adaptive=False).drafting() and not DraftBudget(0).drafting()
 
 
 def test_draft_model_sampling_probs(tiny_target):
@@ -284,8 +349,10 @@ def test_budget_intermediate_choice():
 
 def test_budget_probes_again_after_switching_off():
     """Off, the budget drafts a probe (two steps: the second is measured) after 4, 8, 16, 32, 64, 64
-    plain steps (each rejected here); a probe that pays switches speculation back on."""
+    plain steps (each rejected here); a probe that pays switches speculation back on. (The share of
+    time probes may take is lifted here: the doubling alone; the next test has the share.)"""
     b = DraftBudget(8)
+    b.PROBE_SHARE = 1.0
     feed(b, 0.0, lambda w: 0.01 * (1 + 0.3 * (w - 1)))  # moderate cost: worth it only if a > 0.3
     gaps, off, rates = [], 0, [b.accept_rate]
     for _ in range(4 + 8 + 16 + 32 + 64 + 64 + 12):
@@ -305,6 +372,37 @@ def test_budget_probes_again_after_switching_off():
             b.record(k, k, k + 1, 0.01 * (1 + 0.3 * k), 1e-6 * k)
             break
     assert b.choose() > 0
+
+
+@pytest.mark.parametrize("catch_up", [0.0, 0.5, 3.0, 20.0])
+def test_budget_probes_take_a_bounded_share_of_the_time(catch_up):
+    """A useless drafter whose probes cost ``catch_up`` plain steps on top of their two steps (a draft
+    model reading what was committed while off): from the second probe on, each probe waits until
+    it costs at most PROBE_SHARE (2%) of the plain steps since the last one, and over whole
+    probe-to-probe periods the time is within 2% of plain decoding's."""
+    b = DraftBudget(4)
+    feed(b, 0.0, lambda w: 0.01 * (1 + 0.3 * (w - 1)), max_draft=4)
+    times, starts, gaps, off = [], [], [], 0
+    for step in range(3000):
+        k = b.choose()
+        if k == 0:
+            off += 1
+            b.record(0, 0, 1, 0.01, 0.0)
+            times.append(0.01)
+            continue
+        probe = not starts or off > 0  # (the step after a probe, off == 0, confirms it)
+        extra = 0.01 * catch_up if probe else 0.0
+        if probe:
+            starts.append(step)
+            gaps.append(off)
+        b.record(k, 0, k + 1, 0.01 * (1 + 0.3 * k), 0.001 * k + extra)
+        times.append(0.01 * (1 + 0.3 * k) + 0.001 * k + extra)
+        off = 0
+    assert len(starts) >= 3, gaps
+    whole = times[starts[1]:starts[-1]]  # every step emits one token (nothing is accepted)
+    assert sum(whole) <= (1 + DraftBudget.PROBE_SHARE) * 0.01 * len(whole) * 1.001, (sum(whole), gaps)
+    cost = 2 * 0.4 + catch_up  # plain steps' worth one probe costs at least (k = 1: 0.4 a step)
+    assert gaps[0] == 4 and min(gaps[1:]) >= cost / DraftBudget.PROBE_SHARE - 1, gaps
 
 
 def test_budget_not_adaptive_or_zero():
@@ -377,8 +475,11 @@ def test_budget_drafts_again_when_drafting_got_cheap():
         off.append(k)
         b.record(k, k, k + 1, 1.0 + 0.1 * k, 5.0 * k)
     assert sum(k > 0 for k in off) <= 4, off
+    # a probe of this drafter costs ~8 plain steps: the next waits up to 50x that (2% of the time)
+    wait = b.probe_wait()
+    assert 64 <= wait <= 8.5 / DraftBudget.PROBE_SHARE
     choices = []
-    for _ in range(150):
+    for _ in range(wait + 30):
         k = b.choose()
         choices.append(k)
         b.record(k, k, k + 1, 1.0 + 0.1 * k, 0.1 * k)  # cheap and always accepted now
@@ -435,9 +536,10 @@ def test_budget_carries_costs_over_between_generations():
     while not (useless._off_steps > 0 and useless.draft_time):  # end on a plain step, draft cost known
         k = useless.choose()
         useless.record(k, 0, k + 1, 1.0 + 0.1 * k, 2.0 * k)
-    assert useless._probe_interval == DraftBudget.MAX_PROBE_INTERVAL
+    assert useless.probe_wait() >= DraftBudget.MAX_PROBE_INTERVAL
     nxt = DraftBudget(4)
     nxt.carry_over(useless)
-    assert nxt._probe_interval == DraftBudget.MAX_PROBE_INTERVAL
-    steps = [nxt.choose() for _ in range(60)]
-    assert steps == [0] * 60  # no probe within the first 60 plain steps
+    assert nxt.probe_wait() == useless.probe_wait() and nxt._off_steps == useless._off_steps
+    left = useless.probe_wait() - useless._off_steps
+    steps = [nxt.choose() for _ in range(left)]
+    assert steps == [0] * left  # the plain steps since the last probe count on: no probe before the wait

@@ -75,8 +75,10 @@ class Sequence:
     def start(self, cache_len: int, features: Tensor | None) -> None:
         """After the prompt's prefill (``cache_len`` tokens in the cache; the drafter's features of them)."""
         self.cache_len = cache_len
-        if self.drafter is not None:  # (a draft model reads the prompt here: part of the prefill)
+        if self.drafter is not None:
             self.drafter.begin(self.tokens, features=features)
+            if self.budget.drafting():  # (a draft model reads the prompt here: part of the prefill)
+                self.drafter.prepare(self.tokens)
         self.t_prefill = time.perf_counter() - self.t0
 
     def plan(self, k: int | None = None) -> Draft | None:

@@ -53,6 +53,11 @@ class Drafter:
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         """Called once per generation before the first proposal."""
 
+    def prepare(self, tokens: list[int]) -> None:
+        """Optional: do now, in the prefill, what the first proposal after ``tokens`` would
+        otherwise do first (a draft model reads the prompt). The engine calls it after ``begin``
+        when its draft budget expects the first step to draft; a drafter must work without it."""
+
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:
         """At most ``max_tokens`` draft tokens after ``tokens[-1]``, or None for none. A drafter

@@ -14,9 +14,15 @@ inflated by a draft model's catch-up on the tokens committed while off, is not k
 tokens (decayed per drafting step). While speculation is off, two steps draft anyway after 4, 8, 16,
 ... 64 plain steps (1 or 2 tokens, whichever the estimates prefer; the second step's draft time
 is measured), so that acceptance and draft cost are measured again: a drafter is never kept off on
-stale data, and a useless one costs two steps in 64.
+stale data. A probe costs what its two steps took beyond the plain steps they replace (a draft
+model catching up on the tokens committed while off: on the Qwen 1.5B/0.5B pair, int8, 6 plain
+steps' worth); the next probe waits until the plain steps since the last one took PROBE_SHARE^-1
+times that, so a useless drafter costs at most PROBE_SHARE (2%) of the decode time. Plain steps
+since the last probe are counted across the generations of one engine (``carry_over``).
 """
 from __future__ import annotations
+
+import math
 
 
 def _fill(measured: dict[int, float], xs: range, beyond) -> list[float | None]:
@@ -46,7 +52,9 @@ class DraftBudget:
     SAMPLES = 5  # a verify cost is the (lower) median of its width's last SAMPLES measurements
     DRAFT_SAMPLES = 9  # the per-token draft cost: the median of the last DRAFT_SAMPLES steps
     EXPLORE_EVERY = 8  # drafting steps between two tries of a neighbouring length
-    MAX_PROBE_INTERVAL = 64
+    MAX_PROBE_INTERVAL = 64  # the doubling's cap ...
+    PROBE_SHARE = 0.02  # ... unless the last probe's extra seconds exceed this share of the plain steps
+    MAX_COSTLY_INTERVAL = 4096
 
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
@@ -63,6 +71,8 @@ class DraftBudget:
         self._drafting_steps = 0
         self._probing = False
         self._confirm = 0  # after a probe: the length to draft once more, to measure a steady step
+        self._probe_steps = 0  # steps of the probe under way still to record (the probe, its confirm)
+        self._probe_extra = 0.0  # seconds the last probe took beyond the plain steps it replaced
 
     @property
     def accept_rate(self) -> float:
@@ -82,6 +92,7 @@ class DraftBudget:
         # The probe back-off (4 while drafting; longer when the last generation ended with
         # speculation off): a useless drafter is not probed after 4 plain steps of every generation.
         self._probe_interval = last._probe_interval
+        self._off_steps, self._probe_extra = last._off_steps, last._probe_extra
         self._cost = None
 
     @staticmethod
@@ -108,18 +119,28 @@ class DraftBudget:
         a = min(self.accept_rate, 0.999)
         return (1.0 - a ** (k + 1)) / (1.0 - a)
 
-    def choose(self) -> int:
-        if not self.adaptive or self.max_draft == 0:
-            return self.max_draft
-        if self._confirm:
-            k, self._confirm = self._confirm, 0
-            return k
+    def _rates_and_best(self) -> tuple[list[float], int]:
         cost = self.costs()
         rates = [self.expected_tokens(k) / cost[k] for k in range(self.max_draft + 1)]
         best_k = 0
         for k in range(1, self.max_draft + 1):
             if rates[k] > rates[best_k] * 1.0001:
                 best_k = k
+        return rates, best_k
+
+    def drafting(self) -> bool:
+        """Whether the estimates favour drafting now (probes aside); changes nothing."""
+        if not self.adaptive or self.max_draft == 0:
+            return self.max_draft > 0
+        return self._confirm > 0 or self._rates_and_best()[1] > 0
+
+    def choose(self) -> int:
+        if not self.adaptive or self.max_draft == 0:
+            return self.max_draft
+        if self._confirm:
+            k, self._confirm = self._confirm, 0
+            return k
+        rates, best_k = self._rates_and_best()
         if best_k > 0:
             self._off_steps, self._probe_interval = 0, 4
             self._drafting_steps += 1
@@ -130,15 +151,27 @@ class DraftBudget:
             return best_k
         # speculation is off: probe now and then, with fresh measurements
         self._off_steps += 1
-        if self._off_steps > self._probe_interval:  # that many plain steps in a row: probe
+        if self._off_steps > self.probe_wait():  # that many plain steps in a row: probe
             self._off_steps = 0
             self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
             self._probing = True
             k = max(range(1, min(2, self.max_draft) + 1), key=lambda k: rates[k])  # cheap: 1 or 2
+            self._probe_steps, self._probe_extra = 1, 0.0
             if self.timed:
                 self._confirm = k
+                self._probe_steps = 2
             return k
         return 0
+
+    def probe_wait(self) -> int:
+        """Plain steps between two probes: the doubling back-off, or more when the last probe cost
+        more than PROBE_SHARE of that many plain steps."""
+        wait = self._probe_interval
+        plain = self.verify_time.get(1)
+        if self.timed and self._probe_extra > 0.0 and plain:
+            costly = math.ceil(self._probe_extra / (self.PROBE_SHARE * self._median(plain)))
+            wait = max(wait, min(costly, self.MAX_COSTLY_INTERVAL))
+        return wait
 
     def record(self, proposed: int, accepted: int, width: int, verify_seconds: float,
                draft_seconds: float) -> None:
@@ -158,6 +191,11 @@ class DraftBudget:
                 del self.draft_time[:-self.DRAFT_SAMPLES]
             self._cost = None
         self._probing = False
+        if self._probe_steps:  # what the probe's steps took beyond plain steps emitting as much
+            self._probe_steps -= 1
+            plain = self.verify_time.get(1)
+            if self.timed and plain:
+                self._probe_extra += verify_seconds + draft_seconds - (1 + accepted) * self._median(plain)
         if proposed > 0:
             self.accepted = self.decay * self.accepted + accepted
             self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)

@@ -64,6 +64,9 @@ class HybridDrafter(Drafter):
         self.head.begin(prompt_ids, features=features)
         self.ngram.begin(prompt_ids)
 
+    def prepare(self, tokens: list[int]) -> None:
+        self.head.prepare(tokens)
+
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self.head.observe(tokens, num_accepted, features=features)
         self.ngram.observe(tokens, num_accepted)
