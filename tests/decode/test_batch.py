@@ -144,6 +144,18 @@ def test_batch_bad_input_is_named(tiny):
         shared.generate([[1, 2], [3, 4]], max_new_tokens=3)
     # one request at a time through a Drafter instance is fine
     assert len(shared.generate([[1, 2], Request([3, 4], speculate=False)], max_new_tokens=3)) == 2
+    # a callable returning a Drafter: one fresh drafter per concurrent request, so batches may draft
+    made = []
+
+    def factory():
+        made.append(Mine())
+        return made[-1]
+
+    eng = Engine(target, drafter=factory, max_seq_len=64, max_batch=2)
+    assert len(eng.generate([[1, 2], [3, 4]], max_new_tokens=3)) == 2
+    assert len(made) >= 3 and len({id(d) for d in made}) == len(made)  # the solo one + one per slot
+    with pytest.raises(TypeError, match="drafter: the callable .* returned int, expected a turbospec Drafter"):
+        Engine(target, drafter=lambda: 3)
 
 
 def test_chunked_prefill_ngram_equals_alone(tiny):

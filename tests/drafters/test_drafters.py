@@ -69,8 +69,9 @@ def test_ngram_respects_max_tokens_and_short_continuations():
         assert len(out) <= k
     assert d.propose(tokens, 0, GREEDY, None) is None
     # the continuation may run into the query itself: [7, 8, 7] -> after the first 7 comes [8, 7]
-    d.begin([7, 8, 7])
-    assert propose(d, [7, 8, 7], 5) == [8, 7]
+    d1 = NgramDrafter(min_ngram=1)
+    d1.begin([7, 8, 7])
+    assert propose(d1, [7, 8, 7], 5) == [8, 7]
 
 
 def test_ngram_none_without_match():
@@ -78,9 +79,12 @@ def test_ngram_none_without_match():
     for tokens in ([1], [1, 2], [1, 2, 3, 4, 5]):
         d.begin(tokens)
         assert d.propose(tokens, 4, GREEDY, None) is None
-    d = NgramDrafter(max_ngram=3, min_ngram=2)
-    d.begin([1, 2, 3, 1])  # only a 1-gram matches, below min_ngram
-    assert d.propose([1, 2, 3, 1], 4, GREEDY, None) is None
+    for d in (NgramDrafter(max_ngram=3, min_ngram=2), NgramDrafter()):  # (the default: min_ngram 2)
+        d.begin([1, 2, 3, 1])  # only a 1-gram matches, below min_ngram
+        assert d.propose([1, 2, 3, 1], 4, GREEDY, None) is None
+    d = NgramDrafter(min_ngram=1)
+    d.begin([1, 2, 3, 1])
+    assert propose(d, [1, 2, 3, 1], 4) == [2, 3, 1]
 
 
 @pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (4, 2), (1, 1)])

@@ -4,6 +4,7 @@ decoded alone (fp32 greedy), seeded sampling, stop strings, speculation off per 
 that disconnects mid-stream, every kind of bad request, a full queue, a failing step, ``/metrics``."""
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -17,6 +18,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from turbospec import Engine
+from turbospec.drafters.ngram import NgramDrafter
 from turbospec.serve.server import create_app
 
 from helpers import make_tiny_model, make_tiny_tokenizer
@@ -39,8 +41,10 @@ def prompt(i: int) -> str:
 def engine():
     tok = make_tiny_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    # adaptive=False: every step drafts (the tests check that drafts take part)
-    return Engine(make_tiny_model(), drafter="ngram", tokenizer=tok, max_batch=MAX_BATCH, max_seq_len=256,
+    # adaptive=False: every step drafts (the tests check that drafts take part); 1-token matches:
+    # the tiny random model's text repeats too little for longer ones
+    return Engine(make_tiny_model(), drafter=functools.partial(NgramDrafter, min_ngram=1), tokenizer=tok,
+                  max_batch=MAX_BATCH, max_seq_len=256,
                   adaptive=False)
 
 

@@ -37,7 +37,9 @@ class Engine:
             file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
         drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.heads.shipped``;
             any other target: "ngram"), "none", "ngram", "draft_model" (needs ``draft_model``),
-            "eagle" / "medusa" (need ``head``) or a ``Drafter`` instance.
+            "eagle" / "medusa" (need ``head``), a ``Drafter`` instance (one request at a time), or a
+            callable returning a new ``Drafter`` (one per concurrent request), e.g.
+            ``functools.partial(NgramDrafter, min_ngram=1)``.
         num_draft: the most draft tokens (tree nodes) per step; the adaptive budget may use fewer.
             Default: 8, or what the shipped head was tuned for.
         draft_model: the draft for ``drafter="draft_model"``: a path, transformers model or Transformer.

@@ -56,8 +56,8 @@ def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
 
 def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
                  tree: dict | None = None) -> Drafter | None:
-    """``drafter``: "none", "ngram", "draft_model", "eagle", "medusa" or a ``Drafter`` (returned as
-    is). None for no drafter."""
+    """``drafter``: "none", "ngram", "draft_model", "eagle", "medusa", a ``Drafter`` (returned as
+    is) or a callable returning one. None for no drafter."""
     return drafter_builder(drafter, s, draft_model=draft_model, draft_tokenizer=draft_tokenizer, head=head,
                            tree=tree)()
 
@@ -69,6 +69,14 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
     request's state). A ``Drafter`` instance cannot be copied: its builder returns it each time."""
     if isinstance(drafter, Drafter):
         return lambda: drafter
+    if callable(drafter) and not isinstance(drafter, str):  # a factory: a fresh drafter per request
+        def build() -> Drafter:
+            d = drafter()
+            if not isinstance(d, Drafter):
+                raise TypeError(f"drafter: the callable {drafter!r} returned {type(d).__name__}, expected a "
+                                f"turbospec Drafter")
+            return d
+        return build
     if drafter is None or drafter == "none":
         return lambda: None
     if drafter in ("eagle", "medusa"):

@@ -5,6 +5,11 @@ An index from each n-gram to the position after its latest occurrence is kept up
 incrementally, so a lookup costs O(max_ngram) per step whatever the sequence length.
 Drafts are point masses (no draft probabilities): verify accepts them with probability p(x),
 which keeps sampling exact.
+
+The shortest n-gram matched is 2 tokens by default: a single repeated token predicts its old
+continuation too rarely to pay for the wider verify pass. SmolLM2-135M Q4_1 exact on 2 AVX2 cores,
+Spec-Bench sample (3 prompts per category, 128 tokens, 2026-11-25): 1.14x plain decode with 1-token
+matches, 1.18x without (2 per category: 1.12x, 1.15x).
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from ..ops.sampling import SamplingParams
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram, got "
                              f"min_ngram={min_ngram}, max_ngram={max_ngram}")
