@@ -309,7 +309,8 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
     """A target GGUF with a draft-model GGUF (same tokenizer) on the Spec-Bench sample: turbospec
     plain, the draft model at fixed draft lengths and with the adaptive budget (outputs checked
     equal to plain greedy); llama.cpp plain (``llama-bench`` tg on the target) and
-    ``llama-speculative-simple`` with the same two GGUFs."""
+    ``llama-speculative-simple`` with the same two GGUFs. The draft computes with the engine's
+    default draft activations (int8 on CPU) in every system, exact targets included."""
     import torch
     import turbospec
     target = turbospec.load_model(src, torch.float32, weights="auto")

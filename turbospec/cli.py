@@ -34,6 +34,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
+    p.add_argument("--draft-activations", default=None, choices=["exact", "int8"],
+                   help="the --draft-model's activations (default: int8 on CPU; they change speed, never "
+                        "the output)")
 
 
 def _engine(args, **extra):
@@ -46,7 +49,8 @@ def _engine(args, **extra):
                             weights=args.weights, activations=args.activations,
                             draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                             adaptive=not args.no_adaptive, head=args.head, device=args.device,
-                            cuda_graphs=False if args.no_cuda_graphs else None, **extra)
+                            cuda_graphs=False if args.no_cuda_graphs else None,
+                            draft_activations=args.draft_activations, **extra)
 
 
 def _generate(args) -> int:

@@ -547,3 +547,27 @@ def test_budget_carries_costs_over_between_generations():
     left = useless.probe_wait() - useless._off_steps
     steps = [nxt.choose() for _ in range(left)]
     assert steps == [0] * left  # the plain steps since the last probe count on: no probe before the wait
+
+
+def test_draft_model_activations_default_to_int8_on_cpu():
+    """A separate draft model computes with int8 activations by default on CPU (only speed and
+    acceptance depend on it: the output stays the target's plain greedy output); a layer-skip draft,
+    whose linears are the target's, computes as the target does and refuses other settings."""
+    target = turbospec.load_model(make_tiny_model("llama", seed=3, num_hidden_layers=2), weights="q8_0")
+    draft = turbospec.load_model(make_tiny_model("llama", seed=4, num_hidden_layers=1), weights="q8_0")
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    ref = Engine(target, drafter="none", max_seq_len=64).generate(prompt, 24).token_ids
+    eng = Engine(target, drafter="draft_model", draft_model=draft, num_draft=3, adaptive=False, max_seq_len=64)
+    assert draft.activations == "int8" and target.activations == "exact"
+    assert {lin.activations for lin in [draft.lm_head] + [l for b in draft.layers for l in b.linears()]} == {8}
+    g = eng.generate(prompt, 24)
+    assert g.token_ids == ref and g.stats["draft_proposed"] > 0
+    Engine(target, drafter="draft_model", draft_model=draft, max_seq_len=64, draft_activations="exact")
+    assert draft.activations == "exact"
+    skip = layer_skip_draft(target, 1)
+    Engine(target, drafter="draft_model", draft_model=skip, max_seq_len=64)
+    assert skip.activations == "exact" and target.activations == "exact"
+    with pytest.raises(ValueError, match="draft_activations='int8': this draft shares the target's weights"):
+        Engine(target, drafter="draft_model", draft_model=skip, max_seq_len=64, draft_activations="int8")
+    with pytest.raises(ValueError, match="draft_activations must be 'exact', 'int8' or None"):
+        Engine(target, drafter="none", draft_activations="fp8")

@@ -36,6 +36,7 @@ class DraftSettings:
     graphs: bool | None = False
     default_target: bool = False    # the target is the default model (its shipped heads apply)
     slots: int = 1                  # drafters built to run at once (a draft model's pool rows)
+    draft_activations: str | None = None  # a draft model's (None: int8 on CPU unless it shares weights)
 
 
 def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
@@ -89,7 +90,7 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
                              "turbospec Transformer)")
         dm = draft_model if isinstance(draft_model, Transformer) else \
             load_model(draft_model, s.dtype, device=s.target.device, weights=s.weights)
-        dm.set_activations(s.activations)
+        dm.set_activations(draft_activations(s, dm))
         if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
             draft_tokenizer = load_tokenizer(draft_model)
         check_compatible(s.target, dm, s.tokenizer, draft_tokenizer)
@@ -99,6 +100,24 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs, pool=pool)
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
+
+
+def draft_activations(s: DraftSettings, dm: Transformer) -> str:
+    """The activations a draft model computes with: ``s.draft_activations``, by default int8 on CPU
+    (only speed and acceptance depend on the draft's arithmetic), the target's for a draft that
+    shares the target's weights (a layer-skip draft: its linears are the target's)."""
+    mode = s.draft_activations
+    if mode is not None and mode not in ("exact", "int8"):
+        raise ValueError(f"draft_activations must be 'exact', 'int8' or None (int8 on CPU), got {mode!r}")
+    shares = dm is s.target or dm.lm_head is s.target.lm_head
+    if shares:
+        if mode is not None and mode != s.activations:
+            raise ValueError(f"draft_activations={mode!r}: this draft shares the target's weights (a layer-skip "
+                             f"draft) and computes with the target's activations ({s.activations!r})")
+        return s.activations
+    if mode is None:
+        return "int8" if dm.device.type == "cpu" else s.activations
+    return mode
 
 
 def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
