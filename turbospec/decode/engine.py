@@ -88,9 +88,6 @@ class Engine:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
         self.weights = weight_mode(weights)
-        if draft_activations not in (None, "exact", "int8"):
-            raise ValueError(f"draft_activations must be 'exact', 'int8' or None (int8 on CPU), got "
-                             f"{draft_activations!r}")
         device = self._device(target, device)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={str(device)!r}")

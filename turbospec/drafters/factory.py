@@ -38,6 +38,11 @@ class DraftSettings:
     slots: int = 1                  # drafters built to run at once (a draft model's pool rows)
     draft_activations: str | None = None  # a draft model's (None: int8 on CPU unless it shares weights)
 
+    def __post_init__(self):
+        if self.draft_activations not in (None, "exact", "int8"):
+            raise ValueError(f"draft_activations must be 'exact', 'int8' or None (int8 on CPU), got "
+                             f"{self.draft_activations!r}")
+
 
 def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
     """drafter="auto": the default model gets its best shipped head with the options it was tuned
@@ -107,8 +112,6 @@ def draft_activations(s: DraftSettings, dm: Transformer) -> str:
     (only speed and acceptance depend on the draft's arithmetic), the target's for a draft that
     shares the target's weights (a layer-skip draft: its linears are the target's)."""
     mode = s.draft_activations
-    if mode is not None and mode not in ("exact", "int8"):
-        raise ValueError(f"draft_activations must be 'exact', 'int8' or None (int8 on CPU), got {mode!r}")
     shares = dm is s.target or dm.lm_head is s.target.lm_head
     if shares:
         if mode is not None and mode != s.activations:
