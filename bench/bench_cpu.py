@@ -230,7 +230,8 @@ def spec_prompts(tok, args) -> tuple[list[str], list[list[int]]]:
 
 
 def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
-    """Decode tok/s (prefill excluded), tau and equality with plain greedy, per turbospec system;
+    """Decode tok/s (prefill excluded), seconds end to end (prefill included: a draft model reading
+    the prompt is part of it), tau and equality with plain greedy, per turbospec system;
     the first system must be plain decoding. Prompt by prompt, every system in turn (this machine's
     speed drifts over minutes: interleaving spreads the drift over all systems alike)."""
     import turbospec
@@ -239,7 +240,7 @@ def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
                for name, opts in systems.items()}
     for eng in engines.values():
         eng.generate(encoded[0][:16], max_new_tokens=8)  # warm-up
-    sums = {name: {"toks": 0.0, "dec_s": 0.0, "steps": 0, "equal": True} for name in systems}
+    sums = {name: {"toks": 0.0, "dec_s": 0.0, "total_s": 0.0, "steps": 0, "equal": True} for name in systems}
     for ids in encoded:
         plain_tokens = None
         for name, eng in engines.items():
@@ -247,6 +248,7 @@ def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
             r = sums[name]
             r["toks"] += len(g.token_ids)
             r["dec_s"] += g.stats["total_s"] - g.stats["prefill_s"]
+            r["total_s"] += g.stats["total_s"]
             r["steps"] += g.stats["verify_steps"]
             if plain_tokens is None:
                 plain_tokens = g.token_ids
@@ -255,7 +257,7 @@ def ts_systems(target, tok, encoded, systems: dict, args) -> dict:
     out: dict = {}
     for name, r in sums.items():
         out[name] = {"tok_s": r["toks"] / r["dec_s"], "tau": r["toks"] / max(r["steps"], 1),
-                     "equal_to_plain": r["equal"], "tokens": r["toks"]}
+                     "equal_to_plain": r["equal"], "tokens": r["toks"], "total_s": r["total_s"]}
         print(f"spec {name}: {out[name]}", flush=True)
     return out
 
@@ -377,13 +379,14 @@ def markdown(meta: dict, res: dict) -> str:
         llama = res[key].get("llama_plain", res[key].get("llama_plain_tg", {})).get("tok_s")
         lines += ["", f"{title}, Spec-Bench sample, decode tok/s (prefill excluded)", "",
                   "| system | tok/s | x turbospec plain (same activations) | x llama.cpp plain | tau | "
-                  "output == plain greedy |", "|---|---|---|---|---|---|"]
+                  "output == plain greedy | end to end s (prefill + decode) |", "|---|---|---|---|---|---|---|"]
         for name, r in res[key].items():
             base = res[key].get("ts_plain_int8" if name.endswith("_int8") else "ts_plain", {}).get("tok_s")
             ratio = f"{r['tok_s'] / base:.2f}x" if base else "-"
             vs_llama = f"{r['tok_s'] / llama:.2f}x" if llama else "-"
+            total = f"{r['total_s']:.1f}" if "total_s" in r else "-"
             lines.append(f"| {name} | {r['tok_s']:.1f} | {ratio} | {vs_llama} | {r.get('tau', float('nan')):.2f} | "
-                         f"{r.get('equal_to_plain', '-')} |")
+                         f"{r.get('equal_to_plain', '-')} | {total} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,11 +6,16 @@ from __future__ import annotations
 from turbospec.drafters.budget import BatchBudget
 
 
+def geometric(accept: float):
+    """E(k) of a drafter whose tokens are each accepted with probability ``accept``."""
+    return lambda k: (1.0 - accept ** (k + 1)) / (1.0 - accept)
+
+
 def drive(budget: BatchBudget, rows: int, accept: float, cost, steps: int = 200) -> list[int]:
     """Run ``steps`` choices with a synthetic pass cost ``cost(tokens)``; the chosen lengths."""
     ks = []
     for _ in range(steps):
-        k = budget.choose(rows, 0, [(accept, 1e-5)] * rows)
+        k = budget.choose(rows, 0, [(geometric(accept), 1e-5)] * rows)
         budget.record(rows * (k + 1), cost(rows * (k + 1)))
         ks.append(k)
     return ks
@@ -46,6 +51,6 @@ def test_low_acceptance_no_drafts():
 
 def test_fixed_and_no_drafting_rows():
     b = BatchBudget(5, adaptive=False)
-    assert b.choose(8, 0, [(0.1, 1.0)] * 8) == 5  # fixed: always max_draft
+    assert b.choose(8, 0, [(geometric(0.1), 1.0)] * 8) == 5  # fixed: always max_draft
     assert BatchBudget(5).choose(4, 4, []) == 0  # nothing drafts
-    assert BatchBudget(0).choose(1, 0, [(0.9, 0.0)]) == 0
+    assert BatchBudget(0).choose(1, 0, [(geometric(0.9), 0.0)]) == 0

@@ -77,8 +77,11 @@ class Sequence:
         self.cache_len = cache_len
         if self.drafter is not None:
             self.drafter.begin(self.tokens, features=features)
-            if self.budget.drafting():  # (a draft model reads the prompt here: part of the prefill)
+            # a draft model reads the prompt here (part of the prefill) when that is expected to pay
+            if self.budget.reading_pays(len(self.tokens) - 1, self.max_new_tokens):
+                t = time.perf_counter()
                 self.drafter.prepare(self.tokens)
+                self.budget.record_read(len(self.tokens) - 1, time.perf_counter() - t)
         self.t_prefill = time.perf_counter() - self.t0
 
     def plan(self, k: int | None = None) -> Draft | None:
@@ -109,6 +112,8 @@ class Sequence:
     def _take(self, draft: Draft | None, k: int) -> None:
         if draft is not None:
             check_draft(draft, k, self.vocab)
+        if k > 0 and self.drafter.windowed:
+            self.budget.windowed = True
         self.draft = draft
 
     def planned(self, draft_seconds: float) -> None:

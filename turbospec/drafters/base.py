@@ -56,7 +56,14 @@ class Drafter:
     def prepare(self, tokens: list[int]) -> None:
         """Optional: do now, in the prefill, what the first proposal after ``tokens`` would
         otherwise do first (a draft model reads the prompt). The engine calls it after ``begin``
-        when its draft budget expects the first step to draft; a drafter must work without it."""
+        when its draft budget expects that to pay; a drafter must work without it."""
+
+    @property
+    def windowed(self) -> bool:
+        """Whether this generation's proposals see only a recent window of the context (a draft
+        model that restarted from the last tokens instead of reading all): its acceptance then says
+        little about the drafter's, and the draft budget does not pass it on to the next generation."""
+        return False
 
     def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                 generator: torch.Generator | None) -> Draft | None:

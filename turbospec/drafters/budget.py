@@ -1,8 +1,13 @@
 """How many tokens to draft this step, from measured acceptance and measured costs.
 
-With per-token acceptance rate a, drafting k tokens emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per
-verify step (counting the recovered/bonus token) and costs verify(k + 1) + draft(k) seconds. The
-controller picks the k in [0, max_draft] with the best E(k) / cost(k); k = 0 is a plain decode step.
+With a(d) the chance that draft token d is accepted once tokens 1..d-1 were, drafting k tokens emits
+E(k) = 1 + a(1) + a(1) a(2) + ... + a(1)...a(k) tokens per verify step (counting the recovered/bonus
+token) and costs verify(k + 1) + draft(k) seconds. The controller picks the k in [0, max_draft] with
+the best E(k) / cost(k); k = 0 is a plain decode step. Acceptance is estimated per depth because it
+is correlated along a chain: a draft model whose first token is accepted 55% of the time may have
+its second accepted 90% of the time once the first was (the Qwen 1.5B/0.5B pair: drafts of 2 tokens
+mostly end with 0 or 2 accepted), which one geometric rate cannot describe: it overrates 1-token
+drafts and underrates longer ones.
 
 Both costs are measured. Verify: per width, the lower median of its last 5 passes; a width not yet
 measured is interpolated linearly between measured neighbours, beyond them it grows by a mild slope;
@@ -10,8 +15,14 @@ every 8th drafting step tries a neighbouring length, so that the widths around t
 fresh. Draft: k times the median per-token cost of the last 9 drafting steps (k draft forwards, k
 lookups). Medians, so one outlier (a drafter catching up on a long stretch, a page fault) cannot
 switch speculation off; a probe (below) starts the draft cost's history afresh (its own time,
-inflated by a draft model's catch-up on the tokens committed while off, is not kept). Acceptance is a decayed count of accepted vs rejected
-tokens (decayed per drafting step). While speculation is off, two steps draft anyway after 4, 8, 16,
+inflated by a draft model's catch-up on the tokens committed while off, is not kept). a(d) is a
+decayed count (decayed at each step that reached depth d) of the steps whose token d was accepted
+among the steps that drafted it after accepting tokens 1..d-1, over a prior of 2 pseudo-steps at
+a(d - 1) (``prior_accept`` for d = 1); a depth not reached lately keeps its last estimate, and
+every 8th drafting step tries a neighbouring length, so the depth just past the choice stays
+measured. A probe (below) keeps a quarter of the counts: acceptance comes in phases (a draft model
+on the Qwen pair: stretches of 0s, then of 2s), and the counts that switched speculation off must
+not outvote what the probe sees now. While speculation is off, two steps draft anyway after 4, 8, 16,
 ... 64 plain steps (1 or 2 tokens, whichever the estimates prefer; the second step's draft time
 is measured), so that acceptance and draft cost are measured again: a drafter is never kept off on
 stale data. A probe costs what its two steps took beyond the plain steps they replace (a draft
@@ -19,10 +30,17 @@ model catching up on the tokens committed while off: on the Qwen 1.5B/0.5B pair,
 steps' worth); the next probe waits until the plain steps since the last one took PROBE_SHARE^-1
 times that, so a useless drafter costs at most PROBE_SHARE (2%) of the decode time. Plain steps
 since the last probe are counted across the generations of one engine (``carry_over``).
+
+A draft model reads the prompt in the prefill (``Drafter.prepare``) only when that is expected to
+pay over the generation: ``reading_pays`` weighs the seconds drafting is expected to save over
+``max_new_tokens`` against the prompt's length times the last measured read time per token. A
+700-token prompt read by the 0.5B draft costs ~7 s on a 2-core CPU; over 64 new tokens drafting
+saves ~1 s. Unread, the draft catches up on a window of the context at its first proposal.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 
 def _fill(measured: dict[int, float], xs: range, beyond) -> list[float | None]:
@@ -55,14 +73,18 @@ class DraftBudget:
     MAX_PROBE_INTERVAL = 64  # the doubling's cap ...
     PROBE_SHARE = 0.02  # ... unless the last probe's extra seconds exceed this share of the plain steps
     MAX_COSTLY_INTERVAL = 4096
+    PROBE_DISCOUNT = 0.25  # at a probe, the weight left to the acceptance measured before it
 
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
         # timed=False: ignore measured times (keep the prior cost model), so that the chosen draft
         # lengths depend only on acceptance, which is reproducible, and not on wall-clock noise.
         self.max_draft, self.adaptive, self.decay, self.timed = max_draft, adaptive, decay, timed
-        self.prior = (2.0 * prior_accept, 2.0 * (1.0 - prior_accept))  # pseudo-counts
-        self.accepted, self.rejected = 0.0, 0.0
+        self.prior_accept = prior_accept
+        # depth d (index d - 1): steps that drafted token d after tokens 1..d-1 were accepted, and
+        # among them those whose token d was accepted too (decayed counts)
+        self.arrived = [0.0] * max_draft
+        self.went_on = [0.0] * max_draft
         self.verify_time: dict[int, list[float]] = {}  # width (nodes) -> last seconds measured
         self.draft_time: list[float] = []  # last seconds per drafted token
         self._cost: list[float] | None = None  # cost(k), k = 0..max_draft; None: to recompute
@@ -73,26 +95,54 @@ class DraftBudget:
         self._confirm = 0  # after a probe: the length to draft once more, to measure a steady step
         self._probe_steps = 0  # steps of the probe under way still to record (the probe, its confirm)
         self._probe_extra = 0.0  # seconds the last probe took beyond the plain steps it replaced
+        self.read_time: float | None = None  # seconds per token of the drafter's last prompt read
+        # True once this generation's drafter proposed from a window of the context: its
+        # acceptance is not passed on (``carry_over`` passes on what this generation started from)
+        self.windowed = False
+        self._carried: tuple[list[float], list[float]] | None = None  # (arrived, went_on) passed on to us
+
+    PRIOR_WEIGHT = 2.0  # pseudo-steps of the prior acceptance at every depth
+
+    def _chain(self, k: int) -> list[float]:
+        """[a(1), ..., a(k)]. a(d)'s prior is a(d - 1) (a(1)'s: ``prior_accept``): a depth seldom
+        reached is taken to be about as good as the one before it."""
+        out, a = [], self.prior_accept
+        for went_on, arrived in zip(self.went_on[:k], self.arrived[:k]):
+            a = (went_on + self.PRIOR_WEIGHT * a) / (arrived + self.PRIOR_WEIGHT)
+            out.append(a)
+        return out
+
+    def accept_at(self, depth: int) -> float:
+        """a(depth): the estimated chance that draft token ``depth`` (1-based) is accepted once the
+        tokens before it were."""
+        return self._chain(depth)[depth - 1]
 
     @property
     def accept_rate(self) -> float:
-        s, f = self.accepted + self.prior[0], self.rejected + self.prior[1]
-        return s / (s + f)
+        """The first draft token's acceptance rate, a(1)."""
+        return self.accept_at(1) if self.max_draft else self.prior_accept
 
     def carry_over(self, last: "DraftBudget | None") -> None:
         """Start from what an earlier generation measured on the same engine: its cost samples (the
         machine's and the models', not the prompt's) and half the weight of its acceptance counts
         (a prior the new prompt soon outweighs). A short generation then does not spend its first
-        steps re-learning the costs from the prior."""
+        steps re-learning the costs from the prior. The acceptance of a generation whose drafter
+        saw only a window of the context (``Drafter.windowed``: a draft model that did not read the
+        prompt) is not passed on: the one it started from is, so that a prompt too long to read
+        does not switch speculation off for the next, short prompt."""
         if last is None or not (self.timed and last.timed) or last.max_draft != self.max_draft:
             return
         self.verify_time = {w: list(v) for w, v in last.verify_time.items()}
         self.draft_time = list(last.draft_time)
-        self.accepted, self.rejected = 0.5 * last.accepted, 0.5 * last.rejected
+        counts = last._carried if last.windowed and last._carried else (last.arrived, last.went_on)
+        self._carried = counts
+        self.arrived = [0.5 * n for n in counts[0]]
+        self.went_on = [0.5 * n for n in counts[1]]
         # The probe back-off (4 while drafting; longer when the last generation ended with
         # speculation off): a useless drafter is not probed after 4 plain steps of every generation.
         self._probe_interval = last._probe_interval
         self._off_steps, self._probe_extra = last._off_steps, last._probe_extra
+        self.read_time = last.read_time
         self._cost = None
 
     @staticmethod
@@ -116,8 +166,12 @@ class DraftBudget:
         return self._median(self.draft_time) if self.draft_time else 0.0
 
     def expected_tokens(self, k: int) -> float:
-        a = min(self.accept_rate, 0.999)
-        return (1.0 - a ** (k + 1)) / (1.0 - a)
+        """E(k): tokens a step drafting k emits, on average (the bonus/recovered token included)."""
+        tokens = reach = 1.0
+        for a in self._chain(k):
+            reach *= min(a, 0.999)
+            tokens += reach
+        return tokens
 
     def _rates_and_best(self) -> tuple[list[float], int]:
         cost = self.costs()
@@ -133,6 +187,27 @@ class DraftBudget:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft > 0
         return self._confirm > 0 or self._rates_and_best()[1] > 0
+
+    def reading_pays(self, prompt_tokens: int, new_tokens: int) -> bool:
+        """Whether the drafter should read the prompt in the prefill (``Drafter.prepare``): drafting
+        is expected to pay now, and the time it is expected to save over ``new_tokens`` tokens is
+        more than reading ``prompt_tokens`` costs at the last measured read speed (a draft model
+        reading a 700-token prompt can cost more than it saves over 64 new tokens). Unread, the
+        drafter catches up on a window of the context at its first proposal. Before both speeds
+        are measured (and in a fixed or untimed budget), it reads whenever it drafts."""
+        if not self.drafting():
+            return False
+        if not (self.adaptive and self.timed) or self.read_time is None or 1 not in self.verify_time \
+                or not self.draft_time:
+            return True
+        rates, best_k = self._rates_and_best()
+        saved = new_tokens * (1.0 / rates[0] - 1.0 / rates[best_k])
+        return saved > prompt_tokens * self.read_time
+
+    def record_read(self, tokens: int, seconds: float) -> None:
+        """The drafter read ``tokens`` prompt tokens in ``seconds``."""
+        if self.timed and tokens > 0:
+            self.read_time = seconds / tokens
 
     def choose(self) -> int:
         if not self.adaptive or self.max_draft == 0:
@@ -156,6 +231,9 @@ class DraftBudget:
             self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
             self._probing = True
             k = max(range(1, min(2, self.max_draft) + 1), key=lambda k: rates[k])  # cheap: 1 or 2
+            # the acceptance that switched speculation off is stale now: the probe's steps decide
+            self.arrived = [self.PROBE_DISCOUNT * n for n in self.arrived]
+            self.went_on = [self.PROBE_DISCOUNT * n for n in self.went_on]
             self._probe_steps, self._probe_extra = 1, 0.0
             if self.timed:
                 self._confirm = k
@@ -196,9 +274,9 @@ class DraftBudget:
             plain = self.verify_time.get(1)
             if self.timed and plain:
                 self._probe_extra += verify_seconds + draft_seconds - (1 + accepted) * self._median(plain)
-        if proposed > 0:
-            self.accepted = self.decay * self.accepted + accepted
-            self.rejected = self.decay * self.rejected + (1.0 if accepted < proposed else 0.0)
+        for i in range(min(proposed, accepted + 1)):  # the depths this step reached
+            self.arrived[i] = self.decay * self.arrived[i] + 1.0
+            self.went_on[i] = self.decay * self.went_on[i] + (1.0 if accepted > i else 0.0)
 
 
 class DepthBudget:
@@ -265,8 +343,8 @@ class BatchBudget:
 
         (plain rows + sum over drafting rows of E_r(k)) / (V(R * (k + 1)) + k * sum_r draft_r)
 
-    with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) from row r's own acceptance rate a_r and draft_r its
-    measured draft time per token. A full batch of a compute-bound target makes V grow with every
+    with E_r(k) row r's expected tokens from its own acceptance (``DraftBudget.expected_tokens``)
+    and draft_r its measured draft time per token. A full batch of a compute-bound target makes V grow with every
     token, so k falls, down to 0 (plain batched decode) when drafting no longer pays. While off,
     1 token is drafted after 4, 8, ... 64 plain steps so acceptance and cost are measured again;
     every 8th drafting step tries a neighbouring length to keep those costs fresh.
@@ -290,9 +368,11 @@ class BatchBudget:
         filled = _fill(measured, range(lo, hi + 1), lambda x, x0, t0: t0 * (1.0 + self.VERIFY_SLOPE * (x - x0)))
         return [filled[t - lo] for t in sizes]
 
-    def choose(self, rows_in_pass: int, plain_rows: int, drafting: list[tuple[float, float]]) -> int:
-        """k for this step. ``drafting``: (acceptance rate, draft seconds per token) of each row
-        that drafts by this budget; ``plain_rows``: the other active rows (one token each)."""
+    def choose(self, rows_in_pass: int, plain_rows: int,
+               drafting: list[tuple[Callable[[int], float], float]]) -> int:
+        """k for this step. ``drafting``: (E(k), the tokens a step drafting k emits; draft seconds
+        per token) of each row that drafts by this budget; ``plain_rows``: the other active rows
+        (one token each)."""
         if not self.adaptive or self.max_draft == 0 or not drafting:
             return self.max_draft if drafting else 0
         ks = range(self.max_draft + 1)
@@ -302,7 +382,7 @@ class BatchBudget:
         per_token = sum(d for _, d in drafting)
 
         def tokens(k: int) -> float:
-            return plain_rows + sum((1.0 - min(a, 0.999) ** (k + 1)) / (1.0 - min(a, 0.999)) for a, _ in drafting)
+            return plain_rows + sum(expected(k) for expected, _ in drafting)
         rates = [tokens(k) / (verify[k] + k * per_token) for k in ks]
         best = 0
         for k in ks[1:]:

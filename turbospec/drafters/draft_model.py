@@ -186,6 +186,10 @@ class DraftModelDrafter(Drafter):
         if self.pool is not None:
             self.pool.reset(self.slot, 0)
 
+    @property
+    def windowed(self) -> bool:
+        return self._offset > 0
+
     @torch.inference_mode()
     def prepare(self, tokens: list[int]) -> None:
         """Read the committed tokens but the root in one forward (the engine calls this in the

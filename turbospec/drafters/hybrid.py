@@ -67,6 +67,10 @@ class HybridDrafter(Drafter):
     def prepare(self, tokens: list[int]) -> None:
         self.head.prepare(tokens)
 
+    @property
+    def windowed(self) -> bool:
+        return self.head.windowed
+
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self.head.observe(tokens, num_accepted, features=features)
         self.ngram.observe(tokens, num_accepted)
