@@ -74,6 +74,7 @@ class DraftBudget:
     PROBE_SHARE = 0.02  # ... unless the last probe's extra seconds exceed this share of the plain steps
     MAX_COSTLY_INTERVAL = 4096
     PROBE_DISCOUNT = 0.25  # at a probe, the weight left to the acceptance measured before it
+    PRIOR_WEIGHT = 2.0  # pseudo-steps of the prior acceptance at every depth
 
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
@@ -100,8 +101,6 @@ class DraftBudget:
         # acceptance is not passed on (``carry_over`` passes on what this generation started from)
         self.windowed = False
         self._carried: tuple[list[float], list[float]] | None = None  # (arrived, went_on) passed on to us
-
-    PRIOR_WEIGHT = 2.0  # pseudo-steps of the prior acceptance at every depth
 
     def _chain(self, k: int) -> list[float]:
         """[a(1), ..., a(k)]. a(d)'s prior is a(d - 1) (a(1)'s: ``prior_accept``): a depth seldom
@@ -344,10 +343,10 @@ class BatchBudget:
         (plain rows + sum over drafting rows of E_r(k)) / (V(R * (k + 1)) + k * sum_r draft_r)
 
     with E_r(k) row r's expected tokens from its own acceptance (``DraftBudget.expected_tokens``)
-    and draft_r its measured draft time per token. A full batch of a compute-bound target makes V grow with every
-    token, so k falls, down to 0 (plain batched decode) when drafting no longer pays. While off,
-    1 token is drafted after 4, 8, ... 64 plain steps so acceptance and cost are measured again;
-    every 8th drafting step tries a neighbouring length to keep those costs fresh.
+    and draft_r its measured draft time per token. A full batch of a compute-bound target makes V
+    grow with every token, so k falls, down to 0 (plain batched decode) when drafting no longer
+    pays. While off, 1 token is drafted after 4, 8, ... 64 plain steps so acceptance and cost are
+    measured again; every 8th drafting step tries a neighbouring length to keep those costs fresh.
 
     Only rows whose lengths may follow timings use it (greedy rows and unseeded sampling): a seeded
     sampled row keeps its own untimed budget, so its output stays that of the request alone."""
