@@ -7,8 +7,8 @@ from turbospec.drafters.budget import BatchBudget
 
 
 def geometric(accept: float):
-    """E(k) of a drafter whose tokens are each accepted with probability ``accept``."""
-    return lambda k: (1.0 - accept ** (k + 1)) / (1.0 - accept)
+    """k -> [E(0), ..., E(k)] of a drafter whose tokens are each accepted with probability ``accept``."""
+    return lambda k: [(1.0 - accept ** (j + 1)) / (1.0 - accept) for j in range(k + 1)]
 
 
 def drive(budget: BatchBudget, rows: int, accept: float, cost, steps: int = 200) -> list[int]:

@@ -407,7 +407,7 @@ class Scheduler:
     def _draft_length(self, decoding: dict[int, Job]) -> int | None:
         if self.budget is None or not decoding:
             return None
-        drafting = [(j.seq.budget.expected_tokens, j.seq.budget.draft_cost())
+        drafting = [(j.seq.budget.expected_upto, j.seq.budget.draft_cost())
                     for j in decoding.values() if self._budgeted(j)]
         return self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting)
 

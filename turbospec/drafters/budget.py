@@ -164,17 +164,20 @@ class DraftBudget:
         """Measured draft seconds per drafted token (0 before anything is measured)."""
         return self._median(self.draft_time) if self.draft_time else 0.0
 
-    def expected_tokens(self, k: int) -> float:
-        """E(k): tokens a step drafting k emits, on average (the bonus/recovered token included)."""
-        tokens = reach = 1.0
+    def expected_upto(self, k: int) -> list[float]:
+        """[E(0), ..., E(k)], in one pass over the chain (past max_draft, E stays E(max_draft))."""
+        out, reach = [1.0], 1.0
         for a in self._chain(k):
             reach *= min(a, 0.999)
-            tokens += reach
-        return tokens
+            out.append(out[-1] + reach)
+        return out + [out[-1]] * (k + 1 - len(out))
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a step drafting k emits, on average (the bonus/recovered token included)."""
+        return self.expected_upto(k)[k]
 
     def _rates_and_best(self) -> tuple[list[float], int]:
-        cost = self.costs()
-        rates = [self.expected_tokens(k) / cost[k] for k in range(self.max_draft + 1)]
+        rates = [e / c for e, c in zip(self.expected_upto(self.max_draft), self.costs())]
         best_k = 0
         for k in range(1, self.max_draft + 1):
             if rates[k] > rates[best_k] * 1.0001:
@@ -342,7 +345,7 @@ class BatchBudget:
 
         (plain rows + sum over drafting rows of E_r(k)) / (V(R * (k + 1)) + k * sum_r draft_r)
 
-    with E_r(k) row r's expected tokens from its own acceptance (``DraftBudget.expected_tokens``)
+    with E_r(k) row r's expected tokens from its own acceptance (``DraftBudget.expected_upto``)
     and draft_r its measured draft time per token. A full batch of a compute-bound target makes V
     grow with every token, so k falls, down to 0 (plain batched decode) when drafting no longer
     pays. While off, 1 token is drafted after 4, 8, ... 64 plain steps so acceptance and cost are
@@ -368,10 +371,10 @@ class BatchBudget:
         return [filled[t - lo] for t in sizes]
 
     def choose(self, rows_in_pass: int, plain_rows: int,
-               drafting: list[tuple[Callable[[int], float], float]]) -> int:
-        """k for this step. ``drafting``: (E(k), the tokens a step drafting k emits; draft seconds
-        per token) of each row that drafts by this budget; ``plain_rows``: the other active rows
-        (one token each)."""
+               drafting: list[tuple[Callable[[int], list[float]], float]]) -> int:
+        """k for this step. ``drafting``: (k -> [E(0), ..., E(k)], the tokens a step drafting 0..k
+        emits; draft seconds per token) of each row that drafts by this budget; ``plain_rows``: the
+        other active rows (one token each)."""
         if not self.adaptive or self.max_draft == 0 or not drafting:
             return self.max_draft if drafting else 0
         ks = range(self.max_draft + 1)
@@ -380,8 +383,10 @@ class BatchBudget:
             return min(2, self.max_draft)  # nothing measured yet: start short, then follow the numbers
         per_token = sum(d for _, d in drafting)
 
+        tables = [expected_upto(self.max_draft) for expected_upto, _ in drafting]
+
         def tokens(k: int) -> float:
-            return plain_rows + sum(expected(k) for expected, _ in drafting)
+            return plain_rows + sum(table[k] for table in tables)
         rates = [tokens(k) / (verify[k] + k * per_token) for k in ks]
         best = 0
         for k in ks[1:]:
