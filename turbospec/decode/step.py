@@ -1,7 +1,15 @@
 """One speculative step on the target: the verify pass over root + drafts under the tree mask,
 ``verify`` (the one host read per step is ``accept_len`` with the emitted tokens), ``compact_kv``
 for trees. ``VerifyStep`` owns the target's KV cache, the runner (dynamic or fixed-shape / CUDA
-graphs) and, off CPU, the pinned staging buffer the step's inputs go over in."""
+graphs) and, off CPU, the pinned staging buffer the step's inputs go over in.
+
+On CPU a wide verify pass computes the LM head lazily (``LazyLogits``): ``verify`` reads the logits
+of the nodes on the accepted path only (the root, each accepted node, the last one's bonus or
+recovered token), so the pass stops at the final norm and the LM head runs over the likeliest path
+(each node's first child, ``LAZY_ROWS`` rows at a time) until the walk stays on computed rows.
+The LM head's rows are batch-invariant there, so every row read has the bits the full pass gives
+it and the step's result is the same; SmolLM2's LM head over 64 rows costs 49 ms, as much as six
+one-token steps, and over 4 rows 2.5 ms."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +23,12 @@ from ..model.transformer import Transformer
 from ..ops import nvtx
 from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
+
+
+# A pass over more nodes than this computes its LM head lazily on CPU, this many rows per round: on
+# the AVX2 machine of bench/RESULTS.md the Q8_0 LM head of SmolLM2 costs 1.7 / 2.0 / 2.2 / 2.5 ms
+# over 1 / 2 / 3 / 4 rows and 3.4 / 4.6 / 10 / 49 ms over 5 / 8 / 16 / 64 (2 threads).
+LAZY_ROWS = 4
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -50,6 +64,11 @@ class VerifyStep:
         self.target, self.features = target, features
         self.cache = target.new_cache(max_seq_len + (MAX_TREE_NODES if static else 0))
         self.runner = TargetRunner(target, self.cache, features, static=static, graphs=graphs if static else False)
+        # the lazy LM head needs its rows to be batch-invariant (turbospec's CPU linear); it pays
+        # where the LM head's cost grows with its rows: GGUF blocks, compute-bound on CPU (a dense
+        # one is memory-bound over a few rows, and each extra round would read it again)
+        lm = target.lm_head
+        self._lazy = LazyLogits(target) if not static and lm.kernel and lm.quantized else None
         dev = target.device
         if dev.type != "cpu":  # the step's inputs go over in one copy from a pinned buffer (_stage)
             self._host_stage = torch.zeros(5, MAX_TREE_NODES, dtype=torch.int64, pin_memory=True)
@@ -83,12 +102,18 @@ class VerifyStep:
         if dev.type != "cpu":
             node_ids, positions, parents, packed, uniform = self._stage(node_ids, positions, parents, packed, uniform)
             probs = None if probs is None else probs.to(dev, non_blocking=True)
+        lazy = self._lazy is not None and k + 1 > LAZY_ROWS
         with nvtx.range("verify"):
-            out = self.runner.forward(node_ids, positions, cache_len, packed, tree_mask)
+            out = self.runner.forward(node_ids, positions, cache_len, packed, tree_mask,
+                                      logits="normed" if lazy else "all")
         logits, feats = (out, None) if self.features is None else out
         with nvtx.range("accept"):
-            accept_len, accept_index, out = ops.verify(
-                logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
+            if lazy:
+                accept_len, accept_index, out = self._lazy.verify(
+                    logits, parents, node_ids, probs, uniform, params)
+            else:
+                accept_len, accept_index, out = ops.verify(
+                    logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
             # The one host read per step: accept_len and the emitted tokens in one copy.
             host = torch.cat((accept_len, out[0])).tolist()
         n = host[0]
@@ -122,3 +147,63 @@ class VerifyStep:
         d.copy_(h, non_blocking=True)  # 2.5 KB: one contiguous transfer
         uni = d[4, :n].to(torch.int32).view(torch.float32)[None]
         return d[0:1, :n], d[1:2, :n], d[2:3, :n], None if packed is None else d[3:4, :n], uni
+
+
+class LazyLogits:
+    """``ops.verify`` over logits computed only where the walk reads them (see the module docstring).
+
+    Rows not computed this step hold stale values; the walk is rerun after each round of rows, and
+    a result is final once every node on its path was computed this step: the walk's decisions up to
+    the first stale node read computed rows only, so that node is where the next round starts (it
+    and its first-child chain). A walk that reads a non-finite row (accept_len -1) is redone with
+    every row computed, so that an error is reported only for the target's own logits. ``rows`` and
+    ``rounds`` count the LM-head rows computed and the passes that computed them."""
+
+    def __init__(self, target: Transformer):
+        self.target = target
+        self._buf: Tensor | None = None
+        self.rows = self.rounds = 0
+
+    def verify(self, hidden: Tensor, parents: Tensor, node_ids: Tensor, probs: Tensor | None,
+               uniform: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor, Tensor]:
+        n = hidden.shape[1]
+        vocab = self.target.cfg.vocab_size
+        if self._buf is None:
+            self._buf = torch.zeros(1, MAX_TREE_NODES, vocab)
+        logits = self._buf[:, :n]
+        first_child = [-1] * n
+        for i, p in enumerate(parents[0].tolist()[1:], start=1):
+            if first_child[p] < 0:
+                first_child[p] = i
+        done = [False] * n
+        start = 0
+        while True:
+            rows = []
+            node = start
+            while node >= 0 and len(rows) < LAZY_ROWS:
+                if not done[node]:
+                    rows.append(node)
+                node = first_child[node]
+            self._compute(hidden, logits, rows, done)
+            accept_len, accept_index, out = ops.verify(
+                logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
+            n_acc = int(accept_len[0])
+            if n_acc < 0:
+                if all(done):
+                    return accept_len, accept_index, out
+                self._compute(hidden, logits, [i for i in range(n) if not done[i]], done)
+                continue
+            stale = [i for i in accept_index[0, : n_acc + 1].tolist() if not done[i]]
+            if not stale:
+                return accept_len, accept_index, out
+            start = stale[0]
+
+    def _compute(self, hidden: Tensor, logits: Tensor, rows: list[int], done: list[bool]) -> None:
+        if not rows:
+            return
+        idx = torch.tensor(rows)
+        logits[0, idx] = self.target.lm_head(hidden[0, idx]).float()
+        for i in rows:
+            done[i] = True
+        self.rows += len(rows)
+        self.rounds += 1

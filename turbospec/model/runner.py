@@ -87,19 +87,22 @@ class TargetRunner:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, node_ids: Tensor, positions: Tensor, cache_len: int, tree_mask_packed: Tensor | None = None,
-                tree_mask: Tensor | None = None):
+                tree_mask: Tensor | None = None, logits: str = "all"):
         """Logits [1, n, V] float32 for ``node_ids`` [1, n] at ``positions`` [1, n] after a prefix of
         ``cache_len`` tokens (and the drafter's features [1, n, F] when it reads them). The tree is
         ``tree_mask_packed`` int64 [1, n] (static path) or ``tree_mask`` bool [1, n, n] (dynamic
-        path; either is derived from the other when only one is given); neither: a causal chain."""
+        path; either is derived from the other when only one is given); neither: a causal chain.
+        ``logits="normed"`` (dynamic path only): the final-normed hidden states in their place."""
         n = node_ids.shape[1]
+        if logits != "all" and self.static:
+            raise ValueError(f"logits={logits!r}: the static path returns every row's logits ('all')")
         if not self.static:
             if tree_mask is None and tree_mask_packed is not None:
                 bits = torch.arange(n, device=tree_mask_packed.device)
                 tree_mask = (tree_mask_packed[..., None] >> bits) & 1 == 1
             if tree_mask is not None:
                 tree_mask = tree_mask.to(self.target.device)
-            return self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask,
+            return self.target.forward(node_ids, positions, self.cache, cache_len, tree_mask, logits=logits,
                                        features=self.features)
         b = self.bucket(n)
         ids, pos, mask = self._inputs[b]

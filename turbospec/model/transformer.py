@@ -76,6 +76,9 @@ class ModelConfig:
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
 
 
+LOGITS_MODES = ("all", "last", "none", "normed")
+
+
 class Linear:
     """y = x @ W^T (+ b), W kept in its storage format.
 
@@ -243,7 +246,9 @@ class Transformer:
         slots [cache_len, cache_len + n). Each new token attends to the whole valid prefix
         [0, cache_len) and, among the new tokens, to those allowed by ``tree_mask`` (bool [B, n, n],
         n <= 64; None = causal, any n: runs in passes of 64 tokens). ``logits``: "all" -> [B, n, V]
-        float32, "last" -> [B, 1, V], "none" -> None.
+        float32, "last" -> [B, 1, V], "none" -> None, "normed" -> the final-normed hidden state
+        [B, n, hidden] in their place, for a caller that applies ``lm_head`` to the rows it needs
+        (on CPU the LM head's rows are batch-invariant: a row alone gives the bits it gives in "all").
 
         ``features`` (what draft heads read): None -> only the logits are returned; "final" ->
         (logits, the final-normed hidden state [B, n, hidden], what the LM head reads: Medusa,
@@ -254,6 +259,8 @@ class Transformer:
         attention reduce in one order per row), so a prompt prefilled in one call equals the same
         prompt decoded token by token, and a verified draft token equals the token decoded alone.
         """
+        if logits not in LOGITS_MODES:
+            raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         bsz, n = input_ids.shape
         if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
@@ -282,6 +289,8 @@ class Transformer:
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
         if logits == "none":
             out = None
+        elif logits == "normed":
+            out = x
         else:
             out = self.lm_head(x[:, -1:] if logits == "last" else x).float()
         if features is None:
