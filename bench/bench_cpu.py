@@ -125,20 +125,37 @@ def ts_decode_tps(model, tokens: int, context: int = 8) -> float:
     return tokens / (time.perf_counter() - t)
 
 
-def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[int, float]:
-    """ms of one forward over N new tokens (a chain) after ``context`` cached tokens."""
+def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[str, dict[int, float]]:
+    """ms of one forward over N new tokens (a chain) after ``context`` cached tokens: "turbospec"
+    with every token's logits; "turbospec, lazy LM head" (when the engine's verify step computes
+    it lazily: a quantized LM head on CPU) to the final norm, then the LM head over the first
+    min(N, LAZY_ROWS) rows: what a step whose accepted path ends within them costs."""
     import torch
+    from turbospec.decode.step import LAZY_ROWS, VerifyStep
     cache = model.new_cache(context + max(VERIFY_TOKENS))
     model.forward(torch.arange(context)[None] % 1000 + 10, torch.arange(context)[None], cache, 0, logits="none")
-    out = {}
+    lazy = VerifyStep(model, 8)._lazy is not None
+
+    def lazy_pass(ids, pos):
+        h = model.forward(ids, pos, cache, context, logits="normed")
+        return model.lm_head(h[:, :LAZY_ROWS])
+
+    runs = {"turbospec": lambda ids, pos: model.forward(ids, pos, cache, context)}
+    if lazy:
+        runs["turbospec, lazy LM head"] = lazy_pass
+    out: dict[str, dict[int, float]] = {name: {} for name in runs}
     for n in VERIFY_TOKENS:
         ids = torch.arange(n)[None] + 20
         pos = torch.arange(n)[None] + context
-        model.forward(ids, pos, cache, context)  # warm-up
-        t = time.perf_counter()
-        for _ in range(reps):
-            model.forward(ids, pos, cache, context)
-        out[n] = (time.perf_counter() - t) / reps * 1e3
+        for name, fn in runs.items():
+            fn(ids, pos)  # warm-up
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn(ids, pos)
+            out[name][n] = (time.perf_counter() - t) / reps * 1e3
+    # both against the same 1-token step (a lazy pass over one token is that step)
+    for name in runs:
+        out[name][1] = out["turbospec"][1]
     return out
 
 
@@ -194,7 +211,7 @@ def main() -> int:
             row["ratio"] = statistics.median(t / c for t, c in zip(runs["turbospec"], runs["llama.cpp"]))
         row["rounds"] = runs
         if not args.no_curve:
-            res["curve"].setdefault(fmt, {})["turbospec"] = ts_verify_curve(model)
+            res["curve"].setdefault(fmt, {}).update(ts_verify_curve(model))
         del model
         if gguf and not args.no_curve:
             ns = ",".join(str(n) for n in VERIFY_TOKENS)

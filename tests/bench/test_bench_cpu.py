@@ -49,11 +49,15 @@ def test_turbospec_measurements_on_a_tiny_model():
     model = loader.load_model(make_tiny_model("llama"), weights="q8_0")
     assert bench_cpu.ts_decode_tps(model, 4) > 0
     curve = bench_cpu.ts_verify_curve(model, context=16, reps=1)
-    assert sorted(curve) == list(bench_cpu.VERIFY_TOKENS) and all(v > 0 for v in curve.values())
+    assert set(curve) == {"turbospec", "turbospec, lazy LM head"}  # q8_0: a quantized LM head
+    for c in curve.values():
+        assert sorted(c) == list(bench_cpu.VERIFY_TOKENS) and all(v > 0 for v in c.values())
     md = bench_cpu.markdown({"cpu": "x", "threads": 1, "date": "d", "kernels": {"cpu_isa": "avx2"}},
                             {"plain": {"q": {"turbospec": 50.0, "llama.cpp": 100.0, "ratio": 0.5}},
-                             "curve": {"q": {"turbospec": curve}}, "spec": {}})
-    assert "| q | 50.0 | 100.0 | 0.50x |" in md and "N=64" in md
+                             "curve": {"q": curve}, "spec": {}})
+    assert "| q | 50.0 | 100.0 | 0.50x |" in md and "N=64" in md and "| q | turbospec, lazy LM head | 1.00 |" in md
+    dense = loader.load_model(make_tiny_model("llama"))
+    assert set(bench_cpu.ts_verify_curve(dense, context=16, reps=1)) == {"turbospec"}
 
 
 def test_target_draft_systems_on_tiny_models():
