@@ -713,6 +713,124 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
     default: rows_avx512_n<1>(wr, xr, R, K, out); break;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512, Q4_0 / Q4_1 / Q8_0, up to kFusedRows input rows: one 32-weight block is two registers of
+// 16 lanes (weights k .. k + 15, k + 16 .. k + 31), so a step is two fused multiply-adds per input
+// row in exactly the lane order above; each weight is dequantized once for all NX input rows. Q4:
+// byte j holds weight j (low nibble) and j + 16 (high nibble); the 16 possible values of a block
+// (d * q + m, or d * (q - 8)) are computed once per block (one register) and each weight is picked by
+// its nibble with a lane permutation (vpermps reads only the index's low 4 bits: the high nibble
+// needs one shift, the low one nothing). The picked value is the one dequant16 computes, so the bits
+// are those of every other path. Shuffles (port 5 on Intel cores) bound this kernel, so the blocks'
+// half-precision scales are first widened for a chunk of blocks into a float32 buffer, from which
+// they are broadcast by the load ports (a register broadcast would be one more shuffle per block).
+template <int64_t F>
+struct Block512 {
+  static_assert(kHasHalf<F>, "Block512: Q4_0, Q4_1, Q8_0");
+  static constexpr int64_t kBytes = F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34;
+  static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
+
+  // d (and m) of n blocks from b -> s[kScales * j ...]
+  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* s) {
+    for (int64_t j = 0; j < n; ++j, b += kBytes) {
+      const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));  // 4 halves, 1-2 used
+      if constexpr (F == kQ4_1) _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * j), v);
+      else _mm_store_ss(s + j, v);
+    }
+  }
+
+  // the block at b, its scales at s -> weights 0..15 (w0) and 16..31 (w1)
+  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* s, __m512& w0,
+                                                                   __m512& w1) {
+    const __m512 d = _mm512_set1_ps(s[0]);
+    if constexpr (F == kQ8_0) {
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
+    } else {
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __m512 table;
+      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(s[1]));
+      else table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
+      w0 = _mm512_permutexvar_ps(q, table);
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+    }
+  }
+};
+
+// Blocks [b0, b1) of NW weight rows x NX input rows, added to acc_io (the running lane sums).
+template <int64_t F, int NW, int NX>
+TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
+                         int64_t b1, __m512* acc_io) {
+  using B = Block512<F>;
+  constexpr int64_t kChunk = 64;  // blocks whose scales are widened at a time
+  alignas(64) float sc[NW][B::kScales * kChunk];
+  __m512 acc[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
+  // Prefetch one row block ahead, as the AVX2 kernels, but into all cache levels (T0): on the
+  // AVX-512 machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed
+  // from DRAM by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the NTA hint
+  // that is fastest on the AMD machine's AVX2 kernels.
+  const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  for (int64_t c = b0; c < b1; c += kChunk) {
+    const int64_t n = std::min(kChunk, b1 - c);
+    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step;
+      for (int i = 0; i < NW; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_T0);
+        __m512 w0, w1;
+        B::load(wr[i] + (c + j) * B::kBytes, sc[i] + B::kScales * j, w0, w1);
+        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
+        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
+}
+
+// nw (1..4) weight rows x NX input rows: as many weight rows at once as 16 accumulators allow. Past
+// 4 input rows x may not fit L1, so K runs in chunks whose slice of x (<= 16 KB) is read from L2
+// once for all nw weight rows, the lane sums waiting in memory between chunks (the same additions
+// in the same order).
+template <int64_t F, int NX>
+TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t K,
+                            float (*out)[kMaxRows], int64_t r0) {
+  constexpr int NW = NX <= 4 ? 4 : NX <= 8 ? 2 : 1;
+  const int64_t nb = K / 32, chunk = NX <= 4 ? nb : std::max<int64_t>(1, 16 * 1024 / (NX * 32 * 4));
+  alignas(64) __m512 acc[kRowBlock * NX];
+  for (int64_t j = 0; j < nw * NX; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t b1 = std::min(nb, b0 + chunk);
+    int64_t i = 0;
+    for (; i + NW <= nw; i += NW) span_q512<F, NW, NX>(wr + i, row_bytes, xr + r0, K, b0, b1, acc + i * NX);
+    for (; i < nw; ++i) span_q512<F, 1, NX>(wr + i, row_bytes, xr + r0, K, b0, b1, acc + i * NX);
+  }
+  for (int64_t i = 0; i < nw; ++i)
+    for (int r = 0; r < NX; ++r)
+      out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i * NX + r]),
+                                          _mm512_extractf32x8_ps(acc[i * NX + r], 1));
+}
+
+// R (1..16) input rows in one pass, or passes of <= 16.
+template <int64_t F>
+TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
+                         int64_t K, float (*out)[kMaxRows]) {
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    switch (std::min<int64_t>(16, R - r0)) {
+#define TS_Q512_CASE(n) \
+  case n: rows_q512_nx<F, n>(wr, nw, row_bytes, xr, K, out, r0); break;
+      TS_Q512_CASE(16) TS_Q512_CASE(15) TS_Q512_CASE(14) TS_Q512_CASE(13) TS_Q512_CASE(12) TS_Q512_CASE(11)
+      TS_Q512_CASE(10) TS_Q512_CASE(9) TS_Q512_CASE(8) TS_Q512_CASE(7) TS_Q512_CASE(6) TS_Q512_CASE(5)
+      TS_Q512_CASE(4) TS_Q512_CASE(3) TS_Q512_CASE(2) TS_Q512_CASE(1)
+#undef TS_Q512_CASE
+      default: break;
+    }
+  }
+}
 #endif  // TS_X86
 
 // Dequantize nw rows into a float32 panel [nw, K] (same values on every path).
@@ -758,6 +876,12 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
     return;
   }
 #ifdef TS_X86
+  if constexpr (kHasHalf<F>) {
+    if (isa == Isa::kAvx512) {
+      rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
+      return;
+    }
+  }
   if (isa != Isa::kScalar) {
     rows_avx2<F>(wr, nw, row_bytes, xr, R, K, out);
     return;
