@@ -222,6 +222,10 @@ constexpr int64_t kStep = is_dense(F) ? 16 : 32;
 template <int64_t F>
 constexpr bool kHasHalf = F == kQ4_0 || F == kQ4_1 || F == kQ8_0;
 
+// bytes per 32-weight block of Q4_0 / Q4_1 / Q8_0
+template <int64_t F>
+constexpr int64_t kBlockBytes = F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34;
+
 template <int64_t F>
 struct HalfBlock {
   static_assert(kHasHalf<F>, "HalfBlock: Q4_0, Q4_1, Q8_0");
@@ -230,7 +234,7 @@ struct HalfBlock {
   __m256i v;  // Q4: the 16 bytes in both 128-bit lanes
 
   TS_AVX2 HalfBlock(const uint8_t* row, int64_t k)
-      : b(row + (k >> 5) * (F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34)),
+      : b(row + (k >> 5) * kBlockBytes<F>),
         dm(_mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(F == kQ4_1 ? load_u32(b) : load_u16(b))))) {
     if constexpr (F != kQ8_0)
       v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
@@ -728,7 +732,7 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
 template <int64_t F>
 struct Block512 {
   static_assert(kHasHalf<F>, "Block512: Q4_0, Q4_1, Q8_0");
-  static constexpr int64_t kBytes = F == kQ4_0 ? 18 : F == kQ4_1 ? 20 : 34;
+  static constexpr int64_t kBytes = kBlockBytes<F>;
   static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
 
   // d (and m) of n blocks from b -> s[kScales * j ...]
@@ -815,20 +819,19 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
                                           _mm512_extractf32x8_ps(acc[i * NX + r], 1));
 }
 
-// R (1..16) input rows in one pass, or passes of <= 16.
+// R (1..16 = kFusedRows: more rows take the panel path) input rows in one pass.
 template <int64_t F>
 TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                          int64_t K, float (*out)[kMaxRows]) {
-  for (int64_t r0 = 0; r0 < R; r0 += 16) {
-    switch (std::min<int64_t>(16, R - r0)) {
+  static_assert(kFusedRows<F> == 16, "rows_q512 covers 1..16 input rows");
+  switch (R) {
 #define TS_Q512_CASE(n) \
-  case n: rows_q512_nx<F, n>(wr, nw, row_bytes, xr, K, out, r0); break;
-      TS_Q512_CASE(16) TS_Q512_CASE(15) TS_Q512_CASE(14) TS_Q512_CASE(13) TS_Q512_CASE(12) TS_Q512_CASE(11)
-      TS_Q512_CASE(10) TS_Q512_CASE(9) TS_Q512_CASE(8) TS_Q512_CASE(7) TS_Q512_CASE(6) TS_Q512_CASE(5)
-      TS_Q512_CASE(4) TS_Q512_CASE(3) TS_Q512_CASE(2) TS_Q512_CASE(1)
+  case n: rows_q512_nx<F, n>(wr, nw, row_bytes, xr, K, out, 0); break;
+    TS_Q512_CASE(16) TS_Q512_CASE(15) TS_Q512_CASE(14) TS_Q512_CASE(13) TS_Q512_CASE(12) TS_Q512_CASE(11)
+    TS_Q512_CASE(10) TS_Q512_CASE(9) TS_Q512_CASE(8) TS_Q512_CASE(7) TS_Q512_CASE(6) TS_Q512_CASE(5)
+    TS_Q512_CASE(4) TS_Q512_CASE(3) TS_Q512_CASE(2) TS_Q512_CASE(1)
 #undef TS_Q512_CASE
-      default: break;
-    }
+    default: TORCH_CHECK(false, "linear: rows_q512 takes 1..16 input rows, got ", R);
   }
 }
 #endif  // TS_X86
