@@ -376,7 +376,8 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
 
 def markdown(meta: dict, res: dict) -> str:
     lines = [f"CPU: {meta['cpu']}; {meta['threads']} threads; {meta['date']}; turbospec ISA path "
-             f"{meta['kernels'].get('cpu_isa')}", "", "| weights | turbospec tok/s | llama.cpp tok/s | ratio (median of rounds) |",
+             f"{meta['kernels'].get('cpu_isa')}, prefetch {meta['kernels'].get('cpu_prefetch')}", "",
+             "| weights | turbospec tok/s | llama.cpp tok/s | ratio (median of rounds) |",
              "|---|---|---|---|"]
     for fmt, row in res["plain"].items():
         lc = row.get("llama.cpp")

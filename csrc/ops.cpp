@@ -72,7 +72,9 @@ TORCH_LIBRARY(turbospec, m) {
   // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).
   m.def("dequantize(Tensor raw, int format, int K) -> Tensor");
   // The instruction-set path of every CPU kernel: 0 scalar, 1 AVX2, 2 AVX-512, -1 default (detected,
-  // -2 read only,
-  // capped by $TURBOSPEC_ISA); capped at what the CPU has; returns the path in force (csrc/cpu/isa.h).
+  // capped by $TURBOSPEC_ISA), -2 read only; capped at what the CPU has; returns the path in force
+  // (csrc/cpu/isa.h).
   m.def("cpu_isa(int isa) -> int", &turbospec::set_cpu_isa);
+  // The weight-stream prefetch hint of the CPU kernels: 0 T0, 1 non-temporal, -1 default, -2 read.
+  m.def("cpu_prefetch(int hint) -> int", &turbospec::set_cpu_prefetch);
 }

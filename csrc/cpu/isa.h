@@ -6,7 +6,12 @@
 // path of every kernel gives the same bits, so the choice changes speed only.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
 
 namespace turbospec {
 
@@ -18,5 +23,29 @@ Isa cpu_isa();     // the path in force
 // i.e. detection capped by TURBOSPEC_ISA; -2: only read). Returns the path in force.
 int64_t set_cpu_isa(int64_t isa);
 const char* isa_name(Isa isa);
+
+// The cache hint of the kernels' weight-stream prefetches (each kernel prefetches the rows one work
+// item ahead: the hardware prefetcher alone does not keep several row streams fed from DRAM).
+// Measured on the two machine types of bench/RESULTS.md: on AMD EPYC (Zen 3) the non-temporal hint
+// decodes SmolLM2 17 % (Q4_1), 11 % (bfloat16) and 3 % (float32) faster than T0 (2026-11-25); on an
+// Intel Xeon (Cascade Lake) it is slower: int8-activation decode ~12 % and a float32 / bfloat16
+// weight stream 30-50 % (2026-11-26). Default: non-temporal on AMD, T0 elsewhere; the environment
+// variable TURBOSPEC_PREFETCH (t0 | nta) at first use, or set_cpu_prefetch at run time, overrides.
+// A hint changes speed only, never a result.
+enum class Prefetch : int { kT0 = 0, kNta = 1 };
+
+Prefetch default_prefetch();
+// 0 T0, 1 non-temporal, -1 back to the default, -2 only read; returns the hint in force.
+int64_t set_cpu_prefetch(int64_t hint);
+extern std::atomic<int> g_prefetch;  // the hint in force (read by prefetch_weights)
+
+#if defined(__x86_64__) || defined(_M_X64)
+__attribute__((always_inline)) inline void prefetch_weights(const void* p) {
+  if (g_prefetch.load(std::memory_order_relaxed) == static_cast<int>(Prefetch::kNta))
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
+  else
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+#endif
 
 }  // namespace turbospec

@@ -393,7 +393,7 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t
   for (int g = 0; g < groups; ++g)
     for (int r = 0; r < NX; ++r) load_x16(xr[r] + k + kLanes * g, left - kLanes * g, xl[g][r], xh[g][r]);
   for (int i = 0; i < NW; ++i) {
-    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_NTA);
+    prefetch_weights(wr[i] + pf);
     __m256 w[4];
     dequant_step_avx2<F>(wr[i], k, left, w);
     for (int g = 0; g < groups; ++g)  // lane order: group g's weights come after group g - 1's
@@ -423,8 +423,8 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
   const uint8_t* b[NW];
   for (int i = 0; i < NW; ++i) {
     b[i] = wr[i] + (k >> 8) * bytes;
-    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_NTA);
-    _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf + 64), _MM_HINT_NTA);
+    prefetch_weights(wr[i] + pf);
+    prefetch_weights(wr[i] + pf + 64);
     uint64_t sc8, mn8;
     scale_min_k4_all(b[i] + 4, &sc8, &mn8);
     _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
@@ -486,7 +486,7 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_q6k(const uint8_t*
   const uint8_t* b[NW];
   for (int i = 0; i < NW; ++i) {
     b[i] = wr[i] + (k >> 8) * 210;
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf + 64 * c), _MM_HINT_NTA);
+    for (int c = 0; c < 4; ++c) prefetch_weights(wr[i] + pf + 64 * c);
     const __m256 d = _mm256_set1_ps(half_avx2(b[i] + 208));
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 192));
     _mm256_store_ps(d1[i], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
@@ -528,9 +528,8 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
   // Prefetch the same place one row block ahead (rows are contiguous): a DRAM stream that the
-  // hardware prefetcher alone does not sustain across rows. Non-temporal (weights are read once per
-  // pass): on the AVX2 machine of bench/RESULTS.md, SmolLM2 decodes 17 % (Q4_1), 11 % (bfloat16) and
-  // 3 % (float32) faster than with a T0 hint (2026-11-25, 3-4 alternated rounds).
+  // hardware prefetcher alone does not sustain across rows. The hint is the CPU's (isa.h:
+  // non-temporal on AMD, T0 on Intel).
   constexpr int64_t step = kStep<F>;
   const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
@@ -582,7 +581,7 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
         __m256 acc[NX];
         for (int r = 0; r < NX; ++r) acc[r] = lanes[i][h][r];
         for (int64_t k = c; k < end; k += 32) {
-          if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(row + ahead + k / 32 * pf_step), _MM_HINT_NTA);
+          if (h == 0) prefetch_weights(row + ahead + k / 32 * pf_step);
           __m256 w[2];
           HalfBlock<F>(row, k).half(h, w[0], w[1]);
           for (int r = 0; r < NX; ++r) acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr[r] + k + 8 * h), acc[r]);
@@ -673,8 +672,7 @@ TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t 
     __m512 xv[NX];
     for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
     for (int i = 0; i < NW; ++i) {
-      // (T0: the NTA hint of the AVX2 kernels has not been measured on an AVX-512 machine)
-      _mm_prefetch(reinterpret_cast<const char*>(wr[i] + kRowBlock * K + k), _MM_HINT_T0);
+      prefetch_weights(wr[i] + kRowBlock * K + k);
       const __m512 wv = load16_512(wr[i] + k, ones);
       for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
     }
@@ -773,10 +771,9 @@ TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const floa
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
-  // Prefetch one row block ahead, as the AVX2 kernels, but into all cache levels (T0): on the
-  // AVX-512 machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed
-  // from DRAM by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the NTA hint
-  // that is fastest on the AMD machine's AVX2 kernels.
+  // Prefetch one row block ahead, as the AVX2 kernels, with the CPU's hint (isa.h): on the AVX-512
+  // machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed from DRAM
+  // by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the non-temporal hint.
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
   for (int64_t c = b0; c < b1; c += kChunk) {
     const int64_t n = std::min(kChunk, b1 - c);
@@ -784,7 +781,7 @@ TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const floa
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step;
       for (int i = 0; i < NW; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(wr[i] + pf), _MM_HINT_T0);
+        prefetch_weights(wr[i] + pf);
         __m512 w0, w1;
         B::load(wr[i] + (c + j) * B::kBytes, sc[i] + B::kScales * j, w0, w1);
         for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);

@@ -374,8 +374,9 @@ template <int64_t F, int NW, int NX>
 TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
                        int64_t ldo) {
   // Prefetch the same place one work item (kRows rows) ahead: rows are contiguous, and the hardware
-  // prefetcher alone does not keep NW streams fed from DRAM. Non-temporal: 13-23 % faster decode
-  // than T0 on the AVX2 machine of bench/RESULTS.md (2026-11-25).
+  // prefetcher alone does not keep NW streams fed from DRAM. The hint is the CPU's (isa.h): on the
+  // AMD machine of bench/RESULTS.md non-temporal decodes 13-23 % faster than T0, on the Intel one ~12 %
+  // slower.
   const int64_t ahead = kRows * row_bytes, per_block = row_bytes / (K / 32);
   __m256 acc[NW][NX];
   float m[NW][NX];
@@ -388,7 +389,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
     __m256i qx[NX];
     for (int r = 0; r < NX; ++r) qx[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + 32 * b));
     for (int i = 0; i < NW; ++i) {
-      if ((b & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + ahead + b * per_block), _MM_HINT_NTA);
+      if ((b & 1) == 0) prefetch_weights(wr[i] + ahead + b * per_block);
       __m128 sc;
       float mn = 0.f;
       const __m256i u = block_bytes_avx2<F>(wr[i], b, &sc, &mn);
@@ -450,7 +451,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
     for (int i = 0; i < NW; ++i) {
       const uint8_t* p = wr[i] + s * bytes;
       for (int64_t c = 0; c < bytes; c += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p + ahead + c), _MM_HINT_NTA);
+        prefetch_weights(p + ahead + c);
       float d, neg = 0.f;
       __m256i mins;  // the min term's 16 int16 weights (per 16 activations)
       __m256i L[NX];

@@ -241,6 +241,65 @@ def test_env_override_caps_the_isa(tmp_path):
     assert out.stdout.strip() == "scalar"
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_prefetch_hint_changes_no_bit(isa, name):
+    """The weight-stream prefetch hint (T0 or non-temporal, picked per CPU vendor) is speed only:
+    exact and int8-activation linears, dense weights too, give the same bits under either hint."""
+    k, n = 512, 13
+    raw = random_blocks(name, n, k, seed=3)
+    dense = torch.randn(n, k, generator=torch.Generator().manual_seed(4)).bfloat16()
+    fmt = BLOCK_FORMATS[name]
+    out = {}
+    try:
+        for hint in ("t0", "nta"):
+            assert ops.cpu_prefetch(hint) == hint
+            for rows in (1, 8):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+                out[hint, rows] = (torch.ops.turbospec.linear(x, [raw], [fmt], None, 0),
+                                   torch.ops.turbospec.linear(x, [raw], [fmt], None, 8),
+                                   torch.ops.turbospec.linear(x, [dense], [30], None, 0))
+    finally:
+        ops.cpu_prefetch("default")
+    for rows in (1, 8):
+        for a, b in zip(out["t0", rows], out["nta", rows]):
+            assert torch.equal(a, b), (name, rows)
+        assert torch.equal(out["t0", rows][0], reference.linear(
+            torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)), [raw], [fmt]))
+
+
+def test_prefetch_hint_setting_and_errors():
+    import platform
+    default = ops.cpu_prefetch("default")
+    try:
+        vendor = open("/proc/cpuinfo").read() if platform.system() == "Linux" else ""
+        assert default == ("nta" if "AuthenticAMD" in vendor else "t0")
+        assert ops.kernels_available()["cpu_prefetch"] == default
+        assert ops.cpu_prefetch("nta") == "nta" and ops.cpu_prefetch() == "nta"
+    finally:
+        ops.cpu_prefetch("default")
+    assert ops.cpu_prefetch() == default
+    with pytest.raises(ValueError, match="hint must be one of t0, nta or 'default', got 'l2'"):
+        ops.cpu_prefetch("l2")
+    with pytest.raises(RuntimeError, match=r"hint must be -2 \(read\), -1 \(default\), 0 \(t0\) or 1 \(nta\), got 7"):
+        torch.ops.turbospec.cpu_prefetch(7)
+
+
+def test_prefetch_env_override():
+    """TURBOSPEC_PREFETCH sets the default hint; a bad value is an error naming it, not a crash."""
+    import os
+    import subprocess
+    import sys
+    code = "import turbospec; print(turbospec.kernels_available()['cpu_prefetch'])"
+    run = lambda v: subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_PREFETCH": v},
+                                   capture_output=True, text=True)
+    assert run("nta").stdout.strip() == "nta"
+    assert run("t0").stdout.strip() == "t0"
+    bad = run("l2")
+    assert bad.returncode != 0
+    assert "TURBOSPEC_PREFETCH must be t0 or nta (or unset), got 'l2'" in bad.stderr
+    assert "Traceback" in bad.stderr  # a Python exception, not an abort
+
+
 # ------------------------------------------------------------------------------------------------
 # activations=8: int8 activations, integer dot products (opt-in; reference.linear_int8)
 # ------------------------------------------------------------------------------------------------

@@ -50,10 +50,14 @@ def has_op(op: str, key: str = "CPU") -> bool:
 
 def kernels_available() -> dict:
     """Which devices run turbospec's compiled kernels, and the CPU path in force:
-    ``{"cpu": bool, "cuda": bool, "cpu_isa": "avx512" | "avx2" | "scalar" | None}``.
+    ``{"cpu": bool, "cuda": bool, "cpu_isa": "avx512" | "avx2" | "scalar" | None,
+    "cpu_prefetch": "t0" | "nta" | None}``.
     A device mapped to False runs the pure-torch reference ops; ``cpu_isa`` is the instruction-set
-    path of every CPU kernel (the best this CPU has, capped by $TURBOSPEC_ISA; ``cpu_isa()``)."""
-    return {**_KERNELS, "cpu_isa": cpu_isa() if _EXTENSION else None}
+    path of every CPU kernel (the best this CPU has, capped by $TURBOSPEC_ISA; ``cpu_isa()``) and
+    ``cpu_prefetch`` the cache hint of their weight-stream prefetches (``cpu_prefetch()``)."""
+    if not _EXTENSION:
+        return {**_KERNELS, "cpu_isa": None, "cpu_prefetch": None}
+    return {**_KERNELS, "cpu_isa": cpu_isa(), "cpu_prefetch": cpu_prefetch()}
 
 
 _ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -67,6 +71,20 @@ def cpu_isa(isa: str | None = None) -> str:
     if isa not in codes:
         raise ValueError(f"cpu_isa: isa must be one of {', '.join(_ISA_NAMES)} or 'default', got {isa!r}")
     return _ISA_NAMES[torch.ops.turbospec.cpu_isa(codes[isa])]
+
+
+_PREFETCH_NAMES = ("t0", "nta")
+
+
+def cpu_prefetch(hint: str | None = None) -> str:
+    """The cache hint of the CPU kernels' weight-stream prefetches: "nta" (non-temporal: the default
+    on AMD, where it measured faster) or "t0" (the default elsewhere: on Intel the non-temporal hint
+    measured slower); $TURBOSPEC_PREFETCH overrides the default. With ``hint`` ("t0", "nta" or
+    "default") set it first. Speed only: every hint gives the same bits."""
+    codes = {None: -2, "default": -1, **{name: i for i, name in enumerate(_PREFETCH_NAMES)}}
+    if hint not in codes:
+        raise ValueError(f"cpu_prefetch: hint must be one of {', '.join(_PREFETCH_NAMES)} or 'default', got {hint!r}")
+    return _PREFETCH_NAMES[torch.ops.turbospec.cpu_prefetch(codes[hint])]
 
 
 def _compiled(device: torch.device) -> bool:
