@@ -37,11 +37,14 @@ enum class Prefetch : int { kT0 = 0, kNta = 1 };
 Prefetch default_prefetch();
 // 0 T0, 1 non-temporal, -1 back to the default, -2 only read; returns the hint in force.
 int64_t set_cpu_prefetch(int64_t hint);
-extern std::atomic<int> g_prefetch;  // the hint in force (read by prefetch_weights)
+extern std::atomic<int> g_prefetch;  // the hint in force (prefetch_nta)
+
+inline bool prefetch_nta() { return g_prefetch.load(std::memory_order_relaxed) == static_cast<int>(Prefetch::kNta); }
 
 #if defined(__x86_64__) || defined(_M_X64)
-__attribute__((always_inline)) inline void prefetch_weights(const void* p) {
-  if (g_prefetch.load(std::memory_order_relaxed) == static_cast<int>(Prefetch::kNta))
+// nta: prefetch_nta(), read once per kernel call (not per block)
+__attribute__((always_inline)) inline void prefetch_weights(const void* p, bool nta) {
+  if (nta)
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
   else
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);

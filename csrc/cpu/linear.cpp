@@ -43,6 +43,11 @@
 #define TS_X86 1
 #endif
 
+// Fully unroll a loop over weight rows or input rows (compile-time counts) so that its accumulators
+// live in registers: without it GCC kept the four lane sums of a 1-row pass on the stack (a store
+// and a reload on every block's dependency chain), half the speed.
+#define TS_UNROLL _Pragma("GCC unroll 16")
+
 namespace turbospec {
 namespace {
 
@@ -386,14 +391,14 @@ TS_AVX2 inline void load_x16(const float* p, int64_t left, __m256& lo, __m256& h
 // a dense row's last step.
 template <int64_t F, int NW, int NX>
 TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t* const* wr, const float* const* xr,
-                                                                   int64_t k, int64_t pf, int64_t left,
+                                                                   int64_t k, int64_t pf, bool nta, int64_t left,
                                                                    __m256 (&lo)[NW][NX], __m256 (&hi)[NW][NX]) {
   constexpr int64_t groups = kStep<F> / kLanes;
   __m256 xl[groups][NX], xh[groups][NX];
   for (int g = 0; g < groups; ++g)
     for (int r = 0; r < NX; ++r) load_x16(xr[r] + k + kLanes * g, left - kLanes * g, xl[g][r], xh[g][r]);
   for (int i = 0; i < NW; ++i) {
-    prefetch_weights(wr[i] + pf);
+    prefetch_weights(wr[i] + pf, nta);
     __m256 w[4];
     dequant_step_avx2<F>(wr[i], k, left, w);
     for (int g = 0; g < groups; ++g)  // lane order: group g's weights come after group g - 1's
@@ -411,8 +416,8 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_step(const uint8_t
 // the core NW independent chains per lane to overlap.
 template <int64_t F, int NW, int NX>
 TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8_t* const* wr, const float* const* xr,
-                                                                     int64_t k, int64_t pf, __m256 (&lo)[NW][NX],
-                                                                     __m256 (&hi)[NW][NX]) {
+                                                                     int64_t k, int64_t pf, bool nta,
+                                                                     __m256 (&lo)[NW][NX], __m256 (&hi)[NW][NX]) {
   constexpr int64_t bytes = F == kQ4_K ? 144 : 176;
   const __m256i s0 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                       4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
@@ -423,8 +428,8 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
   const uint8_t* b[NW];
   for (int i = 0; i < NW; ++i) {
     b[i] = wr[i] + (k >> 8) * bytes;
-    prefetch_weights(wr[i] + pf);
-    prefetch_weights(wr[i] + pf + 64);
+    prefetch_weights(wr[i] + pf, nta);
+    prefetch_weights(wr[i] + pf + 64, nta);
     uint64_t sc8, mn8;
     scale_min_k4_all(b[i] + 4, &sc8, &mn8);
     _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
@@ -479,14 +484,14 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
 // product (d * scale) * (q - 32). Rows interleaved as in accumulate_kquant.
 template <int NW, int NX>
 TS_AVX2 __attribute__((always_inline)) inline void accumulate_q6k(const uint8_t* const* wr, const float* const* xr,
-                                                                  int64_t k, int64_t pf, __m256 (&lo)[NW][NX],
-                                                                  __m256 (&hi)[NW][NX]) {
+                                                                  int64_t k, int64_t pf, bool nta,
+                                                                  __m256 (&lo)[NW][NX], __m256 (&hi)[NW][NX]) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
   alignas(32) float d1[NW][16];  // d * scale per 16 weights (exact: 11 x 8 bits)
   const uint8_t* b[NW];
   for (int i = 0; i < NW; ++i) {
     b[i] = wr[i] + (k >> 8) * 210;
-    for (int c = 0; c < 4; ++c) prefetch_weights(wr[i] + pf + 64 * c);
+    for (int c = 0; c < 4; ++c) prefetch_weights(wr[i] + pf + 64 * c, nta);
     const __m256 d = _mm256_set1_ps(half_avx2(b[i] + 208));
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 192));
     _mm256_store_ps(d1[i], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
@@ -531,16 +536,17 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   // hardware prefetcher alone does not sustain across rows. The hint is the CPU's (isa.h:
   // non-temporal on AMD, T0 on Intel).
   constexpr int64_t step = kStep<F>;
+  const bool nta = prefetch_nta();
   const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
   int64_t k = 0, pf = 0;
   if constexpr (F == kQ4_K || F == kQ5_K) {  // K % 256 == 0
-    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_kquant<F, NW, NX>(wr, xr, k, ahead + pf, lo, hi);
+    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_kquant<F, NW, NX>(wr, xr, k, ahead + pf, nta, lo, hi);
   } else if constexpr (F == kQ6_K) {  // K % 256 == 0
-    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_q6k<NW, NX>(wr, xr, k, ahead + pf, lo, hi);
+    for (; k < K; k += 256, pf += 8 * pf_step) accumulate_q6k<NW, NX>(wr, xr, k, ahead + pf, nta, lo, hi);
   } else {
-    for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, step, lo, hi);
-    if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, K - k, lo, hi);
+    for (; k < full; k += step, pf += pf_step) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, nta, step, lo, hi);
+    if (k < K) accumulate_step<F, NW, NX>(wr, xr, k, ahead + pf, nta, K - k, lo, hi);
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
@@ -573,6 +579,7 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < NX; ++r) lanes[i][h][r] = _mm256_setzero_ps();
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  const bool nta = prefetch_nta();
   for (int64_t c = 0; c < K; c += chunk) {
     const int64_t end = std::min(K, c + chunk);
     for (int64_t i = 0; i < nw; ++i) {
@@ -581,7 +588,7 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
         __m256 acc[NX];
         for (int r = 0; r < NX; ++r) acc[r] = lanes[i][h][r];
         for (int64_t k = c; k < end; k += 32) {
-          if (h == 0) prefetch_weights(row + ahead + k / 32 * pf_step);
+          if (h == 0) prefetch_weights(row + ahead + k / 32 * pf_step, nta);
           __m256 w[2];
           HalfBlock<F>(row, k).half(h, w[0], w[1]);
           for (int r = 0; r < NX; ++r) acc[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr[r] + k + 8 * h), acc[r]);
@@ -668,13 +675,14 @@ TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t 
     for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_setzero_ps();
   const int64_t full = K / kLanes * kLanes;
   const __mmask16 ones = static_cast<__mmask16>(0xFFFF);
+  const bool nta = prefetch_nta();
   for (int64_t k = 0; k < full; k += kLanes) {
     __m512 xv[NX];
-    for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
-    for (int i = 0; i < NW; ++i) {
-      prefetch_weights(wr[i] + kRowBlock * K + k);
+    TS_UNROLL for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
+    TS_UNROLL for (int i = 0; i < NW; ++i) {
+      prefetch_weights(wr[i] + kRowBlock * K + k, nta);
       const __m512 wv = load16_512(wr[i] + k, ones);
-      for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
+      TS_UNROLL for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
     }
   }
   if (full < K) {
@@ -733,26 +741,35 @@ struct Block512 {
   static constexpr int64_t kBytes = kBlockBytes<F>;
   static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
 
-  // d (and m) of n blocks from b -> s[kScales * j ...]
-  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* s) {
-    for (int64_t j = 0; j < n; ++j, b += kBytes) {
+  // d of n (<= kChunk) blocks from b -> d[j], and m (Q4_1) -> m[j]: 16 blocks at a time, their first
+  // 4 bytes (d, then m or the first quants) gathered into one register and widened exactly.
+  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* d, float* m) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(kBytes)));
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16, b += 16 * kBytes) {
+      const __m512i v = _mm512_i32gather_epi32(at, b, 1);
+      _mm512_store_ps(d + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+      if constexpr (F == kQ4_1) _mm512_store_ps(m + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+    }
+    for (; j < n; ++j, b += kBytes) {
       const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));  // 4 halves, 1-2 used
-      if constexpr (F == kQ4_1) _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * j), v);
-      else _mm_store_ss(s + j, v);
+      d[j] = _mm_cvtss_f32(v);
+      if constexpr (F == kQ4_1) m[j] = _mm_cvtss_f32(_mm_movehdup_ps(v));
     }
   }
 
-  // the block at b, its scales at s -> weights 0..15 (w0) and 16..31 (w1)
-  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* s, __m512& w0,
-                                                                   __m512& w1) {
-    const __m512 d = _mm512_set1_ps(s[0]);
+  // the block at b, its scales *ds (and *ms) -> weights 0..15 (w0) and 16..31 (w1)
+  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* ds, const float* ms,
+                                                                   __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(*ds);
     if constexpr (F == kQ8_0) {
       w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
       w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
     } else {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __m512 table;
-      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(s[1]));
+      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(*ms));
       else table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
       const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
       w0 = _mm512_permutexvar_ps(q, table);
@@ -767,7 +784,7 @@ TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const floa
                          int64_t b1, __m512* acc_io) {
   using B = Block512<F>;
   constexpr int64_t kChunk = 64;  // blocks whose scales are widened at a time
-  alignas(64) float sc[NW][B::kScales * kChunk];
+  alignas(64) float sc[NW][B::kScales][kChunk];
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
@@ -775,17 +792,19 @@ TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const floa
   // machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed from DRAM
   // by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the non-temporal hint.
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  const bool nta = prefetch_nta();
   for (int64_t c = b0; c < b1; c += kChunk) {
     const int64_t n = std::min(kChunk, b1 - c);
-    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i]);
+    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i][0], sc[i][B::kScales - 1]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step;
-      for (int i = 0; i < NW; ++i) {
-        prefetch_weights(wr[i] + pf);
+      TS_UNROLL for (int i = 0; i < NW; ++i) {
+        prefetch_weights(wr[i] + pf, nta);
         __m512 w0, w1;
-        B::load(wr[i] + (c + j) * B::kBytes, sc[i] + B::kScales * j, w0, w1);
-        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
-        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
+        B::load(wr[i] + (c + j) * B::kBytes, sc[i][0] + j, sc[i][B::kScales - 1] + j, w0, w1);
+        TS_UNROLL for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
+        TS_UNROLL for (int r = 0; r < NX; ++r)
+          acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
       }
     }
   }

@@ -378,6 +378,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
   // AMD machine of bench/RESULTS.md non-temporal decodes 13-23 % faster than T0, on the Intel one ~12 %
   // slower.
   const int64_t ahead = kRows * row_bytes, per_block = row_bytes / (K / 32);
+  const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];
   for (int i = 0; i < NW; ++i)
@@ -389,7 +390,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
     __m256i qx[NX];
     for (int r = 0; r < NX; ++r) qx[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].q + 32 * b));
     for (int i = 0; i < NW; ++i) {
-      if ((b & 1) == 0) prefetch_weights(wr[i] + ahead + b * per_block);
+      if ((b & 1) == 0) prefetch_weights(wr[i] + ahead + b * per_block, nta);
       __m128 sc;
       float mn = 0.f;
       const __m256i u = block_bytes_avx2<F>(wr[i], b, &sc, &mn);
@@ -437,6 +438,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
                          int64_t ldo) {
   constexpr int64_t bytes = block_bytes(F);
   const int64_t ahead = kRows * row_bytes;
+  const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];
   for (int i = 0; i < NW; ++i)
@@ -451,7 +453,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
     for (int i = 0; i < NW; ++i) {
       const uint8_t* p = wr[i] + s * bytes;
       for (int64_t c = 0; c < bytes; c += 64)
-        prefetch_weights(p + ahead + c);
+        prefetch_weights(p + ahead + c, nta);
       float d, neg = 0.f;
       __m256i mins;  // the min term's 16 int16 weights (per 16 activations)
       __m256i L[NX];
