@@ -43,11 +43,6 @@
 #define TS_X86 1
 #endif
 
-// Fully unroll a loop over weight rows or input rows (compile-time counts) so that its accumulators
-// live in registers: without it GCC kept the four lane sums of a 1-row pass on the stack (a store
-// and a reload on every block's dependency chain), half the speed.
-#define TS_UNROLL _Pragma("GCC unroll 16")
-
 namespace turbospec {
 namespace {
 
@@ -526,9 +521,9 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_q6k(const uint8_t*
 }
 
 // NW weight rows x NX input rows over all of K (16 lanes as two 8-wide halves, in registers).
-template <int64_t F, int NW, int NX>
-TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
-                        float (*out)[kMaxRows], int64_t r0) {
+template <int64_t F, int NW, int NX, bool NTA>
+TS_AVX2 void block_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
+                             float (*out)[kMaxRows], int64_t r0) {
   __m256 lo[NW][NX], hi[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
@@ -536,7 +531,7 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   // hardware prefetcher alone does not sustain across rows. The hint is the CPU's (isa.h:
   // non-temporal on AMD, T0 on Intel).
   constexpr int64_t step = kStep<F>;
-  const bool nta = prefetch_nta();
+  constexpr bool nta = NTA;
   const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
   int64_t k = 0, pf = 0;
@@ -550,6 +545,14 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
+}
+
+// The prefetch hint as a template argument: picked once per call, not tested per block.
+template <int64_t F, int NW, int NX>
+TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
+                        float (*out)[kMaxRows], int64_t r0) {
+  if (prefetch_nta()) block_avx2_hint<F, NW, NX, true>(wr, row_bytes, xr, K, out, r0);
+  else block_avx2_hint<F, NW, NX, false>(wr, row_bytes, xr, K, out, r0);
 }
 
 template <int64_t F, int NW>
@@ -569,9 +572,9 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
 // the high 8, the other accumulators waiting on the stack; the chunk of x stays in L1 for all nw weight
 // rows and both halves. Each lane accumulates the same products in the same order as block_avx2, so
 // the bits are the same.
-template <int64_t F, int NX>
-TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
-                              int64_t K, float (*out)[kMaxRows], int64_t r0) {
+template <int64_t F, int NX, bool NTA>
+TS_AVX2 void block_split_avx2_hint(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
+                                   int64_t K, float (*out)[kMaxRows], int64_t r0) {
   // the whole row when NX rows of x fit comfortably in L1 (24 KB), else chunks of 256 weights
   const int64_t chunk = NX * K * 4 <= 24 * 1024 ? K : 256;
   __m256 lanes[kRowBlock][2][NX];
@@ -579,7 +582,7 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < NX; ++r) lanes[i][h][r] = _mm256_setzero_ps();
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
-  const bool nta = prefetch_nta();
+  constexpr bool nta = NTA;
   for (int64_t c = 0; c < K; c += chunk) {
     const int64_t end = std::min(K, c + chunk);
     for (int64_t i = 0; i < nw; ++i) {
@@ -601,6 +604,14 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
   }
   for (int64_t i = 0; i < nw; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lanes[i][0][r], lanes[i][1][r]);
+}
+
+// The prefetch hint as a template argument: picked once per call, not tested per block.
+template <int64_t F, int NX>
+TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
+                              int64_t K, float (*out)[kMaxRows], int64_t r0) {
+  if (prefetch_nta()) block_split_avx2_hint<F, NX, true>(wr, nw, row_bytes, xr, K, out, r0);
+  else block_split_avx2_hint<F, NX, false>(wr, nw, row_bytes, xr, K, out, r0);
 }
 
 template <int64_t F>
@@ -667,22 +678,22 @@ TS_AVX512 inline __m512 load16_512(const c10::BFloat16* p, __mmask16 m) {
 }
 
 // Dense float32 / bfloat16 weights: NW weight rows x NX input rows, 16 lanes in one register.
-template <int NW, int NX, typename W>
-TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
-                            int64_t r0) {
+template <int NW, int NX, typename W, bool NTA>
+TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
+                                 int64_t r0) {
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_setzero_ps();
   const int64_t full = K / kLanes * kLanes;
   const __mmask16 ones = static_cast<__mmask16>(0xFFFF);
-  const bool nta = prefetch_nta();
+  constexpr bool nta = NTA;
   for (int64_t k = 0; k < full; k += kLanes) {
     __m512 xv[NX];
-    TS_UNROLL for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
-    TS_UNROLL for (int i = 0; i < NW; ++i) {
+    for (int r = 0; r < NX; ++r) xv[r] = _mm512_loadu_ps(xr[r] + k);
+    for (int i = 0; i < NW; ++i) {
       prefetch_weights(wr[i] + kRowBlock * K + k, nta);
       const __m512 wv = load16_512(wr[i] + k, ones);
-      TS_UNROLL for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
+      for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(wv, xv[r], acc[i][r]);
     }
   }
   if (full < K) {
@@ -697,6 +708,14 @@ TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t 
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r)
       out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i][r]), _mm512_extractf32x8_ps(acc[i][r], 1));
+}
+
+// The prefetch hint as a template argument: picked once per call, not tested per block.
+template <int NW, int NX, typename W>
+TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
+                            int64_t r0) {
+  if (prefetch_nta()) block_avx512_hint<NW, NX, W, true>(wr, xr, K, out, r0);
+  else block_avx512_hint<NW, NX, W, false>(wr, xr, K, out, r0);
 }
 
 template <int NW, typename W>
@@ -741,35 +760,26 @@ struct Block512 {
   static constexpr int64_t kBytes = kBlockBytes<F>;
   static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
 
-  // d of n (<= kChunk) blocks from b -> d[j], and m (Q4_1) -> m[j]: 16 blocks at a time, their first
-  // 4 bytes (d, then m or the first quants) gathered into one register and widened exactly.
-  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* d, float* m) {
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(static_cast<int>(kBytes)));
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16, b += 16 * kBytes) {
-      const __m512i v = _mm512_i32gather_epi32(at, b, 1);
-      _mm512_store_ps(d + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
-      if constexpr (F == kQ4_1) _mm512_store_ps(m + j, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
-    }
-    for (; j < n; ++j, b += kBytes) {
+  // d (and m) of n blocks from b -> s[kScales * j ...]
+  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* s) {
+    for (int64_t j = 0; j < n; ++j, b += kBytes) {
       const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));  // 4 halves, 1-2 used
-      d[j] = _mm_cvtss_f32(v);
-      if constexpr (F == kQ4_1) m[j] = _mm_cvtss_f32(_mm_movehdup_ps(v));
+      if constexpr (F == kQ4_1) _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * j), v);
+      else _mm_store_ss(s + j, v);
     }
   }
 
-  // the block at b, its scales *ds (and *ms) -> weights 0..15 (w0) and 16..31 (w1)
-  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* ds, const float* ms,
-                                                                   __m512& w0, __m512& w1) {
-    const __m512 d = _mm512_set1_ps(*ds);
+  // the block at b, its scales at s -> weights 0..15 (w0) and 16..31 (w1)
+  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* s, __m512& w0,
+                                                                   __m512& w1) {
+    const __m512 d = _mm512_set1_ps(s[0]);
     if constexpr (F == kQ8_0) {
       w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
       w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
     } else {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __m512 table;
-      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(*ms));
+      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(s[1]));
       else table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
       const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
       w0 = _mm512_permutexvar_ps(q, table);
@@ -779,12 +789,12 @@ struct Block512 {
 };
 
 // Blocks [b0, b1) of NW weight rows x NX input rows, added to acc_io (the running lane sums).
-template <int64_t F, int NW, int NX>
-TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
-                         int64_t b1, __m512* acc_io) {
+template <int64_t F, int NW, int NX, bool NTA>
+TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
+                              int64_t b1, __m512* acc_io) {
   using B = Block512<F>;
   constexpr int64_t kChunk = 64;  // blocks whose scales are widened at a time
-  alignas(64) float sc[NW][B::kScales][kChunk];
+  alignas(64) float sc[NW][B::kScales * kChunk];
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
@@ -792,24 +802,31 @@ TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const floa
   // machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed from DRAM
   // by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the non-temporal hint.
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
-  const bool nta = prefetch_nta();
+  constexpr bool nta = NTA;
   for (int64_t c = b0; c < b1; c += kChunk) {
     const int64_t n = std::min(kChunk, b1 - c);
-    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i][0], sc[i][B::kScales - 1]);
+    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step;
-      TS_UNROLL for (int i = 0; i < NW; ++i) {
+      for (int i = 0; i < NW; ++i) {
         prefetch_weights(wr[i] + pf, nta);
         __m512 w0, w1;
-        B::load(wr[i] + (c + j) * B::kBytes, sc[i][0] + j, sc[i][B::kScales - 1] + j, w0, w1);
-        TS_UNROLL for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
-        TS_UNROLL for (int r = 0; r < NX; ++r)
-          acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
+        B::load(wr[i] + (c + j) * B::kBytes, sc[i] + B::kScales * j, w0, w1);
+        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
+        for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
       }
     }
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
+}
+
+// The prefetch hint as a template argument: picked once per call, not tested per block.
+template <int64_t F, int NW, int NX>
+TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
+                         int64_t b1, __m512* acc_io) {
+  if (prefetch_nta()) span_q512_hint<F, NW, NX, true>(wr, row_bytes, xr, K, b0, b1, acc_io);
+  else span_q512_hint<F, NW, NX, false>(wr, row_bytes, xr, K, b0, b1, acc_io);
 }
 
 // nw (1..4) weight rows x NX input rows: as many weight rows at once as 16 accumulators allow. Past
