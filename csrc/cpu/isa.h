@@ -42,7 +42,7 @@ extern std::atomic<int> g_prefetch;  // the hint in force (prefetch_nta)
 inline bool prefetch_nta() { return g_prefetch.load(std::memory_order_relaxed) == static_cast<int>(Prefetch::kNta); }
 
 #if defined(__x86_64__) || defined(_M_X64)
-// nta: prefetch_nta(), read once per kernel call (not per block)
+// In the kernels nta is their hint template argument (picked once per call), so the test folds away.
 __attribute__((always_inline)) inline void prefetch_weights(const void* p, bool nta) {
   if (nta)
     _mm_prefetch(static_cast<const char*>(p), _MM_HINT_NTA);
