@@ -94,7 +94,6 @@ inline float combine_lanes(const float* s) {
   return t2[0] + t2[1];
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Scalar dequantization: the 16 weights of a row starting at element k (k % 16 == 0). left = K - k;
 // dense formats may end in a partial group (the missing lanes are 0); block formats never do.
@@ -521,9 +520,9 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_q6k(const uint8_t*
 }
 
 // NW weight rows x NX input rows over all of K (16 lanes as two 8-wide halves, in registers).
-template <int64_t F, int NW, int NX, bool NTA>
-TS_AVX2 void block_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
-                             float (*out)[kMaxRows], int64_t r0) {
+template <int64_t F, int NW, int NX>
+TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
+                        float (*out)[kMaxRows], int64_t r0) {
   __m256 lo[NW][NX], hi[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
@@ -531,7 +530,7 @@ TS_AVX2 void block_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const 
   // hardware prefetcher alone does not sustain across rows. The hint is the CPU's (isa.h:
   // non-temporal on AMD, T0 on Intel).
   constexpr int64_t step = kStep<F>;
-  constexpr bool nta = NTA;
+  const bool nta = prefetch_nta();
   const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
   int64_t k = 0, pf = 0;
@@ -545,14 +544,6 @@ TS_AVX2 void block_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const 
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lo[i][r], hi[i][r]);
-}
-
-// The prefetch hint as a template argument: picked once per call, not tested per block.
-template <int64_t F, int NW, int NX>
-TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
-                        float (*out)[kMaxRows], int64_t r0) {
-  if (prefetch_nta()) block_avx2_hint<F, NW, NX, true>(wr, row_bytes, xr, K, out, r0);
-  else block_avx2_hint<F, NW, NX, false>(wr, row_bytes, xr, K, out, r0);
 }
 
 template <int64_t F, int NW>
@@ -572,9 +563,9 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
 // the high 8, the other accumulators waiting on the stack; the chunk of x stays in L1 for all nw weight
 // rows and both halves. Each lane accumulates the same products in the same order as block_avx2, so
 // the bits are the same.
-template <int64_t F, int NX, bool NTA>
-TS_AVX2 void block_split_avx2_hint(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
-                                   int64_t K, float (*out)[kMaxRows], int64_t r0) {
+template <int64_t F, int NX>
+TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
+                              int64_t K, float (*out)[kMaxRows], int64_t r0) {
   // the whole row when NX rows of x fit comfortably in L1 (24 KB), else chunks of 256 weights
   const int64_t chunk = NX * K * 4 <= 24 * 1024 ? K : 256;
   __m256 lanes[kRowBlock][2][NX];
@@ -582,7 +573,7 @@ TS_AVX2 void block_split_avx2_hint(const uint8_t* const* wr, int64_t nw, int64_t
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < NX; ++r) lanes[i][h][r] = _mm256_setzero_ps();
   const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
-  constexpr bool nta = NTA;
+  const bool nta = prefetch_nta();
   for (int64_t c = 0; c < K; c += chunk) {
     const int64_t end = std::min(K, c + chunk);
     for (int64_t i = 0; i < nw; ++i) {
@@ -604,14 +595,6 @@ TS_AVX2 void block_split_avx2_hint(const uint8_t* const* wr, int64_t nw, int64_t
   }
   for (int64_t i = 0; i < nw; ++i)
     for (int r = 0; r < NX; ++r) out[i][r0 + r] = combine_lanes_avx2(lanes[i][0][r], lanes[i][1][r]);
-}
-
-// The prefetch hint as a template argument: picked once per call, not tested per block.
-template <int64_t F, int NX>
-TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr,
-                              int64_t K, float (*out)[kMaxRows], int64_t r0) {
-  if (prefetch_nta()) block_split_avx2_hint<F, NX, true>(wr, nw, row_bytes, xr, K, out, r0);
-  else block_split_avx2_hint<F, NX, false>(wr, nw, row_bytes, xr, K, out, r0);
 }
 
 template <int64_t F>

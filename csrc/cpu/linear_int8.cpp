@@ -38,7 +38,6 @@ namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per work item
 
-
 // The int8 activations of one row: q [K], d and d * sum(q) per block of 32, and the eight 4-value
 // lane sums of q per block (for the formats whose integers carry an offset).
 struct QRow {
@@ -370,15 +369,15 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i lane_sums(__m256i u, __m25
 }
 
 // NW weight rows x NX input rows, all blocks.
-template <int64_t F, int NW, int NX, bool NTA>
-TS_AVX2 void tile_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
-                            int64_t ldo) {
+template <int64_t F, int NW, int NX>
+TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                       int64_t ldo) {
   // Prefetch the same place one work item (kRows rows) ahead: rows are contiguous, and the hardware
   // prefetcher alone does not keep NW streams fed from DRAM. The hint is the CPU's (isa.h): on the
   // AMD machine of bench/RESULTS.md non-temporal decodes 13-23 % faster than T0, on the Intel one ~12 %
   // slower.
   const int64_t ahead = kRows * row_bytes, per_block = row_bytes / (K / 32);
-  constexpr bool nta = NTA;
+  const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];
   for (int i = 0; i < NW; ++i)
@@ -413,14 +412,6 @@ TS_AVX2 void tile_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const Q
     }
 }
 
-// The prefetch hint as a template argument: picked once per call, not tested per block.
-template <int64_t F, int NW, int NX>
-TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
-                       int64_t ldo) {
-  if (prefetch_nta()) tile_avx2_hint<F, NW, NX, true>(wr, row_bytes, xr, K, out, ldo);
-  else tile_avx2_hint<F, NW, NX, false>(wr, row_bytes, xr, K, out, ldo);
-}
-
 // K-quant formats: NW weight rows x NX input rows; per super-block the integer lanes are summed over
 // the 8 sub-blocks (scales folded in by madd), then one float FMA per lane. The 6-bit scales and mins
 // are unpacked with word operations and broadcast by byte shuffles, and the min term's integer is one
@@ -441,12 +432,12 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i pick_words(int a, int b) {
   return _mm256_set_m128i(hi, lo);
 }
 
-template <int64_t F, int NW, int NX, bool NTA>
-TS_AVX2 void tile_k_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
-                              int64_t ldo) {
+template <int64_t F, int NW, int NX>
+TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                         int64_t ldo) {
   constexpr int64_t bytes = block_bytes(F);
   const int64_t ahead = kRows * row_bytes;
-  constexpr bool nta = NTA;
+  const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];
   for (int i = 0; i < NW; ++i)
@@ -539,14 +530,6 @@ TS_AVX2 void tile_k_avx2_hint(const uint8_t* const* wr, int64_t row_bytes, const
       const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
       out[r * ldo + i] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + m[i][r];
     }
-}
-
-// The prefetch hint as a template argument: picked once per call, not tested per block.
-template <int64_t F, int NW, int NX>
-TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
-                         int64_t ldo) {
-  if (prefetch_nta()) tile_k_avx2_hint<F, NW, NX, true>(wr, row_bytes, xr, K, out, ldo);
-  else tile_k_avx2_hint<F, NW, NX, false>(wr, row_bytes, xr, K, out, ldo);
 }
 
 template <int64_t F, int NW, int NX>
