@@ -44,7 +44,12 @@ def _extension():
     # at::parallel_for runs on OpenMP, as in torch's own build. No floating-point contraction: a
     # kernel's scalar (baseline ISA) and vector paths then do the same roundings (fused multiply-adds
     # are written out where wanted), so every ISA gives the same bits.
-    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    # TURBOSPEC_BUILD_OPT=-O0 is for build checks that run nothing (CI's CUDA link check): the CPU
+    # kernels then compile in a fraction of the time.
+    opt = os.environ.get("TURBOSPEC_BUILD_OPT", "-O3").strip()
+    if opt not in ("-O0", "-O1", "-O2", "-O3"):
+        sys.exit(f"turbospec: TURBOSPEC_BUILD_OPT={opt!r}; allowed: -O0, -O1, -O2, -O3")
+    cxx_flags = [opt, "-fopenmp", "-ffp-contract=off"]
     link_flags = ["-fopenmp"]
     if _use_cuda():
         cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))

@@ -10,10 +10,21 @@
 # turbospec (to list the registered kernels) loads the head checkpoint code. Built for sm_90 only
 # (compile_cuda.sh checks sm_80 as well).
 #
+# The CPU sources are compiled at -O0 (TURBOSPEC_BUILD_OPT): nothing runs here, and the optimised
+# build of the same sources is the one the tests use.
+#
+# `link_cuda.sh --prepare` only creates the venv and installs the CUDA torch (CI runs it in the
+# background, with LINK_CUDA_VENV set, while it builds and compile-checks).
+#
 # Exit status: 0 built, linked and registered; 1 a compile / link / registration failure; 0 with a
 # "skipped" line when there is no nvcc or the CUDA torch cannot be installed (no network).
 # Env: LINK_CUDA_VENV (default: a temp dir), TORCH_CUDA_VERSION (default 2.14.1), MAX_JOBS (default 2).
 set -uo pipefail
+PREPARE=0
+if [ "${1:-}" = "--prepare" ]; then
+  PREPARE=1
+  [ -n "${LINK_CUDA_VENV:-}" ] || { echo "link_cuda: --prepare needs LINK_CUDA_VENV (where the venv is kept)"; exit 1; }
+fi
 cd "$(dirname "$0")/.."
 ROOT="$(pwd)"
 NVCC="$(command -v nvcc || true)"
@@ -39,13 +50,14 @@ fi
 TORCH_V="$("$VENV/bin/python" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null)"
 CU13_INC="$("$VENV/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "include"))')"
 echo "link_cuda: torch $TORCH_V installed in $(( $(date +%s) - START ))s"
+[ "$PREPARE" -eq 1 ] && exit 0
 
 # Build a copy of the sources, so that the checkout's own (CPU) turbospec._C is left alone.
 mkdir -p "$WORK/src"
 cp -r setup.py csrc turbospec "$WORK/src/"
 rm -f "$WORK/src/turbospec/"_C*.so
 cd "$WORK/src"
-if ! CUDA_HOME="$CUDA_HOME" CPATH="$CU13_INC${CPATH:+:$CPATH}" TORCH_CUDA_ARCH_LIST="9.0" TURBOSPEC_CUDA=1 \
+if ! CUDA_HOME="$CUDA_HOME" CPATH="$CU13_INC${CPATH:+:$CPATH}" TORCH_CUDA_ARCH_LIST="9.0" TURBOSPEC_CUDA=1 TURBOSPEC_BUILD_OPT=-O0 \
      MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py build_ext --inplace > "$WORK/build.log" 2>&1; then
   echo "link_cuda: FAILED to build/link the CUDA extension:"
   grep -E "error|Error|undefined" "$WORK/build.log" | head -n 40

@@ -20,7 +20,8 @@
 //            Q4_1 / Q8_0 at 5-8 rows: one pass, half the lanes at a time); dense weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
-//   avx512   dense float32/bfloat16 weights (quantized formats use the AVX2 dequantization)
+//   avx512   dense float32/bfloat16 weights; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at 1-16 input rows,
+//            dequantized in registers of 16 lanes (the other formats use the AVX2 kernels)
 // x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
 #include "linear.h"
 
@@ -771,6 +772,79 @@ struct Block512 {
   }
 };
 
+// AVX-512, Q4_K and Q6_K, up to 16 input rows: a 256-weight super-block of NW weight rows x NX input
+// rows, 16 weights per register in the lane order above (weights k + 16c + 0..15 in step c of 16),
+// the scales decoded once per super-block and row.
+//   Q4_K: each sub-block's 16 possible values d * sc * q - dmin * mn are one register (one fused
+//   multiply-add on iota, the value dequant16 computes), and each weight is picked by its nibble
+//   with a lane permutation, as Block512 does for Q4_0 / Q4_1.
+//   Q6_K: the 6-bit values minus 32 are assembled as bytes, 64 at a time, sign-extended to dwords and
+//   multiplied by d * scale (the one rounding dequant16 does).
+template <int64_t F>
+constexpr bool kSuper512 = F == kQ4_K || F == kQ6_K;
+
+template <int64_t F, int NW, int NX>
+TS_AVX512 __attribute__((always_inline)) inline void super_k512(const uint8_t* const* b, const float* const* xr,
+                                                                int64_t k, __m512 (&acc)[NW][NX]) {
+  static_assert(kSuper512<F>, "super_k512: Q4_K, Q6_K");
+  if constexpr (F == kQ4_K) {
+    alignas(32) float d1[NW][8], m1[NW][8];  // d * sc and -(dmin * mn): exact products (11 x 6 bits)
+    for (int i = 0; i < NW; ++i) {
+      uint64_t sc8, mn8;
+      scale_min_k4_all(b[i] + 4, &sc8, &mn8);
+      _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
+      _mm256_store_ps(m1[i], _mm256_mul_ps(_mm256_set1_ps(-half_avx2(b[i] + 2)),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn8))))));
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int p = 0; p < 4; ++p) {  // 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high ones
+      for (int i = 0; i < NW; ++i) {
+        const uint8_t* qs = b[i] + 16 + 32 * p;
+        // weights 0..15 and 16..31 of both sub-blocks (vpermps reads only an index's low 4 bits)
+        const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+        const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+        const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p]), iota, _mm512_set1_ps(m1[i][2 * p]));
+        const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p + 1]), iota, _mm512_set1_ps(m1[i][2 * p + 1]));
+        const __m512 w[4] = {_mm512_permutexvar_ps(v0, t0), _mm512_permutexvar_ps(v1, t0),
+                             _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t1),
+                             _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1)};
+        const int64_t kk = k + 64 * p;
+        for (int c = 0; c < 4; ++c)
+          for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(xr[r] + kk + 16 * c), acc[i][r]);
+      }
+    }
+  } else {
+    alignas(64) float d1[NW][16];  // d * scale per 16 weights (exact: 11 x 8 bits)
+    for (int i = 0; i < NW; ++i)
+      _mm512_store_ps(d1[i], _mm512_mul_ps(_mm512_set1_ps(half_avx2(b[i] + 208)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 192))))));
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(32);
+    // qh bits to bits 4..5 of each byte: weights 0..31 take bits 0..1 (<< 4), 32..63 bits 2..3 (<< 2),
+    // 64..95 bits 4..5, 96..127 bits 6..7 (>> 2); qh's 32 bytes sit in both 256-bit halves
+    const __m512i shl_a = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr_b = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+    for (int h = 0; h < 2; ++h) {  // weights 128h .. 128h + 127
+      for (int i = 0; i < NW; ++i) {
+        const __m512i ql = _mm512_loadu_si512(b[i] + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b[i] + 128 + 32 * h)));
+        alignas(64) int8_t q[128];  // q - 32 of the 128 weights
+        _mm512_store_si512(q, _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(ql, m4),
+                                                              _mm512_and_si512(_mm512_sllv_epi64(qh, shl_a), m30)), off));
+        _mm512_store_si512(q + 64, _mm512_sub_epi8(_mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4),
+                                                                   _mm512_and_si512(_mm512_srlv_epi64(qh, shr_b), m30)), off));
+        const int64_t kk = k + 128 * h;
+        for (int c = 0; c < 8; ++c) {
+          const __m512 w = _mm512_mul_ps(_mm512_set1_ps(d1[i][8 * h + c]),
+                                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                             _mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * c)))));
+          for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr[r] + kk + 16 * c), acc[i][r]);
+        }
+      }
+    }
+  }
+}
+
 // Blocks [b0, b1) of NW weight rows x NX input rows, added to acc_io (the running lane sums).
 template <int64_t F, int NW, int NX, bool NTA>
 TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
@@ -804,12 +878,38 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
     for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
 }
 
+// Super-blocks [b0, b1) of NW weight rows x NX input rows of Q4_K / Q6_K, added to acc_io.
+template <int64_t F, int NW, int NX, bool NTA>
+TS_AVX512 void span_k512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t b0,
+                              int64_t b1, __m512* acc_io) {
+  constexpr int64_t bytes = F == kQ4_K ? 144 : 210;
+  __m512 acc[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
+  const int64_t ahead = kRowBlock * row_bytes;  // one row block ahead, as the other kernels
+  for (int64_t s = b0; s < b1; ++s) {
+    const uint8_t* b[NW];
+    for (int i = 0; i < NW; ++i) {
+      b[i] = wr[i] + s * bytes;
+      for (int64_t l = 0; l < bytes; l += 64) prefetch_weights(b[i] + ahead + l, NTA);
+    }
+    super_k512<F, NW, NX>(b, xr, 256 * s, acc);
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
+}
+
 // The prefetch hint as a template argument: picked once per call, not tested per block.
 template <int64_t F, int NW, int NX>
 TS_AVX512 void span_q512(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K, int64_t b0,
                          int64_t b1, __m512* acc_io) {
-  if (prefetch_nta()) span_q512_hint<F, NW, NX, true>(wr, row_bytes, xr, K, b0, b1, acc_io);
-  else span_q512_hint<F, NW, NX, false>(wr, row_bytes, xr, K, b0, b1, acc_io);
+  if constexpr (kSuper512<F>) {  // units of 256 weights
+    if (prefetch_nta()) span_k512_hint<F, NW, NX, true>(wr, row_bytes, xr, b0, b1, acc_io);
+    else span_k512_hint<F, NW, NX, false>(wr, row_bytes, xr, b0, b1, acc_io);
+  } else {
+    if (prefetch_nta()) span_q512_hint<F, NW, NX, true>(wr, row_bytes, xr, K, b0, b1, acc_io);
+    else span_q512_hint<F, NW, NX, false>(wr, row_bytes, xr, K, b0, b1, acc_io);
+  }
 }
 
 // nw (1..4) weight rows x NX input rows: as many weight rows at once as 16 accumulators allow. Past
@@ -820,7 +920,8 @@ template <int64_t F, int NX>
 TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t K,
                             float (*out)[kMaxRows], int64_t r0) {
   constexpr int NW = NX <= 4 ? 4 : NX <= 8 ? 2 : 1;
-  const int64_t nb = K / 32, chunk = NX <= 4 ? nb : std::max<int64_t>(1, 16 * 1024 / (NX * 32 * 4));
+  constexpr int64_t unit = kSuper512<F> ? 256 : 32;  // weights per block
+  const int64_t nb = K / unit, chunk = NX <= 4 ? nb : std::max<int64_t>(1, 16 * 1024 / (NX * unit * 4));
   alignas(64) __m512 acc[kRowBlock * NX];
   for (int64_t j = 0; j < nw * NX; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
@@ -835,11 +936,11 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
                                           _mm512_extractf32x8_ps(acc[i * NX + r], 1));
 }
 
-// R (1..16 = kFusedRows: more rows take the panel path) input rows in one pass.
+// R (1..16; more rows take the panel path, or for Q4_K the AVX2 kernel up to 64) input rows in one pass.
 template <int64_t F>
 TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                          int64_t K, float (*out)[kMaxRows]) {
-  static_assert(kFusedRows<F> == 16, "rows_q512 covers 1..16 input rows");
+  static_assert(kHasHalf<F> || kSuper512<F>, "rows_q512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K");
   switch (R) {
 #define TS_Q512_CASE(n) \
   case n: rows_q512_nx<F, n>(wr, nw, row_bytes, xr, K, out, 0); break;
@@ -895,8 +996,8 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
     return;
   }
 #ifdef TS_X86
-  if constexpr (kHasHalf<F>) {
-    if (isa == Isa::kAvx512) {
+  if constexpr (kHasHalf<F> || kSuper512<F>) {
+    if (isa == Isa::kAvx512 && R <= 16) {
       rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
       return;
     }
