@@ -20,8 +20,8 @@
 //            Q4_1 / Q8_0 at 5-8 rows: one pass, half the lanes at a time); dense weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
-//   avx512   dense float32/bfloat16 weights; Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K at 1-16 input rows,
-//            dequantized in registers of 16 lanes (the other formats use the AVX2 kernels)
+//   avx512   dense float32/bfloat16 weights, and every block format at 1-16 input rows, dequantized
+//            in registers of 16 lanes (past 16 rows: the panel, or Q4_K's AVX2 kernel up to 64)
 // x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
 #include "linear.h"
 
@@ -728,7 +728,7 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX-512, Q4_0 / Q4_1 / Q8_0, up to kFusedRows input rows: one 32-weight block is two registers of
+// AVX-512, Q4_0 / Q4_1 / Q5_0 / Q8_0, up to 16 input rows: one 32-weight block is two registers of
 // 16 lanes (weights k .. k + 15, k + 16 .. k + 31), so a step is two fused multiply-adds per input
 // row in exactly the lane order above; each weight is dequantized once for all NX input rows. Q4:
 // byte j holds weight j (low nibble) and j + 16 (high nibble); the 16 possible values of a block
@@ -738,10 +738,15 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
 // are those of every other path. Shuffles (port 5 on Intel cores) bound this kernel, so the blocks'
 // half-precision scales are first widened for a chunk of blocks into a float32 buffer, from which
 // they are broadcast by the load ports (a register broadcast would be one more shuffle per block).
+// Q5_0's 32 possible values take two registers, and a two-register permutation (vpermt2ps) picks
+// each weight by its 5-bit value.
+template <int64_t F>
+constexpr bool kBlock512 = kHasHalf<F> || F == kQ5_0;
+
 template <int64_t F>
 struct Block512 {
-  static_assert(kHasHalf<F>, "Block512: Q4_0, Q4_1, Q8_0");
-  static constexpr int64_t kBytes = kBlockBytes<F>;
+  static_assert(kBlock512<F>, "Block512: Q4_0, Q4_1, Q5_0, Q8_0");
+  static constexpr int64_t kBytes = F == kQ5_0 ? 22 : kBlockBytes<F>;
   static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
 
   // d (and m) of n blocks from b -> s[kScales * j ...]
@@ -760,6 +765,17 @@ struct Block512 {
     if constexpr (F == kQ8_0) {
       w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
       w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
+    } else if constexpr (F == kQ5_0) {
+      // 32 values d * (q - 16): two registers, q = 0..15 and 16..31; the index is the nibble with
+      // the weight's bit of qh as bit 4, which picks the register (vpermt2ps)
+      const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512 t_lo = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f))), t_hi = _mm512_mul_ps(d, iota);
+      const uint32_t qh = load_u32(b + 2);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6)));
+      const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
+      const __m512i bit4 = _mm512_set1_epi32(16);
+      w0 = _mm512_permutex2var_ps(t_lo, _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh), lo, bit4), t_hi);
+      w1 = _mm512_permutex2var_ps(t_lo, _mm512_mask_or_epi32(hi, static_cast<__mmask16>(qh >> 16), hi, bit4), t_hi);
     } else {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __m512 table;
@@ -772,22 +788,23 @@ struct Block512 {
   }
 };
 
-// AVX-512, Q4_K and Q6_K, up to 16 input rows: a 256-weight super-block of NW weight rows x NX input
+// AVX-512, Q4_K / Q5_K / Q6_K, up to 16 input rows: a 256-weight super-block of NW weight rows x NX input
 // rows, 16 weights per register in the lane order above (weights k + 16c + 0..15 in step c of 16),
 // the scales decoded once per super-block and row.
 //   Q4_K: each sub-block's 16 possible values d * sc * q - dmin * mn are one register (one fused
 //   multiply-add on iota, the value dequant16 computes), and each weight is picked by its nibble
-//   with a lane permutation, as Block512 does for Q4_0 / Q4_1.
+//   with a lane permutation, as Block512 does for Q4_0 / Q4_1; Q5_K as Q5_0, with two registers of
+//   values per sub-block.
 //   Q6_K: the 6-bit values minus 32 are assembled as bytes, 64 at a time, sign-extended to dwords and
 //   multiplied by d * scale (the one rounding dequant16 does).
 template <int64_t F>
-constexpr bool kSuper512 = F == kQ4_K || F == kQ6_K;
+constexpr bool kSuper512 = F == kQ4_K || F == kQ5_K || F == kQ6_K;
 
 template <int64_t F, int NW, int NX>
 TS_AVX512 __attribute__((always_inline)) inline void super_k512(const uint8_t* const* b, const float* const* xr,
                                                                 int64_t k, __m512 (&acc)[NW][NX]) {
-  static_assert(kSuper512<F>, "super_k512: Q4_K, Q6_K");
-  if constexpr (F == kQ4_K) {
+  static_assert(kSuper512<F>, "super_k512: Q4_K, Q5_K, Q6_K");
+  if constexpr (F == kQ4_K || F == kQ5_K) {
     alignas(32) float d1[NW][8], m1[NW][8];  // d * sc and -(dmin * mn): exact products (11 x 6 bits)
     for (int i = 0; i < NW; ++i) {
       uint64_t sc8, mn8;
@@ -800,15 +817,35 @@ TS_AVX512 __attribute__((always_inline)) inline void super_k512(const uint8_t* c
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int p = 0; p < 4; ++p) {  // 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high ones
       for (int i = 0; i < NW; ++i) {
-        const uint8_t* qs = b[i] + 16 + 32 * p;
+        const uint8_t* qs = b[i] + (F == kQ4_K ? 16 : 48) + 32 * p;
         // weights 0..15 and 16..31 of both sub-blocks (vpermps reads only an index's low 4 bits)
         const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
         const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
         const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p]), iota, _mm512_set1_ps(m1[i][2 * p]));
         const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p + 1]), iota, _mm512_set1_ps(m1[i][2 * p + 1]));
-        const __m512 w[4] = {_mm512_permutexvar_ps(v0, t0), _mm512_permutexvar_ps(v1, t0),
-                             _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t1),
-                             _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1)};
+        __m512 w[4];
+        if constexpr (F == kQ4_K) {
+          w[0] = _mm512_permutexvar_ps(v0, t0);
+          w[1] = _mm512_permutexvar_ps(v1, t0);
+          w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t1);
+          w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1);
+        } else {
+          // q = 16..31 take a second register of values; bit 2p (2p + 1) of qh[l] is weight l's fifth
+          // bit in sub-block 2p (2p + 1): as bit 4 of the index it picks that register (vpermt2ps)
+          const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.f));
+          const __m512 u0 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p]), iota16, _mm512_set1_ps(m1[i][2 * p]));
+          const __m512 u1 = _mm512_fmadd_ps(_mm512_set1_ps(d1[i][2 * p + 1]), iota16, _mm512_set1_ps(m1[i][2 * p + 1]));
+          const __m128i qh0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 16));
+          const __m128i qh1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b[i] + 32));
+          const __m128i s0 = _mm_set1_epi8(static_cast<char>(1 << (2 * p))), s1 = _mm_set1_epi8(static_cast<char>(2 << (2 * p)));
+          const __m512i m4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+          const __m512i l0 = _mm512_and_si512(v0, m4), l1 = _mm512_and_si512(v1, m4);
+          const __m512i h0 = _mm512_srli_epi32(v0, 4), h1 = _mm512_srli_epi32(v1, 4);
+          w[0] = _mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(l0, _mm_test_epi8_mask(qh0, s0), l0, bit4), u0);
+          w[1] = _mm512_permutex2var_ps(t0, _mm512_mask_or_epi32(l1, _mm_test_epi8_mask(qh1, s0), l1, bit4), u0);
+          w[2] = _mm512_permutex2var_ps(t1, _mm512_mask_or_epi32(h0, _mm_test_epi8_mask(qh0, s1), h0, bit4), u1);
+          w[3] = _mm512_permutex2var_ps(t1, _mm512_mask_or_epi32(h1, _mm_test_epi8_mask(qh1, s1), h1, bit4), u1);
+        }
         const int64_t kk = k + 64 * p;
         for (int c = 0; c < 4; ++c)
           for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w[c], _mm512_loadu_ps(xr[r] + kk + 16 * c), acc[i][r]);
@@ -878,11 +915,11 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
     for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
 }
 
-// Super-blocks [b0, b1) of NW weight rows x NX input rows of Q4_K / Q6_K, added to acc_io.
+// Super-blocks [b0, b1) of NW weight rows x NX input rows of Q4_K / Q5_K / Q6_K, added to acc_io.
 template <int64_t F, int NW, int NX, bool NTA>
 TS_AVX512 void span_k512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t b0,
                               int64_t b1, __m512* acc_io) {
-  constexpr int64_t bytes = F == kQ4_K ? 144 : 210;
+  constexpr int64_t bytes = F == kQ4_K ? 144 : F == kQ5_K ? 176 : 210;
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
@@ -940,7 +977,7 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
 template <int64_t F>
 TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                          int64_t K, float (*out)[kMaxRows]) {
-  static_assert(kHasHalf<F> || kSuper512<F>, "rows_q512: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K");
+  static_assert(kBlock512<F> || kSuper512<F>, "rows_q512: the block formats");
   switch (R) {
 #define TS_Q512_CASE(n) \
   case n: rows_q512_nx<F, n>(wr, nw, row_bytes, xr, K, out, 0); break;
@@ -996,7 +1033,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
     return;
   }
 #ifdef TS_X86
-  if constexpr (kHasHalf<F> || kSuper512<F>) {
+  if constexpr (kBlock512<F> || kSuper512<F>) {
     if (isa == Isa::kAvx512 && R <= 16) {
       rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
       return;

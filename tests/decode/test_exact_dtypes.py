@@ -41,8 +41,9 @@ def _target(weights, dtype, activations, cyclic: bool, kind: str = "llama"):
     return loader.load_model(hf, dtype=dtype, weights=weights, activations=activations)
 
 
-def _check_same(plain: Engine, spec: Engine, prompt, need_accepted: bool, what: str):
-    a = plain.generate(prompt, max_new_tokens=N_NEW)
+def _check_same(plain, spec: Engine, prompt, need_accepted: bool, what: str):
+    """plain: an Engine, or a function of the prompt giving plain greedy's result."""
+    a = plain.generate(prompt, max_new_tokens=N_NEW) if isinstance(plain, Engine) else plain(prompt)
     b = spec.generate(prompt, max_new_tokens=N_NEW)
     assert b.stats["draft_proposed"] > 0, f"{what}: nothing was drafted, so nothing was checked"
     if need_accepted:
@@ -89,6 +90,14 @@ def smol_bf16(smollm2_dir):
     return turbospec.load_model(src, torch.bfloat16), turbospec.load_tokenizer(smollm2_dir)
 
 
+@pytest.fixture(scope="module")
+def smol_bf16_plain(smol_bf16):
+    """Plain greedy on the bfloat16 model, each prompt decoded once for all the drafters' tests."""
+    target, tok = smol_bf16
+    plain = Engine(target, drafter="none", tokenizer=tok, max_seq_len=1024)
+    return functools.cache(lambda prompt: plain.generate(prompt, max_new_tokens=N_NEW))
+
+
 def _prompts() -> list[str]:
     if os.path.isfile(SPECBENCH):  # a summarization and a translation prompt: drafts get accepted
         rows = [json.loads(line) for line in open(SPECBENCH)]
@@ -99,7 +108,7 @@ def _prompts() -> list[str]:
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model", "eagle3", "medusa"])
-def test_smollm2_bf16_speculative_equals_plain(smol_bf16, drafter):
+def test_smollm2_bf16_speculative_equals_plain(smol_bf16, smol_bf16_plain, drafter):
     from turbospec.heads.shipped import shipped_heads
     target, tok = smol_bf16
     name, kw = drafter, {}
@@ -113,11 +122,10 @@ def test_smollm2_bf16_speculative_equals_plain(smol_bf16, drafter):
             pytest.skip(f"no shipped {drafter} head")
         kw = dict(head=heads[drafter])
         drafter = "eagle" if drafter == "eagle3" else "medusa"
-    plain = Engine(target, drafter="none", tokenizer=tok, max_seq_len=1024)
     # a fixed draft length: the adaptive budget may stop drafting on a loaded machine (timings)
     spec = Engine(target, drafter=drafter, tokenizer=tok, max_seq_len=1024, adaptive=False, **kw)
     accepted = 0
     for p in _prompts():
-        accepted += _check_same(plain, spec, p, False, f"{name}: {p[:40]!r}").stats["draft_accepted"]
+        accepted += _check_same(smol_bf16_plain, spec, p, False, f"{name}: {p[:40]!r}").stats["draft_accepted"]
     if name != "draft_model":  # 8 of 30 layers: rarely accepted (exactness is checked all the same)
         assert accepted > 0, f"{name}: no draft token accepted on either prompt"

@@ -90,12 +90,12 @@ def test_quantized_linear_matches_spec(isa, name, rows, bias):
     assert ((got.double() - exact).abs() <= bound).all()
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16])
 def test_quantized_linear_long_rows_match_spec(isa, name, rows):
     """Rows of 2304 weights (72 blocks of 32, 9 of 256): longer than the AVX-512 kernels' chunk of
     widened scales (64 blocks) and than their K-chunks past 4 input rows (<= 16 KB of x: 1-3
-    super-blocks for Q4_K / Q6_K), with a weight row count (7) that leaves a partial row block."""
+    super-blocks for the K-quants), with a weight row count (7) that leaves a partial row block."""
     k, n = 2304, 7
     raw = random_blocks(name, n, k, seed=rows + 100)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
