@@ -210,6 +210,17 @@ TS_AVX2 inline float half_avx2(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// Q4_K / Q5_K super-block at b: d * scale -> d1[0..7] and -(dmin * min) -> m1[0..7] of its 8
+// sub-blocks (exact products: 11 x 6 bits), 32-byte aligned.
+TS_AVX2 inline void kquant_scales(const uint8_t* b, float* d1, float* m1) {
+  uint64_t sc8, mn8;
+  scale_min_k4_all(b + 4, &sc8, &mn8);
+  _mm256_store_ps(d1, _mm256_mul_ps(_mm256_set1_ps(half_avx2(b)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
+  _mm256_store_ps(m1, _mm256_mul_ps(_mm256_set1_ps(-half_avx2(b + 2)),
+                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn8))))));
+}
+
 constexpr bool is_dense(int64_t f) { return f == kF32 || f == kF16 || f == kBF16; }
 // Weights per step of the AVX2 kernels: 16 (one lane group) for dense formats, 32 (one block or
 // sub-block, whose scale is read once) for block formats.
@@ -425,12 +436,7 @@ TS_AVX2 __attribute__((always_inline)) inline void accumulate_kquant(const uint8
     b[i] = wr[i] + (k >> 8) * bytes;
     prefetch_weights(wr[i] + pf, nta);
     prefetch_weights(wr[i] + pf + 64, nta);
-    uint64_t sc8, mn8;
-    scale_min_k4_all(b[i] + 4, &sc8, &mn8);
-    _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
-    _mm256_store_ps(m1[i], _mm256_mul_ps(_mm256_set1_ps(-half_avx2(b[i] + 2)),
-                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn8))))));
+    kquant_scales(b[i], d1[i], m1[i]);
   }
   for (int p = 0; p < 4; ++p) {  // 64 weights: sub-block 2p (low nibbles), 2p + 1 (high nibbles)
 #pragma GCC unroll 4
@@ -805,15 +811,8 @@ TS_AVX512 __attribute__((always_inline)) inline void super_k512(const uint8_t* c
                                                                 int64_t k, __m512 (&acc)[NW][NX]) {
   static_assert(kSuper512<F>, "super_k512: Q4_K, Q5_K, Q6_K");
   if constexpr (F == kQ4_K || F == kQ5_K) {
-    alignas(32) float d1[NW][8], m1[NW][8];  // d * sc and -(dmin * mn): exact products (11 x 6 bits)
-    for (int i = 0; i < NW; ++i) {
-      uint64_t sc8, mn8;
-      scale_min_k4_all(b[i] + 4, &sc8, &mn8);
-      _mm256_store_ps(d1[i], _mm256_mul_ps(_mm256_set1_ps(half_avx2(b[i])),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))))));
-      _mm256_store_ps(m1[i], _mm256_mul_ps(_mm256_set1_ps(-half_avx2(b[i] + 2)),
-                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn8))))));
-    }
+    alignas(32) float d1[NW][8], m1[NW][8];  // d * sc and -(dmin * mn)
+    for (int i = 0; i < NW; ++i) kquant_scales(b[i], d1[i], m1[i]);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int p = 0; p < 4; ++p) {  // 32 bytes: sub-block 2p in the low nibbles, 2p + 1 in the high ones
       for (int i = 0; i < NW; ++i) {
