@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Compile-check every csrc/cuda/*.cu for sm_80 with nvcc, without a GPU (link_cuda.sh builds sm_90
-# with a CUDA torch's headers; this covers the other architecture setup.py users build for).
+# Compile-check every csrc/cuda/*.cu for sm_80 and sm_90 with nvcc, without a GPU.
 #
-# Each file is compiled (nvcc -c, sm_80 device code, host code with gcc) against
+# Each file is compiled (nvcc -c, device code for both architectures, host code with gcc) against
 # the headers of the installed torch. A CPU-only torch wheel ships every header these files use
 # (torch/library.h, ATen core, c10/cuda/CUDAStream.h, CUDAGuard.h, CUDAException.h) except the
 # generated c10/cuda/impl/cuda_cmake_macros.h, which only defines an export macro: the check then
@@ -26,7 +25,7 @@ fi
 
 read -r -a TORCH_INCLUDES < <("$PYTHON" -c 'from torch.utils.cpp_extension import include_paths; print(" ".join(include_paths()))')
 FLAGS=(-std=c++20 -c -O3 --expt-relaxed-constexpr --resource-usage -Xcompiler -fPIC
-       -gencode arch=compute_80,code=sm_80
+       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
        -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__
        -D__CUDA_NO_HALF2_OPERATORS__ -diag-suppress 3306)
 for inc in "${TORCH_INCLUDES[@]}"; do FLAGS+=(-I"$inc"); done
@@ -39,7 +38,7 @@ OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 SOURCES=(csrc/cuda/*.cu)
 echo "compile_cuda: $("$NVCC" --version | tail -n 1)"
-echo "compile_cuda: ${#SOURCES[@]} files x sm_80, $JOBS at a time"
+echo "compile_cuda: ${#SOURCES[@]} files x {sm_80, sm_90}, $JOBS at a time"
 
 compile_one() {
   local src="$1" name start status

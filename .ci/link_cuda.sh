@@ -7,8 +7,8 @@
 # How (see ../shared/ENVIRONMENT.md): a separate venv with torch 2.14.1 (a +cu130 wheel, ~5 GB with
 # its nvidia packages); CUDA_HOME = the toolkit the machine's nvcc belongs to; the cusparse/cublas
 # headers ATen/cuda includes come from the nvidia.cu13 Python package; safetensors because importing
-# turbospec (to list the registered kernels) loads the head checkpoint code. Built for sm_90 only
-# (compile_cuda.sh checks sm_80 as well).
+# turbospec (to list the registered kernels) loads the head checkpoint code. Built for sm_80 and
+# sm_90 (what compile_cuda.sh checks; CI runs that only when this script cannot get a CUDA torch).
 #
 # The CPU sources are compiled at -O0 (TURBOSPEC_BUILD_OPT): nothing runs here, and the optimised
 # build of the same sources is the one the tests use.
@@ -57,7 +57,7 @@ mkdir -p "$WORK/src"
 cp -r setup.py csrc turbospec "$WORK/src/"
 rm -f "$WORK/src/turbospec/"_C*.so
 cd "$WORK/src"
-if ! CUDA_HOME="$CUDA_HOME" CPATH="$CU13_INC${CPATH:+:$CPATH}" TORCH_CUDA_ARCH_LIST="9.0" TURBOSPEC_CUDA=1 TURBOSPEC_BUILD_OPT=-O0 \
+if ! CUDA_HOME="$CUDA_HOME" CPATH="$CU13_INC${CPATH:+:$CPATH}" TORCH_CUDA_ARCH_LIST="8.0;9.0" TURBOSPEC_CUDA=1 TURBOSPEC_BUILD_OPT=-O0 \
      MAX_JOBS="${MAX_JOBS:-2}" "$VENV/bin/python" setup.py build_ext --inplace > "$WORK/build.log" 2>&1; then
   echo "link_cuda: FAILED to build/link the CUDA extension:"
   grep -E "error|Error|undefined" "$WORK/build.log" | head -n 40

@@ -12,7 +12,8 @@
 //   lanes j = 0..7 hold the exact integer sum of q_w * q_x over weights 4j..4j+3 of a block and
 //   accumulate acc_j = fma(scale_w(j) * d_x, L_j, acc_j) block by block; m = fma(min_w, d_x * sum q_x, m);
 //   y = ((acc_j + acc_j+4), + 2, + 1) + m (+ bias).
-// Paths: scalar (every format), AVX2 (maddubs + madd; every format). Both give the same bits.
+// Paths: scalar (every format), AVX2 (maddubs + madd; every format), AVX-512 (the K-quant formats:
+// two sub-blocks per maddubs + madd). All give the same bits (the lane sums are exact integers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -31,6 +32,7 @@
 #include <immintrin.h>
 #define TS_X86 1
 #define TS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #endif
 
 namespace turbospec {
@@ -532,22 +534,130 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
     }
 }
 
+// Word index patterns for vpermw: words a (low 256 bits) and b (high), or a .. a + 3 by 128-bit lane.
+TS_AVX512 __attribute__((always_inline)) inline __m512i words_by_half(int a, int b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16(static_cast<short>(a))),
+                            _mm256_set1_epi16(static_cast<short>(b)), 1);
+}
+TS_AVX512 __attribute__((always_inline)) inline __m512i words_by_lane(int a) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16(static_cast<short>(a + 1)), _mm_set1_epi16(static_cast<short>(a)))),
+      _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(a + 3)), _mm_set1_epi16(static_cast<short>(a + 2))), 1);
+}
+
+// AVX-512, K-quant formats: tile_k_avx2 with 64 bytes per instruction. Two sub-blocks whose
+// activations are adjacent (Q4_K / Q5_K: the low and high nibbles of the same 32 bytes; Q6_K: two
+// quarters of a half) share a register, each sub-block's scale in its 256-bit half; the two halves'
+// integer lanes are added at the end of the super-block, giving tile_k_avx2's exact integers.
 template <int64_t F, int NW, int NX>
+TS_AVX512 void tile_k512(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                         int64_t ldo) {
+  constexpr int64_t bytes = block_bytes(F);
+  const int64_t ahead = kRows * row_bytes;
+  const bool nta = prefetch_nta();
+  __m256 acc[NW][NX];
+  float m[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      acc[i][r] = _mm256_setzero_ps();
+      m[i][r] = 0.f;
+    }
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t s = 0; s < K / 256; ++s) {
+    for (int i = 0; i < NW; ++i) {
+      const uint8_t* p = wr[i] + s * bytes;
+      for (int64_t c = 0; c < bytes; c += 64) prefetch_weights(p + ahead + c, nta);
+      float d, neg = 0.f;
+      __m256i mins;  // the min term's 16 int16 weights (per 16 activations)
+      __m512i L[NX];
+      for (int r = 0; r < NX; ++r) L[r] = _mm512_setzero_si512();
+      if constexpr (F == kQ4_K || F == kQ5_K) {
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
+        d = _mm_cvtss_f32(dm);
+        neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
+        uint64_t sc8, mn8;
+        scale_min_k4_all(p + 4, &sc8, &mn8);
+        const __m128i mnb = _mm_cvtsi64_si128(static_cast<long long>(mn8));
+        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnb, mnb));  // min per 32 on both halves
+        const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+        const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
+        // low nibbles (sub-block 2pp) in the low half, high nibbles (2pp + 1) in the high half
+        const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+        __m512i h = _mm512_setzero_si512();
+        if constexpr (F == kQ5_K) h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16)));
+        for (int pp = 0; pp < 4; ++pp) {
+          const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * pp)));
+          __m512i u = _mm512_and_si512(_mm512_srlv_epi64(v, nib), m4);
+          if constexpr (F == kQ5_K) {  // bit l of qh[e] -> bit 4 of byte e (l = 2pp, 2pp + 1 by half)
+            const __m512i sh = _mm512_setr_epi64(2 * pp, 2 * pp, 2 * pp, 2 * pp, 2 * pp + 1, 2 * pp + 1, 2 * pp + 1, 2 * pp + 1);
+            u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(h, sh), _mm512_set1_epi8(1)), 4));
+          }
+          const __m512i scv = _mm512_permutexvar_epi16(words_by_half(2 * pp, 2 * pp + 1), scw);
+          for (int r = 0; r < NX; ++r) {
+            const __m512i qx = _mm512_loadu_si512(xr[r].q256 + 256 * s + 64 * pp);
+            L[r] = _mm512_add_epi32(L[r], _mm512_madd_epi16(_mm512_maddubs_epi16(u, qx), scv));
+          }
+        }
+      } else {  // Q6_K
+        d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(load_u16(p + 208))));
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192));
+        mins = _mm256_cvtepi8_epi16(s8);  // scale per 16 (times the -32 offset, in the factor)
+        const __m512i scw = _mm512_castsi256_si512(mins);
+        const __m512i m30 = _mm512_set1_epi8(0x30);
+        // qh bits 2c, 2c + 1 -> bits 4, 5: quarters 0 / 1 (low / high half of A), 2 / 3 (of B)
+        const __m512i shl_a = _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2), shr_b = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2);
+        for (int half = 0; half < 2; ++half) {
+          const __m512i ql = _mm512_loadu_si512(p + 64 * half);
+          const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * half)));
+          const __m512i u[2] = {
+              _mm512_or_si512(_mm512_and_si512(ql, m4), _mm512_and_si512(_mm512_sllv_epi64(qh, shl_a), m30)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), m4), _mm512_and_si512(_mm512_srlv_epi64(qh, shr_b), m30))};
+          for (int t = 0; t < 2; ++t) {  // weights 128 half + 64 t .. + 63: scales 8 half + 4 t .. + 3
+            const __m512i scv = _mm512_permutexvar_epi16(words_by_lane(8 * half + 4 * t), scw);
+            for (int r = 0; r < NX; ++r) {
+              const __m512i qx = _mm512_loadu_si512(xr[r].q256 + 256 * s + 128 * half + 64 * t);
+              L[r] = _mm512_add_epi32(L[r], _mm512_madd_epi16(_mm512_maddubs_epi16(u[t], qx), scv));
+            }
+          }
+        }
+      }
+      for (int r = 0; r < NX; ++r) {
+        float ddx, nm;
+        k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
+        const int32_t M =
+            hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].bsum16 + 16 * s))));
+        const __m256i L8 = _mm256_add_epi32(_mm512_castsi512_si256(L[r]), _mm512_extracti64x4_epi64(L[r], 1));
+        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L8), acc[i][r]);
+        m[i][r] = std::fma(nm, static_cast<float>(M), m[i][r]);
+      }
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) {
+      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
+      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+      out[r * ldo + i] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + m[i][r];
+    }
+}
+
+template <int64_t F, int NW, int NX, bool W512>
 TS_AVX2 __attribute__((always_inline)) inline void tile(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr,
                                                         int64_t K, float* out, int64_t ldo) {
-  if constexpr (is_k(F)) tile_k_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
+  if constexpr (is_k(F) && W512) tile_k512<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
+  else if constexpr (is_k(F)) tile_k_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
   else tile_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
 }
 
-template <int64_t F>
+// W512: the AVX-512 K-quant kernel (the other formats have none; tile ignores it for them).
+template <int64_t F, bool W512>
 TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R,
                        int64_t K, float* out, int64_t ldo) {
   if (R == 1) {
     switch (nw) {
-      case 4: tile<F, 4, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      case 3: tile<F, 3, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      case 2: tile<F, 2, 1>(wr, row_bytes, xr, K, out, ldo); break;
-      default: tile<F, 1, 1>(wr, row_bytes, xr, K, out, ldo); break;
+      case 4: tile<F, 4, 1, W512>(wr, row_bytes, xr, K, out, ldo); break;
+      case 3: tile<F, 3, 1, W512>(wr, row_bytes, xr, K, out, ldo); break;
+      case 2: tile<F, 2, 1, W512>(wr, row_bytes, xr, K, out, ldo); break;
+      default: tile<F, 1, 1, W512>(wr, row_bytes, xr, K, out, ldo); break;
     }
     return;
   }
@@ -557,7 +667,7 @@ TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, 
       const int64_t nr = std::min<int64_t>(4, R - r);
       float* o = out + r * ldo + i;
       const QRow* x = xr + r;
-#define TS_TILE(NWv, NXv) tile<F, NWv, NXv>(wr + i, row_bytes, x, K, o, ldo)
+#define TS_TILE(NWv, NXv) tile<F, NWv, NXv, W512>(wr + i, row_bytes, x, K, o, ldo)
       if (ni == 2) {
         switch (nr) { case 4: TS_TILE(2, 4); break; case 3: TS_TILE(2, 3); break; case 2: TS_TILE(2, 2); break; default: TS_TILE(2, 1); }
       } else {
@@ -573,8 +683,14 @@ template <int64_t F>
 void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
           int64_t ldo, Isa isa) {
 #ifdef TS_X86
+  if constexpr (is_k(F)) {
+    if (isa == Isa::kAvx512) {
+      rows_avx2<F, true>(wr, nw, row_bytes, xr, R, K, out, ldo);
+      return;
+    }
+  }
   if (isa != Isa::kScalar) {
-    rows_avx2<F>(wr, nw, row_bytes, xr, R, K, out, ldo);
+    rows_avx2<F, false>(wr, nw, row_bytes, xr, R, K, out, ldo);
     return;
   }
 #endif

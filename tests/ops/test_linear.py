@@ -326,7 +326,7 @@ def test_int8_activation_quantization_spec():
     assert d[0, 1] == torch.tensor(127.0) / 127 and q[0, 32:36].tolist() == [1, -2, 0, 127]  # 0.5: ties to even
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_int8_rows_isas_and_threads_give_identical_bits(name):
     """A row's int8 result does not depend on the other rows, the thread count or the ISA."""
     k, n = 512, 37
