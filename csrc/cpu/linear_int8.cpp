@@ -434,6 +434,39 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i pick_words(int a, int b) {
   return _mm256_set_m128i(hi, lo);
 }
 
+// Q4_K / Q5_K super-block header at p: d_w, -dmin_w, the min term's 16 int16 weights (min per 32
+// on both halves of each 32) and the eight 6-bit scales (byte l: sub-block l).
+TS_AVX2 __attribute__((always_inline)) inline uint64_t kquant_header(const uint8_t* p, float* d, float* neg,
+                                                                    __m256i* mins) {
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
+  *d = _mm_cvtss_f32(dm);
+  *neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
+  uint64_t sc8, mn8;
+  scale_min_k4_all(p + 4, &sc8, &mn8);
+  const __m128i mnb = _mm_cvtsi64_si128(static_cast<long long>(mn8));
+  *mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnb, mnb));
+  return sc8;
+}
+
+// The end of a super-block for one input row: lanes L (exact integers) scaled into acc, the min term
+// into m (the order of rows_k_scalar).
+template <int64_t F>
+TS_AVX2 __attribute__((always_inline)) inline void kquant_accumulate(float d, float neg, __m256i mins, __m256i L,
+                                                                     const QRow& x, int64_t s, __m256& acc, float& m) {
+  float ddx, nm;
+  k_factors<F>(d, neg, x.d256[s], &ddx, &nm);
+  const int32_t M = hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum16 + 16 * s))));
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L), acc);
+  m = std::fma(nm, static_cast<float>(M), m);
+}
+
+// ((acc_j + acc_j+4), + 2, + 1)
+TS_AVX2 __attribute__((always_inline)) inline float combine8_avx2(__m256 acc) {
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
 template <int64_t F, int NW, int NX>
 TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
                          int64_t ldo) {
@@ -460,13 +493,7 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
       __m256i L[NX];
       for (int r = 0; r < NX; ++r) L[r] = _mm256_setzero_si256();
       if constexpr (F == kQ4_K || F == kQ5_K) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
-        d = _mm_cvtss_f32(dm);
-        neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
-        uint64_t sc8, mn8;
-        scale_min_k4_all(p + 4, &sc8, &mn8);
-        const __m128i mnb = _mm_cvtsi64_si128(static_cast<long long>(mn8));
-        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnb, mnb));  // min per 32 on both halves
+        const uint64_t sc8 = kquant_header(p, &d, &neg, &mins);
         const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
         const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
         __m256i h = _mm256_setzero_si256();
@@ -516,22 +543,11 @@ TS_AVX2 void tile_k_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow
           }
         }
       }
-      for (int r = 0; r < NX; ++r) {
-        float ddx, nm;
-        k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
-        const int32_t M =
-            hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].bsum16 + 16 * s))));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L[r]), acc[i][r]);
-        m[i][r] = std::fma(nm, static_cast<float>(M), m[i][r]);
-      }
+      for (int r = 0; r < NX; ++r) kquant_accumulate<F>(d, neg, mins, L[r], xr[r], s, acc[i][r], m[i][r]);
     }
   }
   for (int i = 0; i < NW; ++i)
-    for (int r = 0; r < NX; ++r) {
-      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-      out[r * ldo + i] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + m[i][r];
-    }
+    for (int r = 0; r < NX; ++r) out[r * ldo + i] = combine8_avx2(acc[i][r]) + m[i][r];
 }
 
 // Word index patterns for vpermw: words a (low 256 bits) and b (high), or a .. a + 3 by 128-bit lane.
@@ -572,13 +588,7 @@ TS_AVX512 void tile_k512(const uint8_t* const* wr, int64_t row_bytes, const QRow
       __m512i L[NX];
       for (int r = 0; r < NX; ++r) L[r] = _mm512_setzero_si512();
       if constexpr (F == kQ4_K || F == kQ5_K) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(load_u32(p))));
-        d = _mm_cvtss_f32(dm);
-        neg = -_mm_cvtss_f32(_mm_movehdup_ps(dm));
-        uint64_t sc8, mn8;
-        scale_min_k4_all(p + 4, &sc8, &mn8);
-        const __m128i mnb = _mm_cvtsi64_si128(static_cast<long long>(mn8));
-        mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mnb, mnb));  // min per 32 on both halves
+        const uint64_t sc8 = kquant_header(p, &d, &neg, &mins);
         const __m512i scw = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
         const uint8_t* qs = p + (F == kQ4_K ? 16 : 48);
         // low nibbles (sub-block 2pp) in the low half, high nibbles (2pp + 1) in the high half
@@ -621,23 +631,13 @@ TS_AVX512 void tile_k512(const uint8_t* const* wr, int64_t row_bytes, const QRow
           }
         }
       }
-      for (int r = 0; r < NX; ++r) {
-        float ddx, nm;
-        k_factors<F>(d, neg, xr[r].d256[s], &ddx, &nm);
-        const int32_t M =
-            hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[r].bsum16 + 16 * s))));
-        const __m256i L8 = _mm256_add_epi32(_mm512_castsi512_si256(L[r]), _mm512_extracti64x4_epi64(L[r], 1));
-        acc[i][r] = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L8), acc[i][r]);
-        m[i][r] = std::fma(nm, static_cast<float>(M), m[i][r]);
-      }
+      for (int r = 0; r < NX; ++r)  // the two halves' lanes: tile_k_avx2's integers
+        kquant_accumulate<F>(d, neg, mins, _mm256_add_epi32(_mm512_castsi512_si256(L[r]), _mm512_extracti64x4_epi64(L[r], 1)),
+                             xr[r], s, acc[i][r], m[i][r]);
     }
   }
   for (int i = 0; i < NW; ++i)
-    for (int r = 0; r < NX; ++r) {
-      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-      out[r * ldo + i] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + m[i][r];
-    }
+    for (int r = 0; r < NX; ++r) out[r * ldo + i] = combine8_avx2(acc[i][r]) + m[i][r];
 }
 
 template <int64_t F, int NW, int NX, bool W512>
