@@ -370,6 +370,13 @@ TS_AVX2 __attribute__((always_inline)) inline __m256i lane_sums(__m256i u, __m25
   }
 }
 
+// ((acc_j + acc_j+4), + 2, + 1)
+TS_AVX2 __attribute__((always_inline)) inline float combine8_avx2(__m256 acc) {
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
 // NW weight rows x NX input rows, all blocks.
 template <int64_t F, int NW, int NX>
 TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
@@ -406,9 +413,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) {
-      const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][r]), _mm256_extractf128_ps(acc[i][r], 1));
-      const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-      float y = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+      float y = combine8_avx2(acc[i][r]);
       if constexpr (has_min(F)) y = y + m[i][r];
       out[r * ldo + i] = y;
     }
@@ -458,13 +463,6 @@ TS_AVX2 __attribute__((always_inline)) inline void kquant_accumulate(float d, fl
   const int32_t M = hsum_epi32(_mm256_madd_epi16(mins, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.bsum16 + 16 * s))));
   acc = _mm256_fmadd_ps(_mm256_set1_ps(ddx), _mm256_cvtepi32_ps(L), acc);
   m = std::fma(nm, static_cast<float>(M), m);
-}
-
-// ((acc_j + acc_j+4), + 2, + 1)
-TS_AVX2 __attribute__((always_inline)) inline float combine8_avx2(__m256 acc) {
-  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
 template <int64_t F, int NW, int NX>
@@ -648,9 +646,10 @@ TS_AVX2 __attribute__((always_inline)) inline void tile(const uint8_t* const* wr
   else tile_avx2<F, NW, NX>(wr, row_bytes, xr, K, out, ldo);
 }
 
-// W512: the AVX-512 K-quant kernel (the other formats have none; tile ignores it for them).
+// Register tiles of NW weight rows x NX input rows over R input rows. W512: the AVX-512 K-quant
+// kernel (the other formats have none; tile ignores it for them), else the AVX2 kernels.
 template <int64_t F, bool W512>
-TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R,
+TS_AVX2 void rows_tiles(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R,
                        int64_t K, float* out, int64_t ldo) {
   if (R == 1) {
     switch (nw) {
@@ -685,12 +684,12 @@ void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* x
 #ifdef TS_X86
   if constexpr (is_k(F)) {
     if (isa == Isa::kAvx512) {
-      rows_avx2<F, true>(wr, nw, row_bytes, xr, R, K, out, ldo);
+      rows_tiles<F, true>(wr, nw, row_bytes, xr, R, K, out, ldo);
       return;
     }
   }
   if (isa != Isa::kScalar) {
-    rows_avx2<F, false>(wr, nw, row_bytes, xr, R, K, out, ldo);
+    rows_tiles<F, false>(wr, nw, row_bytes, xr, R, K, out, ldo);
     return;
   }
 #endif
