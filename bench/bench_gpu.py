@@ -29,6 +29,7 @@ Sections (``--sections``, default all):
 * ``e2e``: greedy generation of ``--max-new-tokens`` after the same random ``--prompt-len``-token
   prompt: turbospec without speculation with CUDA graphs (``ts_graphs``) and without
   (``ts_eager``), HF ``generate`` with its dynamic cache (``hf_plain``), with
+  prompt lookup decoding (``hf_lookup``, 10 draft tokens), with
   ``cache_implementation="static"`` (``hf_static``) and with the static cache plus
   ``torch.compile(model.forward, mode="reduce-overhead")`` (``hf_static_compile``). One full
   warm-up run per system, then the median wall time of ``--repeats`` runs (prefill included,
@@ -70,7 +71,7 @@ SECTIONS = ("bandwidth", "steps", "e2e")
 MODELS = ("llama3_8b", "smollm2_135m")
 TS_PLAIN = ("ts_graphs", "ts_eager")
 TS_SPEC = ("ts_ngram", "ts_eagle", "ts_medusa")
-HF_SYSTEMS = ("hf_plain", "hf_static", "hf_static_compile")
+HF_SYSTEMS = ("hf_plain", "hf_lookup", "hf_static", "hf_static_compile")
 DEFAULT_SYSTEMS = ("hf_plain", "ts_graphs", "ts_eager", "hf_static", "hf_static_compile")
 
 #: defaults: (full run, --tiny run)
@@ -418,10 +419,13 @@ def common_prefix_fraction(a: list[int], b: list[int]) -> float:
     return k / max(len(b), 1)
 
 
-def hf_generate(model, prompt: torch.Tensor, max_new_tokens: int, static: bool) -> list[int]:
+def hf_generate(model, prompt: torch.Tensor, max_new_tokens: int, static: bool, lookup: int = 0) -> list[int]:
     """Greedy HF ``generate``; ``static``: ``cache_implementation="static"`` with HF's own
-    auto-compile disabled (compilation, when wanted, is the caller's torch.compile)."""
+    auto-compile disabled (compilation, when wanted, is the caller's torch.compile); ``lookup``:
+    HF's prompt lookup decoding with that many draft tokens (``prompt_lookup_num_tokens``)."""
     kw = {"cache_implementation": "static", "disable_compile": True} if static else {}
+    if lookup:
+        kw["prompt_lookup_num_tokens"] = lookup
     with torch.inference_mode():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, **kw)
@@ -461,7 +465,8 @@ def timed_runs(fn, device: str, repeats: int, label: str, profile: bool) -> tupl
 def run_hf_system(system: str, model, prompt: torch.Tensor, args) -> dict:
     if system == "hf_static_compile" and not args.hf_compile_on:
         return {"status": "skipped: torch.compile off (--hf-compile off; the default on CPU)"}
-    fn = lambda: hf_generate(model, prompt, args.max_new_tokens, static=system != "hf_plain")  # noqa: E731
+    fn = lambda: hf_generate(model, prompt, args.max_new_tokens, static=system not in ("hf_plain", "hf_lookup"),  # noqa: E731
+                             lookup=10 if system == "hf_lookup" else 0)
     ctx = compiled_forward(model) if system == "hf_static_compile" else contextlib.nullcontext()
     with ctx:
         times, tokens = timed_runs(fn, args.device, args.repeats, system, args.cuda_profiler_range)

@@ -10,10 +10,21 @@
 # Stages: build, test, memcheck, ops, e2e, e2e8b, ncu (default: all, which may pass the device
 # tool's 10-minute limit for one command). A failing stage is reported and the next one runs; the
 # exit status is 1 when any stage failed. The build is incremental: repeating it costs seconds.
+#
+# Env: STAGES; T_<stage> (seconds, e.g. T_test=180: the stage is killed past it and counted as
+# failed, so one hang cannot eat the whole call; default 600); PACK=FILE.tgz (after every stage,
+# pack all of $OUT's logs into that one file: for a device tool that returns only a few files);
+# E2E_ARGS / E2E8B_ARGS (more bench_gpu.py options for those stages, e.g. "--sections steps");
+# TURBOSPEC_BUILD_OPT (-O1 builds the CPU kernels faster; they are not what a GPU run measures).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out/gpu_all}"
 mkdir -p "$OUT" bench/out
+# Some images have only python3: the stage scripts call `python`.
+if ! command -v python >/dev/null; then
+  mkdir -p bench/out/pybin && ln -sf "$(command -v python3)" bench/out/pybin/python
+  export PATH="$PWD/bench/out/pybin:$PATH"
+fi
 STAGES="${STAGES:-build test memcheck ops e2e e2e8b ncu}"
 FAILED=""
 {
@@ -28,23 +39,34 @@ stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, keep going on fai
   case " $STAGES " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name: $*"
   local start=$(date +%s)
-  "$@" > "$OUT/$name.log" 2>&1
+  local limit_var="T_$name"
+  timeout -k 10 "${!limit_var:-600}" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/$name.log"
+  [ "$rc" -eq 124 ] && echo "== $name: killed after ${!limit_var:-600} s (T_$name)"
   echo "== $name: exit $rc in $(( $(date +%s) - start )) s"
   [ "$rc" -eq 0 ] || FAILED="$FAILED $name"
+  pack
+}
+
+pack() {  # PACK=FILE: every log and report so far, in one file
+  [ -n "${PACK:-}" ] || return 0
+  cp -f bench/out/*.md bench/out/*.json bench/out/*.csv bench/out/*.log "$OUT"/ 2>/dev/null
+  tar czf "$PACK.tmp" -C "$OUT" . && mv -f "$PACK.tmp" "$PACK"
 }
 
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" TURBOSPEC_CUDA=1
 stage build python setup.py build_ext --inplace
 python -c 'import turbospec.ops as o; print("kernels:", o.kernels_available())' | tee -a "$OUT/machine.txt"
 # CUDA cases of every test file (the CPU cases ran in CI); the emulator is not needed here.
-stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest tests -q -rs -k "cuda" -p no:cacheprovider
+stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest tests -q -rs -p no:cacheprovider \
+  -k "cuda and not refuses_without_cuda" --durations 15
 stage memcheck bash bench/memcheck.sh
-stage ops python bench/bench_ops.py --device cuda --iters 200
-stage e2e python bench/bench_gpu.py --device cuda --models smollm2_135m --out "$OUT/gpu_smollm2.md"
-stage e2e8b python bench/bench_gpu.py --device cuda --models llama3_8b --out "$OUT/gpu_llama3_8b.md"
+stage ops python bench/bench_ops.py --device cuda --iters "${OPS_ITERS:-200}"
+stage e2e python bench/bench_gpu.py --device cuda --models smollm2_135m --out "$OUT/gpu_smollm2.md" ${E2E_ARGS:-}
+stage e2e8b python bench/bench_gpu.py --device cuda --models llama3_8b --out "$OUT/gpu_llama3_8b.md" ${E2E8B_ARGS:-}
 stage ncu bash bench/profile_ncu.sh
 cp -f bench/out/*.md bench/out/*.json bench/out/*.csv "$OUT"/ 2>/dev/null || true
+pack
 if [ -n "$FAILED" ]; then echo "gpu_all: FAILED stages:$FAILED"; exit 1; fi
 echo "gpu_all: every stage passed"
