@@ -7,13 +7,14 @@
 #   STAGES="build e2e" bash bench/gpu_all.sh                    # SmolLM2-shaped end to end
 #   STAGES="build e2e8b ncu" bash bench/gpu_all.sh              # Llama-3-8B-shaped, ncu
 #
-# Stages: build, test, memcheck, ops, e2e, e2e8b, ncu (default: all, which may pass the device
+# Stages: build, test, memcheck, profile, ops, e2e, e2e8b, ncu (default: all, which may pass the device
 # tool's 10-minute limit for one command). A failing stage is reported and the next one runs; the
 # exit status is 1 when any stage failed. The build is incremental: repeating it costs seconds.
 #
 # Env: STAGES; T_<stage> (seconds, e.g. T_test=180: the stage is killed past it and counted as
 # failed, so one hang cannot eat the whole call; default 600); PACK=FILE.tgz (after every stage,
 # pack all of $OUT's logs into that one file: for a device tool that returns only a few files);
+# TEST_ARGS (more pytest options for the test stage); PROFILE_ARGS (bench/profile_step.py's);
 # E2E_ARGS / E2E8B_ARGS (more bench_gpu.py options for those stages, e.g. "--sections steps");
 # TURBOSPEC_BUILD_OPT (-O1 builds the CPU kernels faster; they are not what a GPU run measures).
 set -uo pipefail
@@ -25,7 +26,7 @@ if ! command -v python >/dev/null; then
   mkdir -p bench/out/pybin && ln -sf "$(command -v python3)" bench/out/pybin/python
   export PATH="$PWD/bench/out/pybin:$PATH"
 fi
-STAGES="${STAGES:-build test memcheck ops e2e e2e8b ncu}"
+STAGES="${STAGES:-build test memcheck profile ops e2e e2e8b ncu}"
 FAILED=""
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
@@ -60,8 +61,9 @@ stage build python setup.py build_ext --inplace
 python -c 'import turbospec.ops as o; print("kernels:", o.kernels_available())' | tee -a "$OUT/machine.txt"
 # CUDA cases of every test file (the CPU cases ran in CI); the emulator is not needed here.
 stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest tests -q -rs -p no:cacheprovider \
-  -k "cuda and not refuses_without_cuda" --durations 15
+  -k "cuda and not refuses_without_cuda" --durations 15 ${TEST_ARGS:-}
 stage memcheck bash bench/memcheck.sh
+stage profile python bench/profile_step.py ${PROFILE_ARGS:-}
 stage ops python bench/bench_ops.py --device cuda --iters "${OPS_ITERS:-200}"
 stage e2e python bench/bench_gpu.py --device cuda --models smollm2_135m --out "$OUT/gpu_smollm2.md" ${E2E_ARGS:-}
 stage e2e8b python bench/bench_gpu.py --device cuda --models llama3_8b --out "$OUT/gpu_llama3_8b.md" ${E2E8B_ARGS:-}

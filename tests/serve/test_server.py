@@ -12,11 +12,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+openai = pytest.importorskip("openai", reason="the serving extras are not installed (.ci/run installs them)")
+uvicorn = pytest.importorskip("uvicorn", reason="the serving extras are not installed (.ci/run installs them)")
+pytest.importorskip("fastapi", reason="the serving extras are not installed (.ci/run installs them)")
 from turbospec import Engine
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.serve.server import create_app
