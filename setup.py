@@ -12,7 +12,9 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 import sys
+import sysconfig
 
 from setuptools import find_packages, setup
 
@@ -39,6 +41,32 @@ def _use_cuda() -> bool:
     return torch.version.cuda is not None and has_nvcc
 
 
+def _shared_cxx_runtime_flags() -> list[str]:
+    """Link flags that make _C use the process's shared C++ runtime (libstdc++.so.6).
+
+    A compiler whose own library folder holds only the static libstdc++.a (seen on the lent GPU
+    machine: a GCC 13 under /opt/gcc) links a private copy of the C++ runtime into _C. An exception
+    thrown there (every argument check: TORCH_CHECK) then ran that copy's __cxa_throw and crashed
+    the process (SIGSEGV) instead of reaching Python as a RuntimeError. When the compiler cannot
+    name a shared libstdc++.so, name the runtime that torch itself loads: ``-l:libstdc++.so.6``.
+    ``TURBOSPEC_SHARED_LIBSTDCXX=1`` / ``=0`` forces this on / off."""
+    forced = os.environ.get("TURBOSPEC_SHARED_LIBSTDCXX", "").strip()
+    if forced in ("0", "1"):
+        return ["-l:libstdc++.so.6"] if forced == "1" else []
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()[0]
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the compiler links its shared runtime itself
+    print(f"turbospec: {cxx} has no shared libstdc++.so; linking the system's libstdc++.so.6 explicitly")
+    return ["-l:libstdc++.so.6"]
+
+
 def _extension():
     cpu_sources = _rel([os.path.join(ROOT, "csrc", "ops.cpp")] + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
     # at::parallel_for runs on OpenMP, as in torch's own build. No floating-point contraction: a
@@ -50,7 +78,7 @@ def _extension():
     if opt not in ("-O0", "-O1", "-O2", "-O3"):
         sys.exit(f"turbospec: TURBOSPEC_BUILD_OPT={opt!r}; allowed: -O0, -O1, -O2, -O3")
     cxx_flags = [opt, "-fopenmp", "-ffp-contract=off"]
-    link_flags = ["-fopenmp"]
+    link_flags = ["-fopenmp"] + _shared_cxx_runtime_flags()
     if _use_cuda():
         cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]

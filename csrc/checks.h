@@ -13,7 +13,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace turbospec {
 
@@ -288,6 +291,102 @@ inline AttnDims check_tree_attention_args(const at::Tensor& q, const at::Tensor&
   }
   TORCH_CHECK(std::isfinite(scale), op, ": scale must be a finite number (e.g. 1 / sqrt(D)), got ", scale);
   return {B, n, Hq, Hkv, S, D};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused decoder-layer ops (add_rms_norm, silu_mul, rope_cache): arguments shared by the CPU and
+// CUDA kernels. Row ops take contiguous tensors; `rows` is the product of the leading dims.
+struct RowDims {
+  int64_t rows, K;
+};
+
+inline void check_same_float(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x,
+                             const char* x_name) {
+  TORCH_CHECK(t.scalar_type() == x.scalar_type() && t.sizes() == x.sizes(), op, ": ", name, " must be ",
+              dtype_name(x.scalar_type()), " ", shape_str(x.sizes()), " (the dtype and shape of ", x_name,
+              "), got ", describe(t));
+  check_device(op, name, t, x, x_name);
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous, got strides ", shape_str(t.strides()));
+}
+
+inline RowDims check_add_rms_norm_args(const at::Tensor& x, const std::optional<at::Tensor>& delta,
+                                       const at::Tensor& weight, double eps, const at::Tensor& out,
+                                       const std::optional<at::Tensor>& sum_out, c10::DeviceType type) {
+  const char* op = "add_rms_norm";
+  TORCH_CHECK(x.dim() >= 1 && is_float_dtype(x.scalar_type()) && x.size(-1) >= 1, op,
+              ": x must be float32, bfloat16 or float16 [..., K] with K >= 1, got ", describe(x));
+  check_kernel_device(op, "x", x, type);
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous, got strides ", shape_str(x.strides()));
+  const int64_t K = x.size(-1);
+  check_tensor(op, "weight", weight, {x.scalar_type()}, {{"K", K}});
+  check_device(op, "weight", weight, x, "x");
+  TORCH_CHECK(weight.is_contiguous(), op, ": weight must be contiguous");
+  check_same_float(op, "out", out, x, "x");
+  TORCH_CHECK(delta.has_value() == sum_out.has_value(), op, ": sum_out (where x + delta is written) must be given "
+              "exactly when delta is, got delta ", delta.has_value() ? "given" : "None", " and sum_out ",
+              sum_out.has_value() ? "given" : "None");
+  if (delta.has_value()) {
+    check_same_float(op, "delta", *delta, x, "x");
+    check_same_float(op, "sum_out", *sum_out, x, "x");
+  }
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  return {x.numel() / K, K};
+}
+
+inline RowDims check_silu_mul_args(const at::Tensor& gate_up, const at::Tensor& out, c10::DeviceType type) {
+  const char* op = "silu_mul";
+  TORCH_CHECK(gate_up.dim() >= 1 && is_float_dtype(gate_up.scalar_type()) && gate_up.size(-1) >= 2 &&
+                  gate_up.size(-1) % 2 == 0,
+              op, ": gate_up must be float32, bfloat16 or float16 [..., 2I] with I >= 1, got ", describe(gate_up));
+  check_kernel_device(op, "gate_up", gate_up, type);
+  TORCH_CHECK(gate_up.is_contiguous(), op, ": gate_up must be contiguous, got strides ", shape_str(gate_up.strides()));
+  std::vector<int64_t> want(gate_up.sizes().begin(), gate_up.sizes().end());
+  want.back() /= 2;
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type() && out.sizes() == c10::IntArrayRef(want), op,
+              ": out must be ", dtype_name(gate_up.scalar_type()), " ", shape_str(want), " (gate_up's dtype, half its "
+              "last dim), got ", describe(out));
+  check_device(op, "out", out, gate_up, "gate_up");
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  return {gate_up.numel() / gate_up.size(-1), want.back()};
+}
+
+struct RopeDims {
+  int64_t B, n, H, Hkv, S, D;
+};
+
+inline RopeDims check_rope_cache_args(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
+                                      const at::Tensor& cache_len, int64_t num_heads, const at::Tensor& q_out,
+                                      const at::Tensor& k_cache, const at::Tensor& v_cache, c10::DeviceType type) {
+  const char* op = "rope_cache";
+  TORCH_CHECK(qkv.dim() == 4 && is_float_dtype(qkv.scalar_type()), op,
+              ": qkv must be float32, bfloat16 or float16 [B, n, H + 2 Hkv, D], got ", describe(qkv));
+  check_kernel_device(op, "qkv", qkv, type);
+  TORCH_CHECK(qkv.is_contiguous(), op, ": qkv must be contiguous, got strides ", shape_str(qkv.strides()));
+  const int64_t B = qkv.size(0), n = qkv.size(1), D = qkv.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(3) == D &&
+                  k_cache.scalar_type() == qkv.scalar_type(),
+              op, ": k_cache must be ", dtype_name(qkv.scalar_type()), " [B, Hkv, S, D] with B = ", B, " and D = ", D,
+              " (qkv's dtype and sizes), got ", describe(k_cache));
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
+  TORCH_CHECK(num_heads >= 1 && Hkv >= 1 && qkv.size(2) == num_heads + 2 * Hkv, op, ": qkv must hold num_heads = ",
+              num_heads, " q heads and 2 x Hkv = 2 x ", Hkv, " k / v heads in dim 2, got ", describe(qkv));
+  TORCH_CHECK(D >= 2 && D % 2 == 0, op, ": the head dim D must be even (rotary halves), got D = ", D);
+  check_tensor(op, "v_cache", v_cache, {qkv.scalar_type()}, {{"B", B}, {"Hkv", Hkv}, {"S", S}, {"D", D}});
+  check_tensor(op, "cos", cos, {qkv.scalar_type()}, {{"B", B}, {"n", n}, {"1", 1}, {"D", D}});
+  check_tensor(op, "sin_signed", sin_signed, {qkv.scalar_type()}, {{"B", B}, {"n", n}, {"1", 1}, {"D", D}});
+  check_tensor(op, "cache_len", cache_len, {c10::kLong}, {{"B", B}});
+  check_tensor(op, "q_out", q_out, {qkv.scalar_type()}, {{"B", B}, {"n", n}, {"H", num_heads}, {"D", D}});
+  const std::pair<const char*, const at::Tensor*> ins[] = {{"cos", &cos},         {"sin_signed", &sin_signed},
+                                                           {"cache_len", &cache_len}, {"q_out", &q_out},
+                                                           {"k_cache", &k_cache}, {"v_cache", &v_cache}};
+  for (const auto& i : ins) check_device(op, i.first, *i.second, qkv, "qkv");
+  for (const auto& c : {std::make_pair("cos", &cos), std::make_pair("sin_signed", &sin_signed),
+                        std::make_pair("cache_len", &cache_len), std::make_pair("q_out", &q_out)})
+    TORCH_CHECK(c.second->is_contiguous(), op, ": ", c.first, " must be contiguous");
+  for (const auto& c : {std::make_pair("k_cache", &k_cache), std::make_pair("v_cache", &v_cache)})
+    TORCH_CHECK(c.second->stride(3) == 1, op, ": ", c.first, " must be contiguous in its last dim (D), got strides ",
+                shape_str(c.second->strides()));
+  return {B, n, num_heads, Hkv, S, D};
 }
 
 }  // namespace turbospec

@@ -67,6 +67,20 @@ TORCH_LIBRARY(turbospec, m) {
   // RMS norm of float32 rows on CPU in one fixed reduction order (csrc/cpu/rms_norm.cpp,
   // reference.rms_norm): x [..., K], weight float32 [K] -> out [..., K] (contiguous; may be x).
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+  // Fused pieces of a decoder layer for the static (CUDA-graph) path: each replaces several ATen
+  // kernels with one and keeps torch's roundings (specs: reference.add_rms_norm / silu_mul /
+  // rope_cache). add_rms_norm: s = x + delta (rounded to x's dtype; s = x without delta) written to
+  // sum_out (given iff delta is), out = weight * dtype(s * 1 / sqrt(mean(s^2) + eps)), math in float32;
+  // x, delta, out, sum_out [..., K] of one float dtype, weight [K] of that dtype.
+  m.def("add_rms_norm(Tensor x, Tensor? delta, Tensor weight, float eps, Tensor(a!) out, Tensor(b!)? sum_out) -> ()");
+  // gate_up [..., 2I] -> out [..., I] = dtype(dtype(silu(gate)) * up), gate / up its two halves.
+  m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+  // qkv [B, n, H + 2 Hkv, D] (q, k, v heads), cos / sin_signed [B, n, 1, D] (RopeTable rows): q_out
+  // [B, n, H, D] = the rotated q heads; the rotated k heads and the v heads are written to
+  // k_cache / v_cache [B, Hkv, S, D] at slot cache_len[b] + j (int64 [B]; a slot outside [0, S) is
+  // not written: no host read). rotate(x)[d] = dtype(dtype(x[d] cos[d]) + dtype(x[d +- D/2] sin[d])).
+  m.def("rope_cache(Tensor qkv, Tensor cos, Tensor sin_signed, Tensor cache_len, int num_heads, Tensor(a!) q_out, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
   // linear with one dense weight [N, K] float32 / float16 / bfloat16 (reference.small_linear).
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // raw: uint8 [N, row bytes] of GGUF blocks of `format` -> float32 [N, K] (reference.dequantize).

@@ -41,6 +41,44 @@ __device__ __forceinline__ float load_float(const void* base, int64_t i, int typ
   return type == kBF16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : half_bits_to_float(bits);
 }
 
+// float -> the 16 bits of a bfloat16 / float16, rounded to nearest even (as torch rounds).
+__device__ __forceinline__ uint16_t float_to_16bits(float f, int type) {
+  if (type == kBF16) {
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+#ifdef TURBOSPEC_EMULATE
+  return c10::Half(f).x;
+#else
+  return __half_as_ushort(__float2half_rn(f));
+#endif
+}
+
+// f rounded to the float type `type` (the value a store then a load gives).
+__device__ __forceinline__ float round_to(float f, int type) {
+  if (type == kF32) return f;
+  const uint16_t bits = float_to_16bits(f, type);
+  return type == kBF16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : half_bits_to_float(bits);
+}
+
+__device__ __forceinline__ void store_float(void* base, int64_t i, int type, float f) {
+  if (type == kF32) {
+    static_cast<float*>(base)[i] = f;
+  } else {
+    static_cast<uint16_t*>(base)[i] = float_to_16bits(f, type);
+  }
+}
+
+// One rounding per operation, as torch's elementwise kernels do: never contracted into an FMA.
+#ifdef TURBOSPEC_EMULATE
+inline float mul_rn(float a, float b) { return a * b; }
+inline float add_rn(float a, float b) { return a + b; }
+#else
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+#endif
+
 // Float -> uint32 key with the same order (for non-NaN values; -0 sorts just below +0).
 __device__ __forceinline__ uint32_t ordered_key(float f) {
   const uint32_t u = __float_as_uint(f);

@@ -291,3 +291,51 @@ def test_tree_attention_out_of_range_rows_attend_nothing(emu, splits):
     assert (out[:2] == 0).all() and torch.isneginf(lse[:2]).all()
     assert_close(out[2:], lse[2:], *reference.tree_attention(q[2:], k[2:], v[2:], cache_len[2:], packed[2:], 0.25),
                  torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused decoder-layer ops (csrc/cuda/layer_ops.cu)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [32, 64])
+def test_add_rms_norm_emulated(emu, dtype, threads):
+    x = (torch.randn(3, 100, generator=gen(40)) * 3).to(dtype)
+    delta = torch.randn(3, 100, generator=gen(41)).to(dtype)
+    w = (1 + 0.1 * torch.randn(100, generator=gen(42))).to(dtype)
+    emu.set_block_threads(threads)
+    try:
+        for d in (None, delta):
+            out, s = torch.empty_like(x), None if d is None else torch.empty_like(x)
+            emu.add_rms_norm(x, d, w, 1e-5, out, s)
+            ref_s, ref_y = reference.add_rms_norm(x, d, w, 1e-5)
+            if d is not None:
+                assert torch.equal(s, ref_s)
+            rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
+            torch.testing.assert_close(out.float(), ref_y.float(), rtol=rtol, atol=1e-5)
+    finally:
+        emu.set_block_threads(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_emulated(emu, dtype):
+    gu = (torch.randn(2, 3, 40, generator=gen(43)) * 4).to(dtype)
+    out = gu.new_empty(2, 3, 20)
+    emu.silu_mul(gu, out)
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(out.float(), reference.silu_mul(gu).float(), rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rope_cache_emulated(emu, dtype):
+    """Bit-identical to the spec, out-of-cache slots skipped."""
+    bsz, n, heads, h_kv, d, seq = 3, 4, 4, 2, 16, 12
+    qkv = torch.randn(bsz, n, heads + 2 * h_kv, d, generator=gen(44)).to(dtype)
+    ang = torch.randn(bsz, n, 1, d // 2, generator=gen(45))
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1).to(dtype)
+    kc, vc = torch.randn(bsz, h_kv, seq, d, generator=gen(46)).to(dtype), torch.randn(bsz, h_kv, seq, d).to(dtype)
+    cache_len = torch.tensor([0, 10, -1])
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_q = reference.rope_cache(qkv, cos, sin, cache_len, heads, ref_k, ref_v)
+    q = qkv.new_empty(bsz, n, heads, d)
+    emu.rope_cache(qkv, cos, sin, cache_len, heads, q, kc, vc)
+    assert torch.equal(q, ref_q) and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)

@@ -198,6 +198,7 @@ class Transformer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
+        self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self.activations = "exact"
         self.flatten_layers()
 
@@ -367,6 +368,40 @@ class Transformer:
                     captured[j] = x
         return x, captured
 
+    def _fused_static(self, cache: KVCache) -> bool:
+        """Whether the static path runs ``_decoder_fused``: on CUDA with the fused kernels built and a
+        cache in the model's dtype; ``fused_layers`` (True / False) overrides (tests run it on CPU)."""
+        if self.fused_layers is not None:
+            return bool(self.fused_layers)
+        return (self.device.type == "cuda" and ops.has_op("rope_cache", "CUDA") and ops.kernels_available()["cuda"]
+                and cache.k[0].dtype == self.dtype)
+
+    def _decoder_fused(self, x: Tensor, attend_qkv, capture=()) -> tuple[Tensor, list[Tensor]]:
+        """``_decoder`` with three fused kernels: each residual add joins the RMS norm after it
+        (``ops.add_rms_norm``: the MLP's output is added at the next layer's first norm), SiLU(gate) *
+        up is one kernel (``ops.silu_mul``), and ``attend_qkv(layer, qkv)`` rotates q / k while it
+        writes K / V (``ops.rope_cache``). Every value is rounded as in ``_decoder``; only the order of
+        the norms' float32 sums of squares differs."""
+        cfg = self.cfg
+        bsz, n = x.shape[:2]
+        eps = cfg.rms_norm_eps
+        captured: list = [None] * len(capture)
+        pending = None  # the previous layer's MLP output, not yet added to x
+        for li, layer in enumerate(self.layers):
+            x, h = ops.add_rms_norm(x, pending, layer.attn_norm, eps)
+            qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            attn = attend_qkv(li, qkv)
+            x, h = ops.add_rms_norm(x, layer.o(attn.reshape(bsz, n, self.q_size)), layer.mlp_norm, eps)
+            pending = layer.down(ops.silu_mul(layer.gate_up(h)))
+            if li in capture:
+                x, pending = x + pending, None
+                for j, c in enumerate(capture):
+                    if c == li:
+                        captured[j] = x
+        if pending is not None:
+            x = x + pending
+        return x, captured
+
     # ------------------------------------------------------------------------------------------
     # The static-shape path: what a CUDA graph captures (turbospec.model.runner).
     def ensure_rope(self, length: int) -> None:
@@ -399,6 +434,14 @@ class Transformer:
                 self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 ACTIVATION_MODES[self.activations], cache_len)
+            return self._head(x, features, captured, last)
+        if self._fused_static(cache):
+            def attend_qkv(li: int, qkv: Tensor) -> Tensor:
+                kc, vc = cache.k[li], cache.v[li]
+                q = ops.rope_cache(qkv, cos, sin, cache_len, cfg.num_heads, kc, vc)
+                return ops.tree_attention(q, kc, vc, cache_len, tree_mask_packed, self.scale)[0]
+
+            x, captured = self._decoder_fused(self.embed[input_ids], attend_qkv, capture)
             return self._head(x, features, captured, last)
         slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
 

@@ -636,6 +636,53 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # tree_attention
 # ----------------------------------------------------------------------------------------------
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Specification of ``turbospec::add_rms_norm``: (s, y) with s = x + delta in x's dtype (s = x
+    without delta) and y = weight * dtype(s * 1 / sqrt(mean(s^2) + eps)), the norm's math in float32.
+    The same roundings as the model's composite ``x + delta`` then ``rms_norm``; the order of the sum
+    of squares is the kernel's own (float32, fixed per kernel), so kernels match this to a few ulps
+    of float32 in the mean, which can move a 16-bit result by one unit in its last place."""
+    s = x if delta is None else x + delta
+    h = s.float()
+    inv = 1.0 / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return s, weight * (h * inv).to(x.dtype)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """Specification of ``turbospec::silu_mul``: gate_up [..., 2I] -> dtype(dtype(silu(gate)) * up)
+    [..., I], gate and up the two halves of the last dim (torch's ``F.silu(gate) * up``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rope_rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x * cos + roll(x, D/2) * sin_signed in x's dtype (sin_signed has its first half negated):
+    the rotary embedding as ``turbospec.model.rope.rotate`` computes it."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def rope_cache(qkv: Tensor, cos: Tensor, sin_signed: Tensor, cache_len: Tensor, num_heads: int, k_cache: Tensor,
+               v_cache: Tensor) -> Tensor:
+    """Specification of ``turbospec::rope_cache``: qkv [B, n, H + 2 Hkv, D] -> the rotated q heads
+    [B, n, H, D]; the rotated k heads and the v heads are written into k_cache / v_cache
+    [B, Hkv, S, D] at slot cache_len[b] + j for token j of row b. A row with cache_len < 0, or a slot
+    >= S, writes nothing there (no error: the kernels read cache_len on the device)."""
+    bsz, n, heads, _ = qkv.shape
+    h_kv = k_cache.shape[1]
+    if heads != num_heads + 2 * h_kv:
+        raise ValueError(f"rope_cache: qkv has {heads} heads, expected num_heads + 2 Hkv = {num_heads + 2 * h_kv}")
+    rot = rope_rotate(qkv[:, :, :num_heads + h_kv], cos, sin_signed)
+    for b in range(bsz):
+        length = int(cache_len[b])
+        for j in range(n):
+            slot = length + j
+            if length < 0 or slot >= k_cache.shape[2]:
+                continue
+            k_cache[b, :, slot] = rot[b, j, num_heads:]
+            v_cache[b, :, slot] = qkv[b, j, num_heads + h_kv:]
+    return rot[:, :, :num_heads].contiguous()
+
+
 def unpack_tree_mask(tree_mask_packed: Tensor, n: int) -> Tensor:
     """bool [B, n, n] from ``tree_mask_packed`` int64 [B, n]: entry [b, i, j] is bit j of row i
     (bit 63 is the sign bit; bits >= n are ignored)."""

@@ -309,6 +309,44 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -
     return out
 
 
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + delta, RMS norm of it) in one kernel (``reference.add_rms_norm``): x, delta [..., K] of one
+    float dtype, weight [K] of that dtype. Without delta: (x, RMS norm of x)."""
+    if _runs("add_rms_norm", x.device):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if delta is None:
+            torch.ops.turbospec.add_rms_norm.default(x, None, weight, float(eps), out, None)
+            return x, out
+        s = torch.empty_like(x)
+        torch.ops.turbospec.add_rms_norm.default(x, delta.contiguous(), weight, float(eps), out, s)
+        return s, out
+    return reference.add_rms_norm(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up of gate_up [..., 2I] = [gate | up] in one kernel (``reference.silu_mul``)."""
+    if _runs("silu_mul", gate_up.device):
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        torch.ops.turbospec.silu_mul.default(gate_up, out)
+        return out
+    return reference.silu_mul(gate_up)
+
+
+def rope_cache(qkv: Tensor, cos: Tensor, sin_signed: Tensor, cache_len: Tensor, num_heads: int, k_cache: Tensor,
+               v_cache: Tensor) -> Tensor:
+    """Rotate the q and k heads of qkv [B, n, H + 2 Hkv, D] and write k and v into the caches at
+    slots cache_len + j, in one kernel (``reference.rope_cache``); returns the rotated q [B, n, H, D]."""
+    if _runs("rope_cache", qkv.device):
+        qkv = qkv.contiguous()
+        q = qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads, qkv.shape[3])
+        torch.ops.turbospec.rope_cache.default(qkv, cos.contiguous(), sin_signed.contiguous(), cache_len,
+                                               int(num_heads), q, k_cache, v_cache)
+        return q
+    return reference.rope_cache(qkv, cos, sin_signed, cache_len, num_heads, k_cache, v_cache)
+
+
 def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     """uint8 [N, row bytes] GGUF blocks of format ``fmt`` -> float32 [N, K] (``reference.dequantize``)."""
     if _runs("dequantize", raw.device):
@@ -623,6 +661,51 @@ if _EXTENSION:
             torch._check(raw.dim() == 2 and raw.dtype == torch.uint8, msg)
             torch._check(raw.shape[1] == rb, msg)
             return raw.new_empty(raw.shape[0], k, dtype=torch.float32)
+
+    if has_op("add_rms_norm"):
+        @torch.library.register_fake("turbospec::add_rms_norm")
+        def _add_rms_norm_fake(x, delta, weight, eps, out, sum_out):
+            op = "add_rms_norm"
+            torch._check(x.dim() >= 1 and x.dtype in _FLOATS and x.shape[-1] >= 1,
+                         lambda: f"{op}: x must be float32, bfloat16 or float16 [..., K] with K >= 1, got {_describe(x)}")
+            torch._check(weight.dtype == x.dtype and tuple(weight.shape) == (x.shape[-1],),
+                         lambda: f"{op}: weight must be {_dtype_name(x.dtype)} [K] = [{x.shape[-1]}], "
+                                 f"got {_describe(weight)}")
+            torch._check((delta is None) == (sum_out is None),
+                         lambda: f"{op}: sum_out (where x + delta is written) must be given exactly when delta is")
+            for name, t in (("out", out), ("delta", delta), ("sum_out", sum_out)):
+                if t is not None:
+                    torch._check(t.dtype == x.dtype and t.shape == x.shape,
+                                 lambda: f"{op}: {name} must be {_dtype_name(x.dtype)} {list(x.shape)} (the dtype "
+                                         f"and shape of x), got {_describe(t)}")
+            return None
+
+        @torch.library.register_fake("turbospec::silu_mul")
+        def _silu_mul_fake(gate_up, out):
+            op = "silu_mul"
+            torch._check(gate_up.dim() >= 1 and gate_up.dtype in _FLOATS and gate_up.shape[-1] >= 2
+                         and gate_up.shape[-1] % 2 == 0,
+                         lambda: f"{op}: gate_up must be float32, bfloat16 or float16 [..., 2I] with I >= 1, "
+                                 f"got {_describe(gate_up)}")
+            want = [*gate_up.shape[:-1], gate_up.shape[-1] // 2]
+            torch._check(out.dtype == gate_up.dtype and list(out.shape) == want,
+                         lambda: f"{op}: out must be {_dtype_name(gate_up.dtype)} {want}, got {_describe(out)}")
+            return None
+
+        @torch.library.register_fake("turbospec::rope_cache")
+        def _rope_cache_fake(qkv, cos, sin_signed, cache_len, num_heads, q_out, k_cache, v_cache):
+            op = "rope_cache"
+            torch._check(qkv.dim() == 4 and qkv.dtype in _FLOATS,
+                         lambda: f"{op}: qkv must be float32, bfloat16 or float16 [B, n, H + 2 Hkv, D], "
+                                 f"got {_describe(qkv)}")
+            bsz, n, _, d = qkv.shape
+            torch._check(k_cache.dim() == 4 and qkv.shape[2] == num_heads + 2 * k_cache.shape[1],
+                         lambda: f"{op}: qkv must hold num_heads = {num_heads} q heads and 2 x Hkv k / v heads "
+                                 f"in dim 2, got {_describe(qkv)} and k_cache {_describe(k_cache)}")
+            torch._check(list(q_out.shape) == [bsz, n, num_heads, d] and q_out.dtype == qkv.dtype,
+                         lambda: f"{op}: q_out must be {_dtype_name(qkv.dtype)} [B, n, H, D] = "
+                                 f"{[bsz, n, num_heads, d]}, got {_describe(q_out)}")
+            return None
 
     if has_op("rms_norm"):
         @torch.library.register_fake("turbospec::rms_norm")

@@ -8,6 +8,7 @@
 
 #include "../../../csrc/cuda/build_tree.cu"
 #include "../../../csrc/cuda/compact_kv.cu"
+#include "../../../csrc/cuda/layer_ops.cu"
 #include "../../../csrc/cuda/tree_attention.cu"
 #include "../../../csrc/cuda/verify.cu"
 
@@ -21,6 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     turbospec::gpu::compact_kv_cuda(caches, prefix_len, accept_index, accept_len);
   });
   m.def("tree_attention", &turbospec::gpu::tree_attention_cuda);
+  m.def("add_rms_norm", &turbospec::gpu::add_rms_norm_cuda);
+  m.def("silu_mul", &turbospec::gpu::silu_mul_cuda);
+  m.def("rope_cache", &turbospec::gpu::rope_cache_cuda);
   m.def("set_tree_attention_splits", [](int sms, int splits, int min_chunk) {
     turbospec::gpu::attn_emu_sms = sms;
     turbospec::gpu::attn_emu_splits = splits;
