@@ -116,10 +116,11 @@ def profile_ops(args) -> None:
             cl = torch.tensor([prefix], device=dev)
             out = torch.empty_like(q)
             tab = kernel_table(lambda: ops.tree_attention(q, kc, vc, cl, packed, d ** -0.5, out=out), args.steps, dev)
-            kv_mb = 2 * hkv * (prefix + n) * d * q.element_size() / 1e6
-            t = sum(x for _, _, x in tab)
+            kv_bytes = 2 * hkv * (prefix + n) * d * q.element_size()
+            t = sum(x for _, _, x in tab)  # µs
             print(f"| tree_attention Hq={hq} Hkv={hkv} D={d} prefix={prefix} n={n} | "
-                  f"{', '.join(k[:40] for k, _, _ in tab[:2])} | {t:.1f} ({kv_mb / max(t, 1e-9):.0f} GB/s of K/V) |")
+                  f"{', '.join(k[:40] for k, _, _ in tab[:2])} | {t:.1f} ({kv_bytes / max(t, 1e-9) / 1e3:.0f} GB/s "
+                  f"of K/V) |")
 
 
 def main() -> int:
