@@ -69,7 +69,7 @@ echo "link_cuda: built $(ls turbospec/_C*.so) in $(( $(date +%s) - START ))s"
 import sys
 import torch
 import turbospec.ops as ops
-ops_with_cuda = ("build_tree", "verify", "compact_kv", "tree_attention")
+ops_with_cuda = ("build_tree", "verify", "compact_kv", "tree_attention", "add_rms_norm", "silu_mul", "rope_cache")
 missing = [op for op in ops_with_cuda if not torch._C._dispatch_has_kernel_for_dispatch_key(f"turbospec::{op}", "CUDA")]
 print(f"link_cuda: kernels_available() = {ops.kernels_available()}; CUDA kernels for {', '.join(ops_with_cuda)}:",
       "all registered" if not missing else f"MISSING {missing}")
