@@ -7,8 +7,9 @@
 // These three ops do the same arithmetic with torch's roundings (float32 math, each stored value
 // rounded to the dtype; multiplies and adds are written as __fmul_rn / __fadd_rn so that nvcc
 // does not contract them into an FMA that torch does not do), one kernel each:
-// - add_rms_norm: one block per row; the residual add and the norm (the sum of squares is a fixed
-//   block-tree order, so a row's result never depends on the other rows or the row count);
+// - add_rms_norm: one warp per row up to 1024 values (in registers), else one block per row; the
+//   residual add and the norm (the sum of squares in a fixed lane / tree order, so a row's result
+//   never depends on the other rows or the row count);
 // - silu_mul: elementwise over [rows, I];
 // - rope_cache: one thread per (b, j, head, d) of qkv: q heads rotated into q_out, k heads rotated
 //   and v heads copied into the caches at slot cache_len[b] + j (read on the device: graph-safe).
@@ -34,7 +35,7 @@ struct NormParams {
   const void* weight;
   void* out;
   void* sum;  // x + delta (when delta)
-  int64_t K;
+  int64_t rows, K;
   float eps;
   int type;
 };
@@ -57,6 +58,43 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(const NormParams p) 
   for (int64_t k = threadIdx.x; k < p.K; k += blockDim.x) {
     const float h = round_to(mul_rn(load_float(src, base + k, p.type), inv), p.type);
     store_float(p.out, base + k, p.type, mul_rn(load_float(p.weight, k, p.type), h));
+  }
+}
+
+// Rows of K <= kWarpRowMax * 32 (SmolLM2's 576, Qwen2.5-0.5B's 896): one warp per row, the row in
+// registers, a shuffle reduction and no block barrier. The block kernel above took 4.9 µs per
+// 576-wide row on the H100 (bench/RESULTS.md, GPU run 2026-11-26), mostly its two barriers.
+constexpr int kWarpRowMax = 32;
+constexpr int kWarpRowThreads = 128;
+
+__global__ void __launch_bounds__(kWarpRowThreads) add_rms_norm_warp_kernel(const NormParams p) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  if (row >= p.rows) return;  // the whole warp: row is the same for its 32 lanes
+  const int64_t base = row * p.K;
+  float v[kWarpRowMax];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kWarpRowMax; ++i) {
+    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
+    v[i] = 0.f;
+    if (k < p.K) {
+      float s = load_float(p.x, base + k, p.type);
+      if (p.delta != nullptr) {
+        s = round_to(add_rn(s, load_float(p.delta, base + k, p.type)), p.type);
+        store_float(p.sum, base + k, p.type, s);
+      }
+      v[i] = s;
+      ss = add_rn(ss, mul_rn(s, s));
+    }
+  }
+  ss = warp_sum(ss);
+  const float inv = 1.f / sqrtf(add_rn(ss / static_cast<float>(p.K), p.eps));
+#pragma unroll
+  for (int i = 0; i < kWarpRowMax; ++i) {
+    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
+    if (k < p.K)
+      store_float(p.out, base + k, p.type, mul_rn(load_float(p.weight, k, p.type), round_to(mul_rn(v[i], inv), p.type)));
   }
 }
 
@@ -136,10 +174,17 @@ void add_rms_norm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& del
   p.weight = weight.data_ptr();
   p.out = out.data_ptr();
   p.sum = sum_out ? sum_out->data_ptr() : nullptr;
+  p.rows = d.rows;
   p.K = d.K;
   p.eps = static_cast<float>(eps);
   p.type = float_type_of(x);
-  // One block per row, a thread per 4-8 values (a row of 576-8192 values: 128-1024 threads).
+  if (d.K <= kWarpRowMax * kWarpSize) {
+    constexpr int64_t rows_per_block = kWarpRowThreads / kWarpSize;
+    TS_LAUNCH(add_rms_norm_warp_kernel, dim3(static_cast<unsigned>((d.rows + rows_per_block - 1) / rows_per_block)),
+              dim3(kWarpRowThreads), p);
+    return;
+  }
+  // Longer rows: one block per row, a thread per 4-8 values (a row of 576-8192 values: 128-1024 threads).
   int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(64, (d.K / 4 + 31) / 32 * 32)));
 #ifdef TURBOSPEC_EMULATE
   if (::emu::block_threads_override > 0) threads = ::emu::block_threads_override;

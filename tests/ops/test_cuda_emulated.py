@@ -296,11 +296,13 @@ def test_tree_attention_out_of_range_rows_attend_nothing(emu, splits):
 # ---------------------------------------------------------------------------------------------
 # The fused decoder-layer ops (csrc/cuda/layer_ops.cu)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("threads", [32, 64])
-def test_add_rms_norm_emulated(emu, dtype, threads):
-    x = (torch.randn(3, 100, generator=gen(40)) * 3).to(dtype)
-    delta = torch.randn(3, 100, generator=gen(41)).to(dtype)
-    w = (1 + 0.1 * torch.randn(100, generator=gen(42))).to(dtype)
+@pytest.mark.parametrize("rows, k, threads", [(3, 100, 0), (5, 1024, 0), (2, 1100, 32), (2, 1100, 64)])
+def test_add_rms_norm_emulated(emu, dtype, rows, k, threads):
+    """K <= 1024: the warp-per-row kernel (5 rows: a partly filled block); longer rows: the
+    block-per-row kernel at two block sizes."""
+    x = (torch.randn(rows, k, generator=gen(40)) * 3).to(dtype)
+    delta = torch.randn(rows, k, generator=gen(41)).to(dtype)
+    w = (1 + 0.1 * torch.randn(k, generator=gen(42))).to(dtype)
     emu.set_block_threads(threads)
     try:
         for d in (None, delta):
