@@ -345,3 +345,12 @@ def assert_row_equals_alone(batch_out, b: int, alone_out, n_real: int, context: 
                             ("output_token_ids", batch_out[2][b], alone_out[2][0])):
         assert got.tolist() == want.tolist() + pad, f"{name} of row {b} {context}"
 
+
+def prompts_mixed(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of different lengths; some repeat themselves (n-gram lookup then drafts)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
+        out.append(p * (1 + i % 3))
+    return out

@@ -11,17 +11,8 @@ import turbospec
 from turbospec import Engine, Request
 from turbospec.decode import batch as batch_mod
 
-from helpers import N_NEW, PROMPT, engine, hf_greedy, make_head, make_tiny_model, make_tiny_tokenizer
-
-
-def prompts_mixed(n: int, seed: int = 0) -> list[list[int]]:
-    """Prompts of different lengths; some repeat themselves (n-gram lookup then drafts)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
-        out.append(p * (1 + i % 3))
-    return out
+from helpers import (N_NEW, PROMPT, engine, hf_greedy, make_head, make_tiny_model, make_tiny_tokenizer,
+                     prompts_mixed)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """The batched path on each device (issue 12 §3: its CUDA tests): mixed per-row sampling
-parameters, ragged drafts, requests joining and leaving, on CPU and, where there is one, on CUDA.
+parameters, ragged drafts (``prompts_mixed``: some prompts repeat themselves, so n-gram lookup drafts
+for some rows and not others), requests joining and leaving, on CPU and, where there is one, on CUDA.
 
 On CUDA the dense linears are cuBLAS matmuls whose reduction order may depend on the row count, so
 these tests hold greedy float32 rows to transformers' greedy output (the bar of the single-request
@@ -13,7 +14,7 @@ import torch
 import turbospec
 from turbospec import Engine, Request
 
-from helpers import hf_greedy, make_tiny_model
+from helpers import hf_greedy, make_tiny_model, prompts_mixed
 
 DEVICES = ["cpu", "cuda"]
 
@@ -21,17 +22,6 @@ DEVICES = ["cpu", "cuda"]
 def need(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-
-
-def ragged_prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts of 2..13 tokens, some repeated 2-3 times (n-gram lookup drafts there, not elsewhere:
-    ragged draft lengths in one step)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
-        out.append(p * (1 + i % 3))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +33,7 @@ def tiny():
 def test_batch_greedy_fp32_equals_hf_on(device, tiny):
     need(device)
     eng = Engine(tiny, drafter="ngram", device=device, max_seq_len=128, max_batch=4)
-    prompts = ragged_prompts(7, seed=6)
+    prompts = prompts_mixed(7, seed=6)
     lengths = [12, 5, 20, 9, 16, 3, 11]
     out = eng.generate([Request(p, max_new_tokens=m) for p, m in zip(prompts, lengths)])
     for p, m, g in zip(prompts, lengths, out):
@@ -59,7 +49,7 @@ def test_batch_mixed_sampling_params_on(device, tiny):
     sampled rows are valid tokens of the requested length, a seed is reproducible within the engine."""
     need(device)
     eng = Engine(tiny, drafter="ngram", device=device, max_seq_len=128, max_batch=4)
-    prompts = ragged_prompts(8, seed=7)
+    prompts = prompts_mixed(8, seed=7)
     settings = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=1.2, top_k=20),
                 dict(temperature=1.0, top_p=0.7)]
     reqs = [Request(p, max_new_tokens=14, seed=200 + i, **settings[i % 4]) for i, p in enumerate(prompts)]
@@ -78,7 +68,7 @@ def test_batch_join_and_leave_on(device, tiny):
     """Six requests through two slots: each leaves when done and the next one takes its slot."""
     need(device)
     eng = Engine(tiny, drafter="ngram", device=device, max_seq_len=128, max_batch=2)
-    prompts = ragged_prompts(6, seed=8)
+    prompts = prompts_mixed(6, seed=8)
     lengths = [2, 18, 4, 7, 1, 10]
     out = eng.generate([Request(p, max_new_tokens=m) for p, m in zip(prompts, lengths)])
     assert [len(g.token_ids) for g in out] == lengths

@@ -199,6 +199,7 @@ class Transformer:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
+        self._fused_kernels: bool | None = None
         self.activations = "exact"
         self.flatten_layers()
 
@@ -373,8 +374,10 @@ class Transformer:
         cache in the model's dtype; ``fused_layers`` (True / False) overrides (tests run it on CPU)."""
         if self.fused_layers is not None:
             return bool(self.fused_layers)
-        return (self.device.type == "cuda" and ops.has_op("rope_cache", "CUDA") and ops.kernels_available()["cuda"]
-                and cache.k[0].dtype == self.dtype)
+        if self._fused_kernels is None:  # decided once: the device and the built kernels do not change
+            self._fused_kernels = (self.device.type == "cuda" and ops.has_op("rope_cache", "CUDA")
+                                   and ops.kernels_available()["cuda"])
+        return self._fused_kernels and cache.k[0].dtype == self.dtype
 
     def _decoder_fused(self, x: Tensor, attend_qkv, capture=()) -> tuple[Tensor, list[Tensor]]:
         """``_decoder`` with three fused kernels: each residual add joins the RMS norm after it
