@@ -12,8 +12,10 @@
 
 #include <algorithm>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
+#include "../checks.h"
 #include "linear.h"
 #include "rms_norm.h"
 #include "tree_attention.h"
@@ -23,35 +25,67 @@ namespace {
 
 constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 
-// Same formula as model.rms_norm (float32: the turbospec::rms_norm kernel).
+// Same formula as model.rms_norm (the turbospec::rms_norm kernel in float32 / bfloat16 / float16).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  if (x.scalar_type() == at::kFloat) {
-    if (weight.scalar_type() != at::kFloat) return at::rms_norm(x, {weight.size(0)}, weight, eps);
-    at::Tensor y = at::empty(x.sizes(), x.options());
-    const at::Tensor xc = x.contiguous();
-    rms_norm_rows(xc.data_ptr<float>(), x.size(-1), weight.contiguous().data_ptr<float>(), x.numel() / x.size(-1),
-                  x.size(-1), static_cast<float>(eps), y.data_ptr<float>(), x.size(-1));
-    return y;
+  const auto dt = x.scalar_type();
+  if (weight.scalar_type() != dt) return at::rms_norm(x, {weight.size(0)}, weight, eps);
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();
+  at::Tensor y = at::empty(xf.sizes(), xf.options());
+  const int64_t K = x.size(-1), R = x.numel() / K;
+  const float e = static_cast<float>(eps);
+  switch (dt) {
+    case at::kFloat: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<float>(), R, K, e, y.data_ptr<float>(), K); break;
+    case at::kBFloat16:
+      rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::BFloat16>(), R, K, e, y.data_ptr<float>(), K);
+      break;
+    case at::kHalf: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::Half>(), R, K, e, y.data_ptr<float>(), K); break;
+    default: return at::rms_norm(x, {weight.size(0)}, weight, eps);
   }
-  at::Tensor h = x.to(at::kFloat);
-  h = h * at::rsqrt(h.pow(2).mean({-1}, /*keepdim=*/true) + eps);
-  return weight * h.to(x.scalar_type());
+  return y.to(dt);
 }
 
-bool all_float(at::TensorList ts) {
-  return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.scalar_type() == at::kFloat; });
+bool all_dtype(at::TensorList ts, c10::ScalarType dtype) {
+  return std::all_of(ts.begin(), ts.end(), [&](const at::Tensor& t) { return t.scalar_type() == dtype; });
 }
 
 // float32 caches whose head dimension is contiguous (the raw loops write K/V rows with stride 1).
 bool raw_caches(at::TensorList ts) {
-  return all_float(ts) &&
+  return all_dtype(ts, at::kFloat) &&
          std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.dim() == 4 && t.stride(3) == 1; });
 }
 
-// The float32 layer loop on raw buffers: the same arithmetic as the ATen loop below, operation for
-// operation (element-wise float32 multiplies and adds are correctly rounded, so a loop gives the bits
-// the ATen op gives), without ~35 ATen calls per layer. Buffers are allocated once per call.
-std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+// A value rounded to the model's dtype T, kept as float32 (T = float: the value itself).
+template <typename T>
+inline float rnd(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return static_cast<float>(static_cast<T>(v));
+  }
+}
+
+template <typename T>
+void round_all(float* p, int64_t count) {
+  if constexpr (!std::is_same_v<T, float>)
+    for (int64_t i = 0; i < count; ++i) p[i] = rnd<T>(p[i]);
+}
+
+// A T tensor's values as float32 (exact).
+template <typename T>
+std::vector<float> floats(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const T* p = c.data_ptr<T>();
+  return std::vector<float>(p, p + c.numel());
+}
+
+// The layer loop on raw buffers for a model of dtype T (float32 / bfloat16 / float16; float32 K/V
+// caches): the same arithmetic as the ATen loop below, operation for operation, without ~35 ATen
+// calls per layer. Activations live in float32 buffers; every value the ATen loop stores in a T
+// tensor is rounded to T here at the same point (rnd<T>), and element-wise float32 multiplies and adds
+// are correctly rounded, so a loop gives the bits the ATen op gives. SiLU stays an ATen call (its exp).
+// Buffers are allocated once per call.
+template <typename T>
+std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                                    const at::Tensor& mask, const at::Tensor& lens, at::TensorList norms,
                                    at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef counts,
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
@@ -61,7 +95,7 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
   const float eps = static_cast<float>(eps_d);
-  const auto opts = x_in.options();
+  const auto fopts = x_in.options().dtype(at::kFloat);
   // Shapes the raw loops rely on (the ATen loop's views would check them).
   TORCH_CHECK(cos_in.dim() == 4 && (cos_in.size(0) == 1 || cos_in.size(0) == B) && cos_in.size(1) == n &&
                   cos_in.size(2) == 1 && sin_in.sizes() == cos_in.sizes(),
@@ -86,21 +120,25 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
                   "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", max_len + n, ", ", d,
                   "], got ", c.sizes());
   }
-  at::Tensor x = x_in.contiguous().clone();
-  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  const int64_t cos_b = cos.size(0) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
-  at::Tensor h = at::empty({R, hid}, opts), qkv = at::empty({R, nqkv}, opts), y = at::empty({R, hid}, opts);
-  at::Tensor q = at::empty({B, n, H, d}, opts), attn = at::empty({B, n, H, d}, opts);
+  at::Tensor x = x_in.to(at::kFloat).contiguous();
+  if (x.data_ptr() == x_in.data_ptr()) x = x.clone();
+  const std::vector<float> cosv = floats<T>(cos_in), sinv = floats<T>(sin_in);
+  const int64_t cos_b = cos_in.size(0) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
+  at::Tensor h = at::empty({R, hid}, fopts), qkv = at::empty({R, nqkv}, fopts), y = at::empty({R, hid}, fopts);
+  at::Tensor q = at::empty({B, n, H, d}, fopts), attn = at::empty({B, n, H, d}, fopts);
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  const float* cp = cosv.data();
+  const float* sp = sinv.data();
   const int64_t* lp = lens.data_ptr<int64_t>();  // row b's new tokens go to slots lp[b] + i
+  // a copy in the model's dtype (exact: x holds T values)
+  const auto to_model = [&](const at::Tensor& t) { return t.to(x_in.scalar_type(), false, /*copy=*/true); };
   std::vector<at::Tensor> out(1 + capture.size());
-  at::Tensor gu, act;
+  at::Tensor gu, act, gu_t, act_t;  // gu_t / act_t: gate_up / SiLU in T for the ATen SiLU
+  std::vector<float> bias_f;
   size_t seg = 0;
   auto lin = [&](int64_t l, int64_t j, const float* in, int64_t K, const float* bias, float* dst) {
     const int64_t c = counts[l * kLinears + j];
@@ -108,7 +146,10 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
     seg += c;
   };
   auto add_into = [&](float* dst, const float* src, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + src[i];
+    for (int64_t i = 0; i < count; ++i) dst[i] = rnd<T>(dst[i] + src[i]);
+  };
+  auto norm = [&](const at::Tensor& w) {
+    rms_norm_rows(xp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, hp, hid);
   };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& kc = k_cache[l];
@@ -117,9 +158,16 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
     float* vp = vc.data_ptr<float>();
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
-    rms_norm_rows(xp, hid, norms[2 * l].contiguous().data_ptr<float>(), R, hid, eps, hp, hid);
-    lin(l, 0, hp, hid, biases.empty() ? nullptr : biases[l].contiguous().data_ptr<float>(), qkvp);
-    // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed); k and v into the cache
+    norm(norms[2 * l]);
+    const float* bias = nullptr;
+    if (!biases.empty()) {
+      bias_f = floats<T>(biases[l]);
+      bias = bias_f.data();
+    }
+    lin(l, 0, hp, hid, bias, qkvp);
+    round_all<T>(qkvp, R * nqkv);
+    // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
+    // T); k and v into the cache
     for (int64_t r = 0; r < R; ++r) {
       const int64_t b = r / n, i = r % n;
       const float* c = cp + b * cos_b + i * d;
@@ -129,9 +177,9 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
         const float* xs = src + hh * d;
         float* dst = hh < H ? qp + (r * H + hh) * d : kp + b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2;
         for (int64_t e = 0; e < d; ++e) {
-          const float a = xs[e] * c[e];
-          const float rot = xs[e < half ? e + half : e - half] * sn[e];
-          dst[e] = a + rot;
+          const float a = rnd<T>(xs[e] * c[e]);
+          const float rot = rnd<T>(xs[e < half ? e + half : e - half] * sn[e]);
+          dst[e] = rnd<T>(a + rot);
         }
       }
       for (int64_t hv = 0; hv < Hkv; ++hv)
@@ -139,27 +187,44 @@ std::vector<at::Tensor> layers_f32(const at::Tensor& x_in, const at::Tensor& cos
                   vp + b * vs0 + hv * vs1 + (lp[b] + i) * vs2);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);
+    round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
+    round_all<T>(yp, R * hid);
     add_into(xp, yp, R * hid);
-    rms_norm_rows(xp, hid, norms[2 * l + 1].contiguous().data_ptr<float>(), R, hid, eps, hp, hid);
-    const int64_t width = gu_width[l];
+    norm(norms[2 * l + 1]);
+    const int64_t width = gu_width[l], I = width / 2;
     if (!gu.defined() || gu.size(-1) != width) {
-      gu = at::empty({B, n, width}, opts);
-      act = at::empty({B, n, width / 2}, opts);
+      gu = at::empty({B, n, width}, fopts);
+      act = at::empty({B, n, I}, fopts);
+      if constexpr (!std::is_same_v<T, float>) {
+        gu_t = at::empty({B, n, width}, x_in.options());
+        act_t = at::empty({B, n, I}, x_in.options());
+      }
     }
     lin(l, 2, hp, hid, nullptr, gu.data_ptr<float>());
-    const int64_t I = width / 2;
-    at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
     float* ap = act.data_ptr<float>();
     const float* up = gu.data_ptr<float>() + I;
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+    if constexpr (std::is_same_v<T, float>) {
+      at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+    } else {
+      const float* gp = gu.data_ptr<float>();
+      T* gt = gu_t.data_ptr<T>();
+      for (int64_t i = 0; i < R * width; ++i) gt[i] = static_cast<T>(gp[i]);  // gate_up's output in T
+      at::silu_out(act_t, gu_t.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
+      const T* at_ = act_t.data_ptr<T>();
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t k = 0; k < I; ++k)
+          ap[r * I + k] = rnd<T>(static_cast<float>(at_[r * I + k]) * rnd<T>(up[r * width + k]));
+    }
     lin(l, 3, ap, I, nullptr, yp);
+    round_all<T>(yp, R * hid);
     add_into(xp, yp, R * hid);
     for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == l) out[1 + c] = x.clone();
+      if (capture[c] == l) out[1 + c] = to_model(x);
   }
-  out[0] = x;
+  out[0] = to_model(x);
   return out;
 }
 
@@ -215,10 +280,19 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
   const auto dtype = x_in.scalar_type();
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
-  if (dtype == at::kFloat && cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat &&
-      all_float(norms) && all_float(biases) && raw_caches(k_cache) && raw_caches(v_cache) && d % 2 == 0)
-    return layers_f32(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache, v_cache,
-                      max_len, num_heads, num_kv_heads, eps, scale, capture, activations);
+  // The raw loop: float32 / bfloat16 / float16 models (every input of the model's dtype), float32 caches.
+  const at::Tensor rope[] = {cos, sin_signed};
+  if (is_float_dtype(dtype) && all_dtype(rope, dtype) && all_dtype(norms, dtype) && all_dtype(biases, dtype) &&
+      raw_caches(k_cache) && raw_caches(v_cache) && d % 2 == 0) {
+    auto run = [&](auto tag) {
+      using T = decltype(tag);
+      return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
+                           v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations);
+    };
+    if (dtype == at::kBFloat16) return run(c10::BFloat16{});
+    if (dtype == at::kHalf) return run(c10::Half{});
+    return run(float{});
+  }
   at::Tensor x = x_in;
   std::vector<at::Tensor> out(1 + capture.size());
   size_t seg = 0;

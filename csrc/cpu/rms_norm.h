@@ -1,6 +1,9 @@
 // rms_norm (csrc/cpu/rms_norm.cpp): y = weight * (x * (1 / sqrt(mean(x^2) + eps))) per row of K
-// float32 values, mean(x^2) summed in one fixed order (reference.rms_norm) on every instruction set.
+// values, mean(x^2) summed in float32 in one fixed order (reference.rms_norm) on every instruction set.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 
@@ -8,6 +11,12 @@ namespace turbospec {
 
 // R rows: x [R, K] (row stride ldx) -> y [R, K] (row stride ldy); y may be x.
 void rms_norm_rows(const float* x, int64_t ldx, const float* weight, int64_t R, int64_t K, float eps, float* y,
+                   int64_t ldy);
+// A 16-bit model's rows: x holds values of the weight's dtype T (as float32), y gets
+// T(weight * T(x * inv)) as float32 (exactly representable in T).
+void rms_norm_rows(const float* x, int64_t ldx, const c10::BFloat16* weight, int64_t R, int64_t K, float eps,
+                   float* y, int64_t ldy);
+void rms_norm_rows(const float* x, int64_t ldx, const c10::Half* weight, int64_t R, int64_t K, float eps, float* y,
                    int64_t ldy);
 
 }  // namespace turbospec

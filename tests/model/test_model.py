@@ -332,17 +332,30 @@ def test_default_model_loads(smollm2_dir, smollm2):
     assert loader.resolve_model_dir(turbospec.default_model_path()) == smollm2_dir
 
 
+@pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpp_layer_loop_bit_identical_to_python(kind, dtype):
-    """turbospec::llama_layers (C++) runs the same ATen ops as Transformer._layers_python: prefill,
-    a tree-masked verify and a decode step give identical logits and identical caches."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
+    """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
+    rounds: prefill, a tree-masked verify and a decode step give identical logits and identical caches.
+    The float32 caches a CPU model makes run the raw-buffer loop (every dtype); a cache in a 16-bit
+    model's own dtype runs the ATen loop."""
     from turbospec.ops import has_op
     if not has_op("llama_layers"):
         pytest.skip("turbospec._C with llama_layers is not built")
+    if cache_dtype == "model" and dtype == torch.float32:
+        pytest.skip("the float32 model's cache is float32 either way")
     hf = make_tiny_model(kind)
     model = turbospec.load_model(hf, dtype=dtype)
     assert model._flat is not None
+    if cache_dtype == "model":
+        new_cache = model.new_cache
+
+        def model_dtype_cache(length: int, batch_size: int = 1):
+            c = new_cache(length, batch_size)
+            c.k, c.v = [t.to(dtype) for t in c.k], [t.to(dtype) for t in c.v]
+            return c
+        model.new_cache = model_dtype_cache
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                           [1, 0, 1, 0, 1]]], dtype=torch.bool)
@@ -363,7 +376,7 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs
     the C++ layer loop with per-row cache lengths on CPU: logits, features and every cache slot are

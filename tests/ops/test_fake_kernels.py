@@ -83,9 +83,9 @@ def tree_attention_args(dtype: torch.dtype = torch.float32, with_lse: bool = Tru
     return q, k, v, cache_len, packed, 0.25, include_prefix, torch.empty(q.shape, dtype=dtype), lse
 
 
-def rms_norm_args() -> tuple:
-    x = torch.randn(3, 4, 16, generator=gen(4))
-    return x, torch.randn(16, generator=gen(5)), 1e-6, torch.empty_like(x)
+def rms_norm_args(dtype: torch.dtype = torch.float32) -> tuple:
+    x = torch.randn(3, 4, 16, generator=gen(4)).to(dtype)
+    return x, torch.randn(16, generator=gen(5)).to(dtype), 1e-6, torch.empty_like(x)
 
 
 def small_linear_args(dtype: torch.dtype = torch.float32, wdtype: torch.dtype = torch.float32) -> tuple:
@@ -169,12 +169,13 @@ def test_valid_call_traces_with_symbolic_shapes(case):
         assert meta(got) == meta(real)
 
 
-def test_opcheck_rms_norm():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_opcheck_rms_norm(dtype):
     """rms_norm has no opcheck elsewhere (the other ops' opchecks are in test_ops / test_tree_attention /
     test_linear): the fake against the kernel, with static and dynamic shapes."""
     op = op_of("rms_norm")
-    torch.library.opcheck(op, rms_norm_args(), test_utils=("test_schema", "test_faketensor",
-                                                           "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(op, rms_norm_args(dtype), test_utils=("test_schema", "test_faketensor",
+                                                                "test_aot_dispatch_dynamic"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,8 +292,11 @@ BAD = [
     ("tree_attention-scale", "tree_attention", {"scale": float("nan")},
      r"tree_attention: scale must be a finite number \(e.g. 1 / sqrt\(D\)\), got nan"),
     # rms_norm
-    ("rms_norm-x-bf16", "rms_norm", {"x": torch.zeros(3, 16, dtype=torch.bfloat16)},
-     r"rms_norm: x must be a float32 tensor \[..., K\], got bfloat16 \[3, 16\]"),
+    ("rms_norm-x-int", "rms_norm", {"x": torch.zeros(3, 16, dtype=torch.int64)},
+     r"rms_norm: x must be a float32 / bfloat16 / float16 tensor \[..., K\], got int64 \[3, 16\]"),
+    ("rms_norm-weight-dtype", "rms_norm", {"x": torch.zeros(3, 4, 16, dtype=torch.bfloat16),
+                                           "out": torch.zeros(3, 4, 16, dtype=torch.bfloat16)},
+     r"rms_norm: weight must be bfloat16 \[K\] = \[16\], got float32 \[16\]"),
     ("rms_norm-weight-size", "rms_norm", {"weight": torch.ones(15)},
      r"rms_norm: weight must be float32 \[K\] = \[16\], got float32 \[15\]"),
     ("rms_norm-weight-2d", "rms_norm", {"weight": torch.ones(1, 16)},

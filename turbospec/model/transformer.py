@@ -137,10 +137,13 @@ class Linear:
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if _CPU_RMS_NORM and x.device.type == "cpu" and weight.dtype == x.dtype \
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and not (x.requires_grad or weight.requires_grad):
+        # one fixed order in every dtype (llama_layers runs the same kernel); the roundings of the
+        # formula below, whose sum of squares is torch's own order
+        return ops.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:
-        if _CPU_RMS_NORM and x.device.type == "cpu" and weight.dtype == torch.float32 \
-                and not (x.requires_grad or weight.requires_grad):
-            return ops.rms_norm(x, weight, eps)  # one fixed order (llama_layers runs the same kernel)
         return F.rms_norm(x, weight.shape, weight, eps)  # bit-identical to the formula below
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -611,10 +611,12 @@ def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | 
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Specification of ``turbospec::rms_norm`` (float32): per row of K values, lane j in 0..7 sums
+    """Specification of ``turbospec::rms_norm``: per row of K values, lane j in 0..7 sums
     x[8t + j]^2 over t = 0, 1, ... in increasing t (x zero-padded to a multiple of 8; each step
     rounds the square, then the sum), s = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)),
-    inv = 1 / sqrt(s / K + eps), y = weight * (x * inv); every operation in float32."""
+    inv = 1 / sqrt(s / K + eps), y = weight * (x * inv); every operation in float32. For bfloat16 /
+    float16 x (and weight of that dtype) the sum and inv are the same float32 numbers and
+    y = weight * T(x * inv) in T: the roundings of the composite norm HF models run."""
     k = x.shape[-1]
     xf = x.float()
     lanes = torch.nn.functional.pad(xf, (0, (-k) % 8)).unflatten(-1, (-1, 8))
@@ -630,6 +632,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # (torch's float32 sqrt is not correctly rounded on every CPU path)
     root = torch.sqrt((ms + torch.tensor(eps, dtype=torch.float32)).double()).float()
     inv = (1.0 / root.double()).float()
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return weight * (xf * inv[..., None]).to(x.dtype)
     return weight.float() * (xf * inv[..., None])
 
 

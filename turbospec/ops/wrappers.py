@@ -293,13 +293,16 @@ def linear(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tensor | 
     return reference.linear(x, weights, formats, bias)
 
 
+_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
-    """RMS norm of float32 rows in one fixed order (reference: ``reference.rms_norm``): the same bits
-    on every instruction set and for a row whatever the other rows. x [..., K], weight float32 [K];
-    ``out`` (contiguous, x's shape) may be x."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: x must be float32 [..., K] and weight float32 [K], got x {x.dtype} "
-                         f"{tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
+    """RMS norm of rows in one fixed order (reference: ``reference.rms_norm``): the same bits on every
+    instruction set and for a row whatever the other rows. x [..., K] float32 / bfloat16 / float16,
+    weight [K] of x's dtype; ``out`` (contiguous, x's shape and dtype) may be x."""
+    if x.dtype not in _NORM_DTYPES or weight.dtype != x.dtype or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: x must be float32 / bfloat16 / float16 [..., K] and weight [K] of x's dtype, "
+                         f"got x {x.dtype} {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}")
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if _runs("rms_norm", x.device):
@@ -543,14 +546,15 @@ def _check_tree_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
 
 
 def _check_rms_norm_fake(x: Tensor, weight: Tensor, eps: float, out: Tensor) -> None:
-    torch._check(x.dtype == torch.float32 and x.dim() >= 1,
-                 lambda: f"rms_norm: x must be a float32 tensor [..., K], got {_describe(x)}")
+    torch._check(x.dtype in _NORM_DTYPES and x.dim() >= 1,
+                 lambda: f"rms_norm: x must be a float32 / bfloat16 / float16 tensor [..., K], got {_describe(x)}")
     k = x.shape[-1]
-    _check_tensor("rms_norm", "weight", weight, (torch.float32,), (("K", k),))
+    _check_tensor("rms_norm", "weight", weight, (x.dtype,), (("K", k),))
 
     def out_msg() -> str:
-        return f"rms_norm: out must be a contiguous float32 tensor of x's shape {_shape(x.shape)}, got {_describe(out)}"
-    torch._check(out.dtype == torch.float32 and out.dim() == x.dim(), out_msg)
+        return (f"rms_norm: out must be a contiguous {_dtype_name(x.dtype)} tensor of x's shape {_shape(x.shape)}, "
+                f"got {_describe(out)}")
+    torch._check(out.dtype == x.dtype and out.dim() == x.dim(), out_msg)
     for i in range(x.dim()):
         torch._check(out.shape[i] == x.shape[i], out_msg)
     torch._check(out.is_contiguous(), out_msg)
