@@ -64,8 +64,9 @@ TORCH_LIBRARY(turbospec, m) {
   // activations=8: x quantized to int8 per 32 values, integer dot products (GGUF block weights only;
   // csrc/cpu/linear_int8.cpp, reference.linear_int8): faster, not exact; still batch-invariant.
   m.def("linear(Tensor x, Tensor[] weights, int[] formats, Tensor? bias, int activations=0) -> Tensor");
-  // RMS norm of float32 rows on CPU in one fixed reduction order (csrc/cpu/rms_norm.cpp,
-  // reference.rms_norm): x [..., K], weight float32 [K] -> out [..., K] (contiguous; may be x).
+  // RMS norm of float32 / bfloat16 / float16 rows on CPU, the sum of squares in float32 in one fixed
+  // order (csrc/cpu/rms_norm.cpp, reference.rms_norm): x [..., K], weight [K] of x's dtype -> out
+  // [..., K] of x's dtype (contiguous; may be x).
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   // Fused pieces of a decoder layer for the static (CUDA-graph) path: each replaces several ATen
   // kernels with one and keeps torch's roundings (specs: reference.add_rms_norm / silu_mul /
