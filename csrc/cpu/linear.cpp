@@ -64,20 +64,33 @@ struct FormatInfo {
   const char* name;
 };
 
-bool format_info(int64_t f, FormatInfo* out) {
+constexpr FormatInfo info_of(int64_t f) {
   switch (f) {
-    case kF32: *out = {1, 4, "F32"}; return true;
-    case kF16: *out = {1, 2, "F16"}; return true;
-    case kBF16: *out = {1, 2, "BF16"}; return true;
-    case kQ4_0: *out = {32, 18, "Q4_0"}; return true;
-    case kQ4_1: *out = {32, 20, "Q4_1"}; return true;
-    case kQ5_0: *out = {32, 22, "Q5_0"}; return true;
-    case kQ8_0: *out = {32, 34, "Q8_0"}; return true;
-    case kQ4_K: *out = {256, 144, "Q4_K"}; return true;
-    case kQ5_K: *out = {256, 176, "Q5_K"}; return true;
-    case kQ6_K: *out = {256, 210, "Q6_K"}; return true;
-    default: return false;
+    case kF32: return {1, 4, "F32"};
+    case kF16: return {1, 2, "F16"};
+    case kBF16: return {1, 2, "BF16"};
+    case kQ4_0: return {32, 18, "Q4_0"};
+    case kQ4_1: return {32, 20, "Q4_1"};
+    case kQ5_0: return {32, 22, "Q5_0"};
+    case kQ8_0: return {32, 34, "Q8_0"};
+    case kQ4_K: return {256, 144, "Q4_K"};
+    case kQ5_K: return {256, 176, "Q5_K"};
+    case kQ6_K: return {256, 210, "Q6_K"};
+    default: return {0, 0, nullptr};
   }
+}
+
+bool format_info(int64_t f, FormatInfo* out) {
+  *out = info_of(f);
+  return out->block != 0;
+}
+
+// Bytes of a row that hold `weights` weights (rounded down; at least 1): the kernels' prefetch step,
+// row_bytes * weights / K, as a constant (a 64-bit division per kernel call cost ~8 % of a
+// Q4_1 8-row pass; bench/RESULTS.md, run 18).
+template <int64_t F>
+constexpr int64_t bytes_for(int64_t weights) {
+  return std::max<int64_t>(1, info_of(F).bytes * weights / info_of(F).block);
 }
 
 FormatInfo checked_info(int64_t f) {
@@ -538,7 +551,8 @@ TS_AVX2 void block_avx2(const uint8_t* const* wr, int64_t row_bytes, const float
   // non-temporal on AMD, T0 on Intel).
   constexpr int64_t step = kStep<F>;
   const bool nta = prefetch_nta();
-  const int64_t pf_step = std::max<int64_t>(1, row_bytes * step / K), ahead = kRowBlock * row_bytes;
+  constexpr int64_t pf_step = bytes_for<F>(step);
+  const int64_t ahead = kRowBlock * row_bytes;
   const int64_t full = K / step * step;
   int64_t k = 0, pf = 0;
   if constexpr (F == kQ4_K || F == kQ5_K) {  // K % 256 == 0
@@ -579,7 +593,8 @@ TS_AVX2 void block_split_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_
   for (int64_t i = 0; i < nw; ++i)
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < NX; ++r) lanes[i][h][r] = _mm256_setzero_ps();
-  const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  const int64_t ahead = kRowBlock * row_bytes;
+  constexpr int64_t pf_step = bytes_for<F>(32);
   const bool nta = prefetch_nta();
   for (int64_t c = 0; c < K; c += chunk) {
     const int64_t end = std::min(K, c + chunk);
@@ -900,7 +915,8 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
   // Prefetch one row block ahead, as the AVX2 kernels, with the CPU's hint (isa.h): on the AVX-512
   // machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed from DRAM
   // by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the non-temporal hint.
-  const int64_t ahead = kRowBlock * row_bytes, pf_step = std::max<int64_t>(1, row_bytes * 32 / K);
+  const int64_t ahead = kRowBlock * row_bytes;
+  constexpr int64_t pf_step = bytes_for<F>(32);
   constexpr bool nta = NTA;
   for (int64_t c = b0; c < b1; c += kChunk) {
     const int64_t n = std::min(kChunk, b1 - c);

@@ -385,7 +385,9 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
   // prefetcher alone does not keep NW streams fed from DRAM. The hint is the CPU's (isa.h): on the
   // AMD machine of bench/RESULTS.md non-temporal decodes 13-23 % faster than T0, on the Intel one ~12 %
   // slower.
-  const int64_t ahead = kRows * row_bytes, per_block = row_bytes / (K / 32);
+  // per_block: bytes per 32 weights (a constant: a division per call is ~8 % of a short pass)
+  const int64_t ahead = kRows * row_bytes;
+  constexpr int64_t per_block = block_bytes(F) * 32 / (F == kQ4_K || F == kQ5_K || F == kQ6_K ? 256 : 32);
   const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];
