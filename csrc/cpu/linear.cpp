@@ -681,11 +681,17 @@ TS_AVX512 inline __m512 load16_512(const c10::BFloat16* p, __mmask16 m) {
   __m256i h = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const void*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// 16 whole weights (no mask: the widening load folds into one instruction)
+TS_AVX512 inline __m512 load16_512(const float* p) { return _mm512_loadu_ps(p); }
+TS_AVX512 inline __m512 load16_512(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // Dense float32 / bfloat16 weights: NW (1-4) weight rows x NX (1-4) input rows, 16 lanes in one
-// register. The last step of a K that is not a multiple of 16 is the same loop with masked loads
-// (zeros add nothing). The accumulators are named variables: as an array [NW][NX], GCC 12 at -O3 kept
-// them in memory too and stored every one of them at every step (store-bound from 2 x 2 up;
+// register; the last step of a K that is not a multiple of 16 loads under a mask (zeros add
+// nothing). The accumulators are named variables: as an array [NW][NX], GCC 12 at -O3 kept them in
+// memory too and stored every one of them at every step (store-bound from 2 x 2 up;
 // bench/RESULTS.md, run 18).
 template <int NW, int NX, typename W, bool NTA>
 TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
@@ -694,27 +700,37 @@ TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int
   const __m512 z = _mm512_setzero_ps();
   __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
   __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
-  const __mmask16 ones = static_cast<__mmask16>(0xFFFF);
-  const __mmask16 tail = K % kLanes ? static_cast<__mmask16>((1u << (K % kLanes)) - 1) : ones;
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const __mmask16 m = K - k >= kLanes ? ones : tail;
-    const __m512 x0 = _mm512_maskz_loadu_ps(m, xr[0] + k);
-    const __m512 x1 = NX > 1 ? _mm512_maskz_loadu_ps(m, xr[NX > 1 ? 1 : 0] + k) : z;
-    const __m512 x2 = NX > 2 ? _mm512_maskz_loadu_ps(m, xr[NX > 2 ? 2 : 0] + k) : z;
-    const __m512 x3 = NX > 3 ? _mm512_maskz_loadu_ps(m, xr[NX > 3 ? 3 : 0] + k) : z;
-    // weight row i times the NX input rows (each weight loaded and widened once)
-#define TS_DENSE_ROW(i)                                                  \
-    if constexpr (NW > i) {                                              \
-      prefetch_weights(wr[i] + kRowBlock * K + k, NTA);                  \
-      const __m512 w = load16_512(wr[i] + k, m);                         \
-      a##i##0 = _mm512_fmadd_ps(w, x0, a##i##0);                         \
-      if constexpr (NX > 1) a##i##1 = _mm512_fmadd_ps(w, x1, a##i##1);   \
-      if constexpr (NX > 2) a##i##2 = _mm512_fmadd_ps(w, x2, a##i##2);   \
-      if constexpr (NX > 3) a##i##3 = _mm512_fmadd_ps(w, x3, a##i##3);   \
-    }
-    TS_DENSE_ROW(0) TS_DENSE_ROW(1) TS_DENSE_ROW(2) TS_DENSE_ROW(3)
-#undef TS_DENSE_ROW
+  // one step of 16 weights at k: LOADX(p) / LOADW(p) read 16 input / weight values at p
+#define TS_DENSE_ROW(i, LOADW)                                           \
+  if constexpr (NW > i) {                                                \
+    prefetch_weights(wr[i] + kRowBlock * K + k, NTA);                    \
+    const __m512 w = LOADW(wr[i] + k);                                   \
+    a##i##0 = _mm512_fmadd_ps(w, x0, a##i##0);                           \
+    if constexpr (NX > 1) a##i##1 = _mm512_fmadd_ps(w, x1, a##i##1);     \
+    if constexpr (NX > 2) a##i##2 = _mm512_fmadd_ps(w, x2, a##i##2);     \
+    if constexpr (NX > 3) a##i##3 = _mm512_fmadd_ps(w, x3, a##i##3);     \
   }
+#define TS_DENSE_STEP(LOADX, LOADW)                                      \
+  {                                                                      \
+    const __m512 x0 = LOADX(xr[0] + k);                                  \
+    const __m512 x1 = NX > 1 ? LOADX(xr[NX > 1 ? 1 : 0] + k) : z;        \
+    const __m512 x2 = NX > 2 ? LOADX(xr[NX > 2 ? 2 : 0] + k) : z;        \
+    const __m512 x3 = NX > 3 ? LOADX(xr[NX > 3 ? 3 : 0] + k) : z;        \
+    TS_DENSE_ROW(0, LOADW) TS_DENSE_ROW(1, LOADW) TS_DENSE_ROW(2, LOADW) TS_DENSE_ROW(3, LOADW) \
+  }
+  const int64_t full = K / kLanes * kLanes;
+  int64_t k = 0;
+  for (; k < full; k += kLanes) TS_DENSE_STEP(_mm512_loadu_ps, load16_512)
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+#define TS_XLOAD_TAIL(p) _mm512_maskz_loadu_ps(m, p)
+#define TS_WLOAD_TAIL(p) load16_512(p, m)
+    TS_DENSE_STEP(TS_XLOAD_TAIL, TS_WLOAD_TAIL)
+#undef TS_WLOAD_TAIL
+#undef TS_XLOAD_TAIL
+  }
+#undef TS_DENSE_STEP
+#undef TS_DENSE_ROW
   const __m512 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r)
