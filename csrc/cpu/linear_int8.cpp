@@ -387,7 +387,7 @@ TS_AVX2 void tile_avx2(const uint8_t* const* wr, int64_t row_bytes, const QRow* 
   // slower.
   // per_block: bytes per 32 weights (a constant: a division per call is ~8 % of a short pass)
   const int64_t ahead = kRows * row_bytes;
-  constexpr int64_t per_block = block_bytes(F) * 32 / (F == kQ4_K || F == kQ5_K || F == kQ6_K ? 256 : 32);
+  constexpr int64_t per_block = block_bytes(F) * 32 / (is_k(F) ? 256 : 32);
   const bool nta = prefetch_nta();
   __m256 acc[NW][NX];
   float m[NW][NX];

@@ -27,21 +27,9 @@ constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 
 // Same formula as model.rms_norm (the turbospec::rms_norm kernel in float32 / bfloat16 / float16).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const auto dt = x.scalar_type();
-  if (weight.scalar_type() != dt) return at::rms_norm(x, {weight.size(0)}, weight, eps);
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();
-  at::Tensor y = at::empty(xf.sizes(), xf.options());
-  const int64_t K = x.size(-1), R = x.numel() / K;
-  const float e = static_cast<float>(eps);
-  switch (dt) {
-    case at::kFloat: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<float>(), R, K, e, y.data_ptr<float>(), K); break;
-    case at::kBFloat16:
-      rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::BFloat16>(), R, K, e, y.data_ptr<float>(), K);
-      break;
-    case at::kHalf: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::Half>(), R, K, e, y.data_ptr<float>(), K); break;
-    default: return at::rms_norm(x, {weight.size(0)}, weight, eps);
-  }
-  return y.to(dt);
+  if (weight.scalar_type() != x.scalar_type() || !is_float_dtype(x.scalar_type()))
+    return at::rms_norm(x, {weight.size(0)}, weight, eps);
+  return rms_norm_float(x, weight, eps).to(x.scalar_type());
 }
 
 bool all_dtype(at::TensorList ts, c10::ScalarType dtype) {
@@ -70,12 +58,16 @@ void round_all(float* p, int64_t count) {
     for (int64_t i = 0; i < count; ++i) p[i] = rnd<T>(p[i]);
 }
 
-// A T tensor's values as float32 (exact).
+// A T tensor's values as float32 (exact): a contiguous float32 tensor's own data, else a copy in buf.
 template <typename T>
-std::vector<float> floats(const at::Tensor& t) {
+const float* as_floats(const at::Tensor& t, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (t.is_contiguous()) return t.data_ptr<float>();
+  }
   const at::Tensor c = t.contiguous();
   const T* p = c.data_ptr<T>();
-  return std::vector<float>(p, p + c.numel());
+  buf.assign(p, p + c.numel());
+  return buf.data();
 }
 
 // The layer loop on raw buffers for a model of dtype T (float32 / bfloat16 / float16; float32 K/V
@@ -122,7 +114,9 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   }
   at::Tensor x = x_in.to(at::kFloat).contiguous();
   if (x.data_ptr() == x_in.data_ptr()) x = x.clone();
-  const std::vector<float> cosv = floats<T>(cos_in), sinv = floats<T>(sin_in);
+  std::vector<float> cos_buf, sin_buf, bias_buf;
+  const float* cp = as_floats<T>(cos_in, cos_buf);
+  const float* sp = as_floats<T>(sin_in, sin_buf);
   const int64_t cos_b = cos_in.size(0) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
   at::Tensor h = at::empty({R, hid}, fopts), qkv = at::empty({R, nqkv}, fopts), y = at::empty({R, hid}, fopts);
   at::Tensor q = at::empty({B, n, H, d}, fopts), attn = at::empty({B, n, H, d}, fopts);
@@ -131,14 +125,11 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   float* qkvp = qkv.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  const float* cp = cosv.data();
-  const float* sp = sinv.data();
   const int64_t* lp = lens.data_ptr<int64_t>();  // row b's new tokens go to slots lp[b] + i
   // a copy in the model's dtype (exact: x holds T values)
   const auto to_model = [&](const at::Tensor& t) { return t.to(x_in.scalar_type(), false, /*copy=*/true); };
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor gu, act, gu_t, act_t;  // gu_t / act_t: gate_up / SiLU in T for the ATen SiLU
-  std::vector<float> bias_f;
   size_t seg = 0;
   auto lin = [&](int64_t l, int64_t j, const float* in, int64_t K, const float* bias, float* dst) {
     const int64_t c = counts[l * kLinears + j];
@@ -159,11 +150,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
     norm(norms[2 * l]);
-    const float* bias = nullptr;
-    if (!biases.empty()) {
-      bias_f = floats<T>(biases[l]);
-      bias = bias_f.data();
-    }
+    const float* bias = biases.empty() ? nullptr : as_floats<T>(biases[l], bias_buf);
     lin(l, 0, hp, hid, bias, qkvp);
     round_all<T>(qkvp, R * nqkv);
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to

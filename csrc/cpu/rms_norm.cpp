@@ -92,22 +92,13 @@ void rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps, cons
   TORCH_CHECK(out.scalar_type() == dt && out.sizes() == x.sizes() && out.is_contiguous(), "rms_norm: out must be a "
               "contiguous ", dtype_name(dt), " tensor of x's shape ", shape_str(x.sizes()), ", got ", describe(out));
   TORCH_CHECK(std::isfinite(eps) && eps >= 0, "rms_norm: eps must be finite and >= 0, got ", eps);
-  const int64_t R = K == 0 ? 0 : x.numel() / K;
   if (dt == at::kFloat) {
     const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-    rms_norm_rows(xc.data_ptr<float>(), K, wc.data_ptr<float>(), R, K, static_cast<float>(eps),
-                  out.data_ptr<float>(), K);
+    rms_norm_rows(xc.data_ptr<float>(), K, wc.data_ptr<float>(), K == 0 ? 0 : x.numel() / K, K,
+                  static_cast<float>(eps), out.data_ptr<float>(), K);
     return;
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = weight.contiguous();
-  at::Tensor yf = at::empty(xf.sizes(), xf.options());
-  if (dt == at::kBFloat16)
-    rms_norm_rows(xf.data_ptr<float>(), K, wc.data_ptr<c10::BFloat16>(), R, K, static_cast<float>(eps),
-                  yf.data_ptr<float>(), K);
-  else
-    rms_norm_rows(xf.data_ptr<float>(), K, wc.data_ptr<c10::Half>(), R, K, static_cast<float>(eps),
-                  yf.data_ptr<float>(), K);
-  out.copy_(yf);  // exact: yf holds values of out's dtype
+  out.copy_(rms_norm_float(x, weight, eps));  // exact: the values are of out's dtype
 }
 
 }  // namespace
@@ -131,6 +122,22 @@ void rms_norm_rows(const float* x, int64_t ldx, const c10::BFloat16* weight, int
 void rms_norm_rows(const float* x, int64_t ldx, const c10::Half* weight, int64_t R, int64_t K, float eps, float* y,
                    int64_t ldy) {
   rows_16(x, ldx, weight, R, K, eps, y, ldy);
+}
+
+at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), w = weight.contiguous();
+  at::Tensor y = at::empty(xf.sizes(), xf.options());
+  const int64_t K = x.size(-1), R = K == 0 ? 0 : x.numel() / K;
+  const float e = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<float>(), R, K, e, y.data_ptr<float>(), K); break;
+    case at::kBFloat16:
+      rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::BFloat16>(), R, K, e, y.data_ptr<float>(), K);
+      break;
+    case at::kHalf: rms_norm_rows(xf.data_ptr<float>(), K, w.data_ptr<c10::Half>(), R, K, e, y.data_ptr<float>(), K); break;
+    default: TORCH_CHECK(false, "rms_norm: x must be float32, bfloat16 or float16, got ", describe(x));
+  }
+  return y;
 }
 
 }  // namespace turbospec
