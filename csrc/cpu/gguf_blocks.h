@@ -3,6 +3,7 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -53,6 +54,55 @@ inline void scale_min_k4_all(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
   const uint32_t mn_hi = ((b >> 4) & 0x0F0F0F0Fu) | ((hi >> 2) & 0x30303030u);
   *sc = (lo & 0x3F3F3F3Fu) | (static_cast<uint64_t>(sc_hi) << 32);
   *mn = (hi & 0x3F3F3F3Fu) | (static_cast<uint64_t>(mn_hi) << 32);
+}
+
+// Grouped layouts (turbospec's own format ids, 1000 + the GGUF id; linear.h): the blocks of one row
+// of Q4_0 / Q4_1 / Q5_0 / Q8_0 regrouped so that their fp16 header fields sit together. A row's
+// blocks go in groups of kGroupBlocks (the last group may be shorter, n blocks); a group holds field
+// 0 (d) of its n blocks as n halves, then (Q4_1) field 1 (m) of its n blocks, then the n blocks'
+// remaining bytes, block after block. Same bytes, same row size, only their places move; the
+// kernels read 16 scales with one load and one conversion instead of one per block.
+constexpr int64_t kGroupBlocks = 16;
+constexpr int64_t kGroupedBase = 1000;
+
+// The GGUF format of a grouped one, or -1.
+constexpr int64_t grouped_base(int64_t f) {
+  return (f == kGroupedBase + 2 || f == kGroupedBase + 3 || f == kGroupedBase + 6 || f == kGroupedBase + 8)
+             ? f - kGroupedBase : -1;
+}
+
+// fp16 header fields at the start of a GGUF block: Q4_1 has d and m, Q4_0 / Q5_0 / Q8_0 only d.
+constexpr int header_halves(int64_t base) { return base == 3 ? 2 : 1; }
+
+// Where block j's bytes sit in a grouped row of nb blocks of `bytes` bytes with nh header halves:
+// field h at grouped_field(...) + 0..1, the rest of the block at grouped_rest(...).
+inline int64_t grouped_field(int64_t j, int64_t nb, int64_t bytes, int h) {
+  const int64_t g0 = j - j % kGroupBlocks, n = std::min(kGroupBlocks, nb - g0);
+  return g0 * bytes + 2 * (h * n + (j - g0));
+}
+inline int64_t grouped_rest(int64_t j, int64_t nb, int64_t bytes, int nh) {
+  const int64_t g0 = j - j % kGroupBlocks, n = std::min(kGroupBlocks, nb - g0);
+  return g0 * bytes + 2 * nh * n + (bytes - 2 * nh) * (j - g0);
+}
+
+// rows rows of nb GGUF blocks (src) <-> the grouped layout (dst); src and dst do not overlap.
+inline void regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nb, int64_t bytes, int nh,
+                         bool to_grouped) {
+  const int64_t row_bytes = nb * bytes, rest = bytes - 2 * nh;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* s = src + r * row_bytes;
+    uint8_t* d = dst + r * row_bytes;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t plain = j * bytes;
+      for (int h = 0; h < nh; ++h) {
+        const int64_t g = grouped_field(j, nb, bytes, h);
+        std::memcpy(to_grouped ? d + g : d + plain + 2 * h, to_grouped ? s + plain + 2 * h : s + g, 2);
+      }
+      const int64_t g = grouped_rest(j, nb, bytes, nh);
+      std::memcpy(to_grouped ? d + g : d + plain + 2 * nh, to_grouped ? s + plain + 2 * nh : s + g,
+                  static_cast<size_t>(rest));
+    }
+  }
 }
 
 }  // namespace turbospec

@@ -76,6 +76,10 @@ constexpr FormatInfo info_of(int64_t f) {
     case kQ4_K: return {256, 144, "Q4_K"};
     case kQ5_K: return {256, 176, "Q5_K"};
     case kQ6_K: return {256, 210, "Q6_K"};
+    case kQ4_0G: return {32, 18, "Q4_0G"};
+    case kQ4_1G: return {32, 20, "Q4_1G"};
+    case kQ5_0G: return {32, 22, "Q5_0G"};
+    case kQ8_0G: return {32, 34, "Q8_0G"};
     default: return {0, 0, nullptr};
   }
 }
@@ -96,7 +100,8 @@ constexpr int64_t bytes_for(int64_t weights) {
 FormatInfo checked_info(int64_t f) {
   FormatInfo fi{};
   TORCH_CHECK(format_info(f, &fi), "linear: weight format ", f, " is not supported; supported (GGML type ids): ",
-              "0 F32, 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K");
+              "0 F32, 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, ",
+              "1002 Q4_0G, 1003 Q4_1G, 1006 Q5_0G, 1008 Q8_0G");
   return fi;
 }
 
@@ -783,38 +788,84 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
 // they are broadcast by the load ports (a register broadcast would be one more shuffle per block).
 // Q5_0's 32 possible values take two registers, and a two-register permutation (vpermt2ps) picks
 // each weight by its 5-bit value.
+// The grouped layouts (gguf_blocks.h) hold the same blocks with 16 scales side by side, so the
+// widening is one load and one conversion per 16 blocks instead of one per block: on the AVX-512
+// machine of bench/RESULTS.md a Q4_1 pass ran 1.4x faster from DRAM (run 19).
 template <int64_t F>
-constexpr bool kBlock512 = kHasHalf<F> || F == kQ5_0;
+constexpr int64_t kBase = grouped_base(F) >= 0 ? grouped_base(F) : F;
+template <int64_t F>
+constexpr bool kGrouped = grouped_base(F) >= 0;
+template <int64_t F>
+constexpr bool kBlock512 = kHasHalf<kBase<F>> || kBase<F> == kQ5_0;
 
 template <int64_t F>
 struct Block512 {
-  static_assert(kBlock512<F>, "Block512: Q4_0, Q4_1, Q5_0, Q8_0");
-  static constexpr int64_t kBytes = F == kQ5_0 ? 22 : kBlockBytes<F>;
-  static constexpr int kScales = F == kQ4_1 ? 2 : 1;  // d (and m) per block
+  static constexpr int64_t G = kBase<F>;
+  static_assert(kBlock512<F>, "Block512: Q4_0, Q4_1, Q5_0, Q8_0 (GGUF or grouped)");
+  static constexpr int64_t kBytes = G == kQ5_0 ? 22 : kBlockBytes<G>;
+  static constexpr int kHalves = header_halves(G);  // d (and m) per block
 
-  // d (and m) of n blocks from b -> s[kScales * j ...]
-  TS_AVX512 static void scales(const uint8_t* b, int64_t n, float* s) {
-    for (int64_t j = 0; j < n; ++j, b += kBytes) {
-      const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));  // 4 halves, 1-2 used
-      if constexpr (F == kQ4_1) _mm_storel_pi(reinterpret_cast<__m64*>(s + 2 * j), v);
-      else _mm_store_ss(s + j, v);
+  // Offset in a row of nb blocks of block j's bytes after its header (Q5_0: qh, then qs).
+  static int64_t rest(int64_t j, int64_t nb) {
+    if constexpr (kGrouped<F>) return grouped_rest(j, nb, kBytes, kHalves);
+    else return j * kBytes + 2 * kHalves;
+  }
+
+  // The same for block g0 + jj of a group of n blocks starting at g0 (g0 % 16 == 0, n <= 16).
+  static int64_t rest_in_group(int64_t g0, int64_t n, int64_t jj) {
+    if constexpr (kGrouped<F>) return g0 * kBytes + 2 * kHalves * n + (kBytes - 2 * kHalves) * jj;
+    else return (g0 + jj) * kBytes + 2 * kHalves;
+  }
+
+  // d (and m) of the group of n blocks starting at g0 (g0 % 16 == 0, n <= 16) -> d[0..16), m[0..16)
+  TS_AVX512 static __attribute__((always_inline)) inline void group_scales(const uint8_t* row, int64_t g0, int64_t n,
+                                                                           float* d, float* m) {
+    if constexpr (kGrouped<F>) {
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      const uint8_t* p = row + g0 * kBytes;
+      _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)));
+      if constexpr (kHalves == 2) _mm512_store_ps(m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p + 2 * n)));
+    } else {
+      scales(row, 0, g0, n, d, m);
     }
   }
 
-  // the block at b, its scales at s -> weights 0..15 (w0) and 16..31 (w1)
-  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* b, const float* s, __m512& w0,
-                                                                   __m512& w1) {
-    const __m512 d = _mm512_set1_ps(s[0]);
-    if constexpr (F == kQ8_0) {
-      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)))), d);
-      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)))), d);
-    } else if constexpr (F == kQ5_0) {
+  // d (and m) of blocks c .. c + n - 1 of a row of nb blocks -> d[0..n), m[0..n) (room for n + 15)
+  TS_AVX512 static void scales(const uint8_t* row, int64_t nb, int64_t c, int64_t n, float* d, float* m) {
+    if constexpr (kGrouped<F>) {
+      for (int64_t j = c; j < c + n;) {  // runs of blocks within one group: 16 halves per conversion
+        const int64_t run = std::min(c + n, j - j % kGroupBlocks + kGroupBlocks) - j;
+        const __mmask16 mask = static_cast<__mmask16>((1u << run) - 1);
+        for (int h = 0; h < kHalves; ++h)
+          _mm512_storeu_ps((h ? m : d) + (j - c),
+                           _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, row + grouped_field(j, nb, kBytes, h))));
+        j += run;
+      }
+    } else {
+      const uint8_t* b = row + c * kBytes;
+      for (int64_t j = 0; j < n; ++j, b += kBytes) {
+        const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));  // 4 halves, 1-2 used
+        _mm_store_ss(d + j, v);
+        if constexpr (G == kQ4_1) _mm_store_ss(m + j, _mm_movehdup_ps(v));
+      }
+    }
+  }
+
+  // the block whose bytes after the header are at q, its scales d (and m) -> weights 0..15 (w0) and
+  // 16..31 (w1)
+  TS_AVX512 static __attribute__((always_inline)) inline void load(const uint8_t* q, const float* dp, const float* mp,
+                                                                   __m512& w0, __m512& w1) {
+    const __m512 d = _mm512_set1_ps(*dp);
+    if constexpr (G == kQ8_0) {
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), d);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), d);
+    } else if constexpr (G == kQ5_0) {
       // 32 values d * (q - 16): two registers, q = 0..15 and 16..31; the index is the nibble with
       // the weight's bit of qh as bit 4, which picks the register (vpermt2ps)
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512 t_lo = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(16.f))), t_hi = _mm512_mul_ps(d, iota);
-      const uint32_t qh = load_u32(b + 2);
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6)));
+      const uint32_t qh = load_u32(q);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 4)));
       const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(v, 4);
       const __m512i bit4 = _mm512_set1_epi32(16);
       w0 = _mm512_permutex2var_ps(t_lo, _mm512_mask_or_epi32(lo, static_cast<__mmask16>(qh), lo, bit4), t_hi);
@@ -822,11 +873,11 @@ struct Block512 {
     } else {
       const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __m512 table;
-      if constexpr (F == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(s[1]));
+      if constexpr (G == kQ4_1) table = _mm512_fmadd_ps(d, iota, _mm512_set1_ps(*mp));
       else table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.f)));
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (F == kQ4_0 ? 2 : 4))));
-      w0 = _mm512_permutexvar_ps(q, table);
-      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+      const __m512i qv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      w0 = _mm512_permutexvar_ps(qv, table);
+      w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(qv, 4), table);
     }
   }
 };
@@ -924,25 +975,25 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
                               int64_t b1, __m512* acc_io) {
   using B = Block512<F>;
   constexpr int64_t kChunk = 64;  // blocks whose scales are widened at a time
-  alignas(64) float sc[NW][B::kScales * kChunk];
+  alignas(64) float sd[NW][kChunk + 16], sm[NW][B::kHalves == 2 ? kChunk + 16 : 1];
   __m512 acc[NW][NX];
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc[i][r] = acc_io[i * NX + r];
   // Prefetch one row block ahead, as the AVX2 kernels, with the CPU's hint (isa.h): on the AVX-512
   // machine of bench/RESULTS.md (Intel Xeon, 2026-11-26), SmolLM2-shaped Q4_1 rows streamed from DRAM
   // by one thread ran at 5.7 GB/s with T0, 5.0 with no prefetch and 3.9 with the non-temporal hint.
-  const int64_t ahead = kRowBlock * row_bytes;
+  const int64_t ahead = kRowBlock * row_bytes, nb = K / 32;
   constexpr int64_t pf_step = bytes_for<F>(32);
   constexpr bool nta = NTA;
   for (int64_t c = b0; c < b1; c += kChunk) {
     const int64_t n = std::min(kChunk, b1 - c);
-    for (int i = 0; i < NW; ++i) B::scales(wr[i] + c * B::kBytes, n, sc[i]);
+    for (int i = 0; i < NW; ++i) B::scales(wr[i], nb, c, n, sd[i], sm[i]);
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step;
+      const int64_t k = 32 * (c + j), pf = ahead + (c + j) * pf_step, q = B::rest(c + j, nb);
       for (int i = 0; i < NW; ++i) {
         prefetch_weights(wr[i] + pf, nta);
         __m512 w0, w1;
-        B::load(wr[i] + (c + j) * B::kBytes, sc[i] + B::kScales * j, w0, w1);
+        B::load(wr[i] + q, sd[i] + j, sm[i] + (B::kHalves == 2 ? j : 0), w0, w1);
         for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr[r] + k), acc[i][r]);
         for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr[r] + k + 16), acc[i][r]);
       }
@@ -950,6 +1001,41 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
   }
   for (int i = 0; i < NW; ++i)
     for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
+}
+
+// One input row, four weight rows, all blocks: the decode step's kernel. The same arithmetic and
+// order as span_q512_hint<F, 4, 1> (so the same bits), written for the compiler: four named
+// accumulators (as arrays GCC 12 at -O3 keeps them in memory too, bench/RESULTS.md run 18), x read
+// once per block for the four rows, and the scales widened per group of 16 blocks. On the AVX-512
+// machine of bench/RESULTS.md this ran a 3072 x 576 Q4_1 matrix in 159 us against 214 us (run 19).
+template <int64_t F, bool NTA>
+TS_AVX512 void rows4_x1_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* x, int64_t K,
+                                  __m512* acc_out) {
+  using B = Block512<F>;
+  const int64_t nb = K / 32, ahead = kRowBlock * row_bytes;
+  constexpr int64_t pf_step = bytes_for<F>(32);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t g0 = 0; g0 < nb; g0 += kGroupBlocks) {
+    const int64_t n = std::min(kGroupBlocks, nb - g0);
+    alignas(64) float sd[4][2 * kGroupBlocks], sm[4][B::kHalves == 2 ? 2 * kGroupBlocks : 1];
+    for (int i = 0; i < 4; ++i) B::group_scales(wr[i], g0, n, sd[i], sm[i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t k = 32 * (g0 + j), pf = ahead + (g0 + j) * pf_step, q = B::rest_in_group(g0, n, j);
+      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+      for (int i = 0; i < 4; ++i) prefetch_weights(wr[i] + pf, NTA);
+      const int64_t jm = B::kHalves == 2 ? j : 0;
+      __m512 w0, w1;
+      B::load(wr[0] + q, sd[0] + j, sm[0] + jm, w0, w1);
+      a0 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a0));
+      B::load(wr[1] + q, sd[1] + j, sm[1] + jm, w0, w1);
+      a1 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a1));
+      B::load(wr[2] + q, sd[2] + j, sm[2] + jm, w0, w1);
+      a2 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a2));
+      B::load(wr[3] + q, sd[3] + j, sm[3] + jm, w0, w1);
+      a3 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a3));
+    }
+  }
+  acc_out[0] = a0, acc_out[1] = a1, acc_out[2] = a2, acc_out[3] = a3;
 }
 
 // Super-blocks [b0, b1) of NW weight rows x NX input rows of Q4_K / Q5_K / Q6_K, added to acc_io.
@@ -994,6 +1080,16 @@ template <int64_t F, int NX>
 TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t K,
                             float (*out)[kMaxRows], int64_t r0) {
   constexpr int NW = NX <= 4 ? 4 : NX <= 8 ? 2 : 1;
+  if constexpr (NX == 1 && kBlock512<F>) {
+    if (nw == kRowBlock) {
+      __m512 a[4];
+      if (prefetch_nta()) rows4_x1_q512_hint<F, true>(wr, row_bytes, xr[r0], K, a);
+      else rows4_x1_q512_hint<F, false>(wr, row_bytes, xr[r0], K, a);
+      for (int i = 0; i < 4; ++i)
+        out[i][r0] = combine_lanes_avx2(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+      return;
+    }
+  }
   constexpr int64_t unit = kSuper512<F> ? 256 : 32;  // weights per block
   const int64_t nb = K / unit, chunk = NX <= 4 ? nb : std::max<int64_t>(1, 16 * 1024 / (NX * unit * 4));
   alignas(64) __m512 acc[kRowBlock * NX];
@@ -1053,6 +1149,24 @@ void dequant_rows(const uint8_t* const* wr, int64_t nw, int64_t K, float* panel,
 template <int64_t F>
 void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                    int64_t K, Isa isa, float (*out)[kMaxRows], std::vector<float>& panel) {
+  if constexpr (kGrouped<F>) {
+#ifdef TS_X86
+    if (isa == Isa::kAvx512 && R <= kFusedRows<kBase<F>>) {
+      rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
+      return;
+    }
+#endif
+    // every other path: the rows back in GGUF order, then the GGUF format's kernels (same values)
+    thread_local std::vector<uint8_t> plain;
+    plain.resize(static_cast<size_t>(kRowBlock * row_bytes));
+    const uint8_t* pr[kRowBlock];
+    for (int64_t i = 0; i < nw; ++i) {
+      pr[i] = plain.data() + i * row_bytes;
+      regroup_rows(wr[i], plain.data() + i * row_bytes, 1, K / 32, info_of(F).bytes, header_halves(kBase<F>), false);
+    }
+    compute_block<kBase<F>>(pr, nw, row_bytes, xr, R, K, isa, out, panel);
+    return;
+  } else {
   constexpr bool direct = F == kF32 || F == kBF16;  // the avx512 kernel reads these as they are
 #ifdef TS_X86
   if (isa == Isa::kAvx512 && direct) {
@@ -1082,6 +1196,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
   }
 #endif
   for (int64_t r = 0; r < R; r += kRowBlock) block_scalar<F>(wr, nw, xr + r, std::min(kRowBlock, R - r), K, out, r);
+  }
 }
 
 using BlockFn = void (*)(const uint8_t* const*, int64_t, int64_t, const float* const*, int64_t, int64_t, Isa,
@@ -1099,6 +1214,10 @@ BlockFn block_fn(int64_t f) {
     case kQ4_K: return &compute_block<kQ4_K>;
     case kQ5_K: return &compute_block<kQ5_K>;
     case kQ6_K: return &compute_block<kQ6_K>;
+    case kQ4_0G: return &compute_block<kQ4_0G>;
+    case kQ4_1G: return &compute_block<kQ4_1G>;
+    case kQ5_0G: return &compute_block<kQ5_0G>;
+    case kQ8_0G: return &compute_block<kQ8_0G>;
     default: TORCH_CHECK(false, "linear: unsupported weight format ", f);
   }
   return nullptr;
@@ -1266,6 +1385,13 @@ at::Tensor dequantize(const at::Tensor& raw, int64_t format, int64_t K) {
               "dequantize: raw must be uint8 [N, ", row_bytes, "] on CPU for ", fi.name, " with K = ", K, ", got ",
               raw.scalar_type(), " ", raw.sizes());
   at::Tensor r = raw.contiguous();
+  const int64_t base = grouped_base(format);
+  if (base >= 0) {  // back to GGUF order, then as the GGUF format (the same values)
+    at::Tensor plain = at::empty_like(r);
+    regroup_rows(r.data_ptr<uint8_t>(), plain.data_ptr<uint8_t>(), r.size(0), K / 32, fi.bytes, header_halves(base),
+                 false);
+    return dequantize(plain, base, K);
+  }
   at::Tensor out = at::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
   const uint8_t* src = r.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();

@@ -14,6 +14,9 @@ namespace turbospec {
 enum WeightFormat : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8,
   kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  // turbospec's own: Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks with each row's fp16 scales grouped
+  // (gguf_blocks.h, reference.group_blocks); the same values, the kernels' fast layout on AVX-512
+  kQ4_0G = 1002, kQ4_1G = 1003, kQ5_0G = 1006, kQ8_0G = 1008,
 };
 
 // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]); W_i is [N_i, K] float32 /

@@ -701,6 +701,21 @@ void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* x
 
 using RowsFn = void (*)(const uint8_t* const*, int64_t, int64_t, const QRow*, int64_t, int64_t, float*, int64_t, Isa);
 
+// Grouped layouts (gguf_blocks.h): the rows back in GGUF order, then the GGUF format's kernels.
+template <int64_t G>
+void rows_grouped(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K,
+                  float* out, int64_t ldo, Isa isa) {
+  constexpr int64_t F = grouped_base(G);
+  thread_local std::vector<uint8_t> plain;
+  plain.resize(static_cast<size_t>(kRows * row_bytes));
+  const uint8_t* pr[kRows];
+  for (int64_t i = 0; i < nw; ++i) {
+    pr[i] = plain.data() + i * row_bytes;
+    regroup_rows(wr[i], plain.data() + i * row_bytes, 1, K / 32, block_bytes(F), header_halves(F), false);
+  }
+  rows<F>(pr, nw, row_bytes, xr, R, K, out, ldo, isa);
+}
+
 RowsFn rows_fn(int64_t f) {
   switch (f) {
     case kQ4_0: return &rows<kQ4_0>;
@@ -710,6 +725,10 @@ RowsFn rows_fn(int64_t f) {
     case kQ4_K: return &rows<kQ4_K>;
     case kQ5_K: return &rows<kQ5_K>;
     case kQ6_K: return &rows<kQ6_K>;
+    case kQ4_0G: return &rows_grouped<kQ4_0G>;
+    case kQ4_1G: return &rows_grouped<kQ4_1G>;
+    case kQ5_0G: return &rows_grouped<kQ5_0G>;
+    case kQ8_0G: return &rows_grouped<kQ8_0G>;
     default: return nullptr;
   }
 }
@@ -732,7 +751,7 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   for (size_t i = 0; i < weights.size(); ++i) {
     const RowsFn fn = rows_fn(formats[i]);
     TORCH_CHECK(fn != nullptr, "linear: activations=8 needs GGUF block weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, "
-                "Q6_K); weights[", i, "] has format ", formats[i]);
+                "Q6_K, or grouped Q4_0G, Q4_1G, Q5_0G, Q8_0G); weights[", i, "] has format ", formats[i]);
     const int64_t rb = format_row_bytes(formats[i], K);
     const at::Tensor& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.is_cpu() && w.scalar_type() == at::kByte && w.size(1) == rb, "linear: weights[", i,

@@ -22,7 +22,9 @@ def smollm2_q(smollm2_dir):
     model = loader.load_model(turbospec.default_model_path())
     assert model.quantized
     fmts = {f for layer in model.layers for lin in layer.linears() for f in lin.formats}
-    assert fmts == {3} and model.lm_head.formats == [8]  # Q4_1 layers, Q8_0 tied embedding / LM head
+    # Q4_1 layers, Q8_0 tied embedding / LM head; grouped (1000 + id) where the AVX-512 kernels run
+    g = 1000 if ops.cpu_isa() == "avx512" else 0
+    assert fmts == {3 + g} and model.lm_head.formats == [8 + g]
     return model
 
 
@@ -193,3 +195,41 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "qwen2":
         want = torch.cat([torch.from_numpy(sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
         assert torch.equal(got["layers.0.qkv_bias"], want)
+
+
+def test_grouped_layout_follows_isa_and_activations():
+    """The linears hold Q4_0 / Q8_0 blocks grouped (1000 + id) when built on the AVX-512 path with
+    exact activations, in GGUF order otherwise and after ``set_activations("int8")``, back grouped
+    after "exact"; the bytes are the same (ungrouped == as built on the AVX2 path) and so are the
+    logits of every layout and path."""
+    from turbospec.ops import reference
+    if ops.cpu_isa() != "avx512":
+        pytest.skip("grouped weights are used on the AVX-512 path only; this CPU has none")
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+
+    def run(model):
+        cache = model.new_cache(16)
+        return model.forward(ids, torch.arange(ids.shape[1])[None], cache, 0)
+
+    fmts = lambda m: [f for layer in m.layers for lin in layer.linears() for f in lin.formats] + m.lm_head.formats
+    built = {}
+    try:
+        for isa in ("avx2", "avx512"):
+            ops.cpu_isa(isa)
+            built[isa] = _model("llama", "q4_0", torch.float32)
+    finally:
+        ops.cpu_isa("default")
+    plain, grouped = built["avx2"], built["avx512"]
+    assert set(fmts(plain)) == {2} and set(fmts(grouped)) == {1002}
+    for lp, lg in zip([l for layer in plain.layers for l in layer.linears()],
+                      [l for layer in grouped.layers for l in layer.linears()]):
+        for wp, wg in zip(lp.weights, lg.weights):
+            assert torch.equal(reference.ungroup_blocks(wg, 1002, lg.in_features), wp)
+    want = run(plain)
+    assert torch.equal(run(grouped), want)
+    grouped.set_activations("int8")
+    assert set(fmts(grouped)) == {2}
+    assert torch.equal(run(grouped), run(plain.set_activations("int8")))
+    grouped.set_activations("exact")
+    assert set(fmts(grouped)) == {1002}
+    assert torch.equal(run(grouped), want)

@@ -371,3 +371,95 @@ def test_int8_mixed_segments_and_dense_weights():
     assert torch.equal(ops.linear(x, mixed, [12, 14, 0], activations=8), ops.linear(x, mixed, [12, 14, 0]))
     with pytest.raises(ValueError, match="activations must be 0 \\(exact\\) or 8 \\(int8\\), got 4"):
         ops.linear(x, parts, [12, 14], activations=4)
+
+
+# ------------------------------------------------------------------------------------------------
+# grouped layouts (1000 + the GGUF id): the same blocks with each row's scales side by side
+# ------------------------------------------------------------------------------------------------
+GROUPED = {"Q4_0": 1002, "Q4_1": 1003, "Q5_0": 1006, "Q8_0": 1008}
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+@pytest.mark.parametrize("k", [32, 512, 544, 576, 1056])  # 1, 16, 17, 18, 33 blocks: whole and partial groups
+def test_group_blocks_layout_and_round_trip(name, k):
+    """group_blocks moves bytes only (ungroup_blocks undoes it), to the places gguf_blocks.h
+    describes: per group of 16 blocks (the last may be shorter) the d halves, then (Q4_1) the m
+    halves, then each block's remaining bytes; C++ dequantize of either layout gives the same bits."""
+    fmt, gfmt = BLOCK_FORMATS[name], GROUPED[name]
+    raw = random_blocks(name, 5, k)
+    grouped = reference.group_blocks(raw, fmt, k)
+    assert grouped.shape == raw.shape and not torch.equal(grouped, raw) or k == 32
+    assert torch.equal(reference.ungroup_blocks(grouped, gfmt, k), raw)
+    nbytes, nh = reference.WEIGHT_FORMATS[fmt][2], 2 if name == "Q4_1" else 1
+    nb = k // 32
+    blocks = raw.reshape(5, nb, nbytes)
+    for j in range(nb):
+        g0 = j - j % 16
+        n = min(16, nb - g0)
+        base = g0 * nbytes
+        for h in range(nh):
+            at = base + 2 * (h * n + j - g0)
+            assert torch.equal(grouped[:, at:at + 2], blocks[:, j, 2 * h:2 * h + 2])
+        at = base + 2 * nh * n + (nbytes - 2 * nh) * (j - g0)
+        assert torch.equal(grouped[:, at:at + nbytes - 2 * nh], blocks[:, j, 2 * nh:])
+    want = ops.dequantize(raw, fmt, k).view(torch.int32)
+    assert torch.equal(ops.dequantize(grouped, gfmt, k).view(torch.int32), want)
+    assert torch.equal(reference.dequantize(grouped, gfmt, k).view(torch.int32), want)
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize("k", [576, 2304])  # 18 blocks (a group of 16 and one of 2); 72 (past a chunk of 64)
+def test_grouped_linear_gives_the_gguf_layouts_bits(isa, name, rows, k):
+    """linear over grouped blocks == over the same blocks in GGUF order, bit for bit, on every path
+    (AVX-512 reads the grouped layout itself; the others, and the panel past 16 rows, read the rows
+    put back in GGUF order), with a bias and a second segment in another format."""
+    n = 7
+    fmt, gfmt = BLOCK_FORMATS[name], GROUPED[name]
+    raw = random_blocks(name, n, k, seed=rows)
+    other = random_blocks("Q6_K" if k % 256 == 0 else "Q8_0", 5, k, seed=rows + 1)
+    ofmt = 14 if k % 256 == 0 else 8
+    grouped = reference.group_blocks(raw, fmt, k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n + 5, generator=g)
+    want = ops.linear(x, [raw, other], [fmt, ofmt], b)
+    assert torch.equal(ops.linear(x, [grouped, other], [gfmt, ofmt], b), want)
+    assert torch.equal(reference.linear(x, [grouped, other], [gfmt, ofmt], b), want)
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_rows_isas_and_threads_give_identical_bits(name):
+    k, n = 576, 37
+    fmt, gfmt = BLOCK_FORMATS[name], GROUPED[name]
+    raw = random_blocks(name, n, k, seed=3)
+    grouped = reference.group_blocks(raw, fmt, k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    y = rows_alone_on_every_path(lambda rows: ops.linear(rows, [grouped], [gfmt]), x)
+    assert torch.equal(y, ops.small_linear(x, ops.dequantize(raw, fmt, k)))
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_grouped_int8_linear_gives_the_gguf_layouts_bits(isa, name, rows):
+    k, n = 576, 11
+    fmt, gfmt = BLOCK_FORMATS[name], GROUPED[name]
+    raw = random_blocks(name, n, k, seed=rows)
+    grouped = reference.group_blocks(raw, fmt, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    want = ops.linear(x, [raw], [fmt], activations=8)
+    assert torch.equal(ops.linear(x, [grouped], [gfmt], activations=8), want)
+    assert torch.equal(reference.linear_int8(x, [grouped], [gfmt]), want)
+
+
+def test_grouped_layout_bad_input():
+    raw = random_blocks("Q4_K", 2, 256)
+    with pytest.raises(ValueError, match=r"group_blocks: format 12 has no grouped layout; Q4_0 \(2\)"):
+        reference.group_blocks(raw, 12, 256)
+    with pytest.raises(ValueError, match=r"ungroup_blocks: format 3 is not a grouped format"):
+        reference.ungroup_blocks(random_blocks("Q4_1", 2, 256), 3, 256)
+    x = torch.randn(1, 256)
+    with pytest.raises(RuntimeError, match=r"weights\[0\] \(Q4_1G, K = 256\) must be uint8 \[N, 160\]"):
+        ops.linear(x, [torch.zeros(2, 150, dtype=torch.uint8)], [1003])
+    with pytest.raises(RuntimeError, match=r"weight format 1004 is not supported; .*1003 Q4_1G"):
+        ops.linear(x, [torch.zeros(2, 160, dtype=torch.uint8)], [1004])

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
+from ..ops import reference
 from .kv_cache import KVCache
 from .rope import RopeTable, rope_inv_freq, rope_parameters, rotate
 from .quant import QuantWeight
@@ -115,6 +116,21 @@ class Linear:
                              f"model with weights='dense' for {self.device.type}")
         self._dense = None if (self.kernel or self.quantized) else self.dense()
         self.activations = 0  # 8: int8 activations for the GGUF block segments (Transformer.set_activations)
+        self.set_layout()
+
+    def set_layout(self) -> None:
+        """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest: grouped
+        (``reference.group_blocks``: each row's scales side by side, 1.4x faster from DRAM) where the
+        kernels run their AVX-512 path with exact activations, else GGUF's. The same values either way
+        (every kernel takes both layouts and gives the same bits); this only moves bytes."""
+        from ..ops import cpu_isa
+        grouped = self.kernel and self.activations == 0 and cpu_isa() == "avx512"
+        for i, f in enumerate(self.formats):
+            base = reference.grouped_base(f)
+            if grouped and f in (2, 3, 6, 8):
+                self.weights[i], self.formats[i] = reference.group_blocks(self.weights[i], f, self.in_features), f + 1000
+            elif not grouped and base is not None:
+                self.weights[i], self.formats[i] = reference.ungroup_blocks(self.weights[i], f, self.in_features), base
 
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
@@ -219,6 +235,8 @@ class Transformer:
         self.activations = mode
         for lin in [self.lm_head] + [l for layer in self.layers for l in layer.linears()]:
             lin.activations = ACTIVATION_MODES[mode]
+            lin.set_layout()
+        self.flatten_layers()
         return self
 
     def first_layers(self, num_layers: int) -> "Transformer":

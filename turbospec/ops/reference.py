@@ -331,7 +331,10 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
 # GGML type id -> (name, weights per block, bytes per block)
 WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q4_0", 32, 18),
                   3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
+                  13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
+                  # turbospec's own ids (1000 + the GGUF id): the same blocks, grouped (``group_blocks``)
+                  1002: ("Q4_0G", 32, 18), 1003: ("Q4_1G", 32, 20), 1006: ("Q5_0G", 32, 22), 1008: ("Q8_0G", 32, 34)}
+GROUP_BLOCKS = 16  # blocks per group of a grouped layout
 DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 
@@ -349,6 +352,49 @@ def row_bytes(fmt: int, k: int) -> int:
     if k % block:
         raise ValueError(f"a {name} row holds a multiple of {block} weights, got K = {k}")
     return k // block * nbytes
+
+
+def grouped_base(fmt: int) -> int | None:
+    """The GGUF format id of a grouped format id (1002 Q4_0G -> 2 Q4_0), else None."""
+    return fmt - 1000 if fmt in (1002, 1003, 1006, 1008) else None
+
+
+def _group_order(fmt: int, k: int) -> Tensor:
+    """Byte order of a grouped row: position p of the grouped row holds byte order[p] of the GGUF row.
+    A row's blocks go in groups of ``GROUP_BLOCKS`` (the last may be shorter, n blocks); a group holds
+    the fp16 field d of its n blocks, then (Q4_1) the field m of its n blocks, then each block's
+    remaining bytes in block order."""
+    _, block, nbytes = WEIGHT_FORMATS[fmt]
+    nh = 2 if fmt in (3, 1003) else 1  # fp16 fields at a block's start
+    nb = k // block
+    order = []
+    for g0 in range(0, nb, GROUP_BLOCKS):
+        blocks = range(g0, min(nb, g0 + GROUP_BLOCKS))
+        for h in range(nh):
+            for j in blocks:
+                order += [j * nbytes + 2 * h, j * nbytes + 2 * h + 1]
+        for j in blocks:
+            order += range(j * nbytes + 2 * nh, (j + 1) * nbytes)
+    return torch.tensor(order, dtype=torch.long)
+
+
+def group_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """GGUF blocks uint8 [N, row bytes] of Q4_0 / Q4_1 / Q5_0 / Q8_0 (``fmt`` 2 / 3 / 6 / 8) -> the
+    same bytes in the grouped layout (format ``1000 + fmt``): only their places in each row move."""
+    if fmt not in (2, 3, 6, 8):
+        raise ValueError(f"group_blocks: format {fmt!r} has no grouped layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), "
+                         f"Q8_0 (8) have")
+    return raw[:, _group_order(fmt, k)].contiguous()
+
+
+def ungroup_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """The inverse of ``group_blocks``: grouped rows (``fmt`` 1002 / 1003 / 1006 / 1008) -> GGUF blocks."""
+    base = grouped_base(fmt)
+    if base is None:
+        raise ValueError(f"ungroup_blocks: format {fmt!r} is not a grouped format (1002, 1003, 1006, 1008)")
+    out = torch.empty_like(raw)
+    out[:, _group_order(base, k)] = raw
+    return out
 
 
 def _f16(raw: Tensor) -> Tensor:  # uint8 [..., 2] -> float32 [...]
@@ -378,6 +424,8 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(fmt, k):
         raise ValueError(f"dequantize: raw must be uint8 [N, {row_bytes(fmt, k)}] for {name} with K = {k}, "
                          f"got {raw.dtype} {list(raw.shape)}")
+    if grouped_base(fmt) is not None:
+        return dequantize(ungroup_blocks(raw, fmt, k), grouped_base(fmt), k)
     b = raw.reshape(n, k // block, nbytes)
     if name in ("Q4_0", "Q4_1", "Q5_0"):
         d = _f16(b[..., 0:2])[..., None]
@@ -436,6 +484,8 @@ def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor |
     n = raw.shape[0]
     name, block, nbytes = WEIGHT_FORMATS[fmt]
     dequantize(raw[:1], fmt, k)  # the same argument checks
+    if grouped_base(fmt) is not None:
+        return block_parts(ungroup_blocks(raw, fmt, k), grouped_base(fmt), k)
     b = raw.reshape(n, k // block, nbytes)
     minw = None
     if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
