@@ -1003,40 +1003,59 @@ TS_AVX512 void span_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const
     for (int r = 0; r < NX; ++r) acc_io[i * NX + r] = acc[i][r];
 }
 
-// One input row, four weight rows, all blocks: the decode step's kernel. The same arithmetic and
-// order as span_q512_hint<F, 4, 1> (so the same bits), written for the compiler: four named
+// 1-4 input rows (a decode step, a short verify), four weight rows, all blocks. The same arithmetic
+// and order as span_q512_hint<F, 4, NX> (so the same bits), written for the compiler: named
 // accumulators (as arrays GCC 12 at -O3 keeps them in memory too, bench/RESULTS.md run 18), x read
-// once per block for the four rows, and the scales widened per group of 16 blocks. On the AVX-512
-// machine of bench/RESULTS.md this ran a 3072 x 576 Q4_1 matrix in 159 us against 214 us (run 19).
-template <int64_t F, bool NTA>
-TS_AVX512 void rows4_x1_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* x, int64_t K,
-                                  __m512* acc_out) {
+// once per block for the four weight rows, and the scales widened per group of 16 blocks. On the
+// AVX-512 machine of bench/RESULTS.md a 3072 x 576 Q4_1 matrix (grouped) ran in 161 us at one row
+// against 214 us (run 19).
+#define TS_ROW4(i)                                                                                     \
+  B::load(w[i] + q, sd[i] + j, sm[i] + jm, w0, w1);                                                  \
+  a##i##0 = _mm512_fmadd_ps(w1, x10, _mm512_fmadd_ps(w0, x00, a##i##0));                              \
+  if constexpr (NX > 1) a##i##1 = _mm512_fmadd_ps(w1, x11, _mm512_fmadd_ps(w0, x01, a##i##1));        \
+  if constexpr (NX > 2) a##i##2 = _mm512_fmadd_ps(w1, x12, _mm512_fmadd_ps(w0, x02, a##i##2));        \
+  if constexpr (NX > 3) a##i##3 = _mm512_fmadd_ps(w1, x13, _mm512_fmadd_ps(w0, x03, a##i##3));
+#define TS_X4(r)                                                                                       \
+  __m512 x0##r = x00, x1##r = x10;                                                                     \
+  if constexpr (NX > r) x0##r = _mm512_loadu_ps(xp[r] + k), x1##r = _mm512_loadu_ps(xp[r] + k + 16);
+#define TS_OUT4(i)                                                                                     \
+  acc_out[i * NX] = a##i##0;                                                                           \
+  if constexpr (NX > 1) acc_out[i * NX + 1] = a##i##1;                                                 \
+  if constexpr (NX > 2) acc_out[i * NX + 2] = a##i##2;                                                 \
+  if constexpr (NX > 3) acc_out[i * NX + 3] = a##i##3;
+
+template <int64_t F, int NX, bool NTA>
+TS_AVX512 void rows4_q512_hint(const uint8_t* const* wr, int64_t row_bytes, const float* const* xr, int64_t K,
+                               __m512* acc_out) {
+  static_assert(NX >= 1 && NX <= 4, "rows4_q512_hint: 1..4 input rows");
   using B = Block512<F>;
   const int64_t nb = K / 32, ahead = kRowBlock * row_bytes;
   constexpr int64_t pf_step = bytes_for<F>(32);
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const float* xp[4];  // held in registers, not re-read through xr
+  for (int r = 0; r < 4; ++r) xp[r] = xr[r < NX ? r : 0];
+  const uint8_t* const w[4] = {wr[0], wr[1], wr[2], wr[3]};
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+  __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
   for (int64_t g0 = 0; g0 < nb; g0 += kGroupBlocks) {
     const int64_t n = std::min(kGroupBlocks, nb - g0);
     alignas(64) float sd[4][2 * kGroupBlocks], sm[4][B::kHalves == 2 ? 2 * kGroupBlocks : 1];
-    for (int i = 0; i < 4; ++i) B::group_scales(wr[i], g0, n, sd[i], sm[i]);
+    for (int i = 0; i < 4; ++i) B::group_scales(w[i], g0, n, sd[i], sm[i]);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t k = 32 * (g0 + j), pf = ahead + (g0 + j) * pf_step, q = B::rest_in_group(g0, n, j);
-      const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
-      for (int i = 0; i < 4; ++i) prefetch_weights(wr[i] + pf, NTA);
+      const __m512 x00 = _mm512_loadu_ps(xp[0] + k), x10 = _mm512_loadu_ps(xp[0] + k + 16);
+      TS_X4(1) TS_X4(2) TS_X4(3)
+      for (int i = 0; i < 4; ++i) prefetch_weights(w[i] + pf, NTA);
       const int64_t jm = B::kHalves == 2 ? j : 0;
       __m512 w0, w1;
-      B::load(wr[0] + q, sd[0] + j, sm[0] + jm, w0, w1);
-      a0 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a0));
-      B::load(wr[1] + q, sd[1] + j, sm[1] + jm, w0, w1);
-      a1 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a1));
-      B::load(wr[2] + q, sd[2] + j, sm[2] + jm, w0, w1);
-      a2 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a2));
-      B::load(wr[3] + q, sd[3] + j, sm[3] + jm, w0, w1);
-      a3 = _mm512_fmadd_ps(w1, x1, _mm512_fmadd_ps(w0, x0, a3));
+      TS_ROW4(0) TS_ROW4(1) TS_ROW4(2) TS_ROW4(3)
     }
   }
-  acc_out[0] = a0, acc_out[1] = a1, acc_out[2] = a2, acc_out[3] = a3;
+  TS_OUT4(0) TS_OUT4(1) TS_OUT4(2) TS_OUT4(3)
 }
+#undef TS_ROW4
+#undef TS_X4
+#undef TS_OUT4
 
 // Super-blocks [b0, b1) of NW weight rows x NX input rows of Q4_K / Q5_K / Q6_K, added to acc_io.
 template <int64_t F, int NW, int NX, bool NTA>
@@ -1080,13 +1099,14 @@ template <int64_t F, int NX>
 TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t K,
                             float (*out)[kMaxRows], int64_t r0) {
   constexpr int NW = NX <= 4 ? 4 : NX <= 8 ? 2 : 1;
-  if constexpr (NX == 1 && kBlock512<F>) {
+  if constexpr (NX <= 4 && kBlock512<F>) {
     if (nw == kRowBlock) {
-      __m512 a[4];
-      if (prefetch_nta()) rows4_x1_q512_hint<F, true>(wr, row_bytes, xr[r0], K, a);
-      else rows4_x1_q512_hint<F, false>(wr, row_bytes, xr[r0], K, a);
+      __m512 a[4 * NX];
+      if (prefetch_nta()) rows4_q512_hint<F, NX, true>(wr, row_bytes, xr + r0, K, a);
+      else rows4_q512_hint<F, NX, false>(wr, row_bytes, xr + r0, K, a);
       for (int i = 0; i < 4; ++i)
-        out[i][r0] = combine_lanes_avx2(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+        for (int r = 0; r < NX; ++r)
+          out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(a[i * NX + r]), _mm512_extractf32x8_ps(a[i * NX + r], 1));
       return;
     }
   }
