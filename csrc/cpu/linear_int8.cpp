@@ -640,6 +640,104 @@ TS_AVX512 void tile_k512(const uint8_t* const* wr, int64_t row_bytes, const QRow
     for (int r = 0; r < NX; ++r) out[r * ldo + i] = combine8_avx2(acc[i][r]) + m[i][r];
 }
 
+// AVX-512, Q4_0 / Q4_1 / Q5_0 / Q8_0: four weight rows x NX (1..4) input rows. A register holds two
+// weight rows' lane sums: lanes 0..7 row 2p, lanes 8..15 row 2p + 1, each lane the exact integer of
+// tile_avx2 (maddubs + madd on 64 bytes: both rows' blocks against x's block in both halves), then
+// the same fma(scale_w * d_x, L, acc) per lane and block, so the same bits; Q4_1's min terms run as
+// 16 lanes (weight row x input row) of the same scalar fma sequence.
+template <int64_t F>
+TS_AVX512 __attribute__((always_inline)) inline __m512i pair_bytes512(const uint8_t* p0, const uint8_t* p1) {
+  if constexpr (F == kQ8_0) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 2))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 2)), 1);
+  } else {
+    constexpr int off = F == kQ4_0 ? 2 : F == kQ4_1 ? 4 : 6;
+    // 128-bit lanes: row 0's 16 bytes twice, row 1's twice; even lanes take the low nibbles (weights
+    // 0..15), odd lanes the high ones (16..31)
+    const __m512i v = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0 + off)))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1 + off))), 1);
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i u = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+    if constexpr (F == kQ5_0) {  // bit e of qh: 0x10 in byte e of the row's 32
+      const uint64_t qh = static_cast<uint64_t>(load_u32(p0 + 2)) | (static_cast<uint64_t>(load_u32(p1 + 2)) << 32);
+      u = _mm512_mask_or_epi64(u, 0xFF, u, _mm512_maskz_mov_epi8(static_cast<__mmask64>(qh), _mm512_set1_epi8(0x10)));
+    }
+    return u;
+  }
+}
+
+template <int64_t F, int NX>
+TS_AVX512 void tile_q512(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr, int64_t K, float* out,
+                         int64_t ldo) {
+  static_assert(!is_k(F) && NX >= 1 && NX <= 4, "tile_q512: Q4_0 / Q4_1 / Q5_0 / Q8_0, 1..4 input rows");
+  const int64_t ahead = kRows * row_bytes;
+  constexpr int64_t per_block = block_bytes(F);
+  const bool nta = prefetch_nta();
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+  __m512 mins = z;  // lane 4 i + r: Q4_1's min term of weight row i, input row r
+  const __m512i by_row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i by_input = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p[4];
+    for (int i = 0; i < 4; ++i) {
+      p[i] = wr[i] + b * per_block;
+      if ((b & 1) == 0) prefetch_weights(wr[i] + ahead + b * per_block, nta);
+    }
+    const __m512i u0 = pair_bytes512<F>(p[0], p[1]), u1 = pair_bytes512<F>(p[2], p[3]);
+    // scale_w per row: lanes 0..7 row 2p, 8..15 row 2p + 1
+    const __m512 sw0 = _mm512_insertf32x8(_mm512_set1_ps(f16c(p[0])), _mm256_set1_ps(f16c(p[1])), 1);
+    const __m512 sw1 = _mm512_insertf32x8(_mm512_set1_ps(f16c(p[2])), _mm256_set1_ps(f16c(p[3])), 1);
+    __m512i a0 = u0, a1 = u1;  // Q8_0: |w| against x with w's sign (maddubs takes unsigned x signed)
+    if constexpr (F == kQ8_0) a0 = _mm512_abs_epi8(u0), a1 = _mm512_abs_epi8(u1);
+#define TS_INPUT(r)                                                                                        \
+  if constexpr (NX > r) {                                                                                  \
+    const QRow& x = xr[r];                                                                                 \
+    const __m512i qx = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + 32 * b))); \
+    __m512i q0 = qx, q1 = qx;                                                                              \
+    if constexpr (F == kQ8_0) {                                                                            \
+      q0 = _mm512_mask_sub_epi8(qx, _mm512_movepi8_mask(u0), _mm512_setzero_si512(), qx);                 \
+      q1 = _mm512_mask_sub_epi8(qx, _mm512_movepi8_mask(u1), _mm512_setzero_si512(), qx);                 \
+    }                                                                                                      \
+    __m512i L0 = _mm512_madd_epi16(_mm512_maddubs_epi16(a0, q0), ones);                                    \
+    __m512i L1 = _mm512_madd_epi16(_mm512_maddubs_epi16(a1, q1), ones);                                    \
+    if constexpr (offset_shift<F>() > 0) {                                                                 \
+      const __m512i ls = _mm512_slli_epi32(_mm512_broadcast_i64x4(                                         \
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.lsum + 8 * b))), offset_shift<F>());      \
+      L0 = _mm512_sub_epi32(L0, ls), L1 = _mm512_sub_epi32(L1, ls);                                        \
+    }                                                                                                      \
+    const __m512 dx = _mm512_set1_ps(x.d[b]);                                                              \
+    a0##r = _mm512_fmadd_ps(_mm512_mul_ps(sw0, dx), _mm512_cvtepi32_ps(L0), a0##r);                        \
+    a1##r = _mm512_fmadd_ps(_mm512_mul_ps(sw1, dx), _mm512_cvtepi32_ps(L1), a1##r);                        \
+  }
+    TS_INPUT(0) TS_INPUT(1) TS_INPUT(2) TS_INPUT(3)
+#undef TS_INPUT
+    if constexpr (has_min(F)) {
+      const __m128 mn4 = _mm_setr_ps(f16c(p[0] + 2), f16c(p[1] + 2), f16c(p[2] + 2), f16c(p[3] + 2));
+      const __m128 sx4 = _mm_setr_ps(xr[0].s[b], NX > 1 ? xr[NX > 1 ? 1 : 0].s[b] : 0.f,
+                                     NX > 2 ? xr[NX > 2 ? 2 : 0].s[b] : 0.f, NX > 3 ? xr[NX > 3 ? 3 : 0].s[b] : 0.f);
+      mins = _mm512_fmadd_ps(_mm512_permutexvar_ps(by_row, _mm512_castps128_ps512(mn4)),
+                             _mm512_permutexvar_ps(by_input, _mm512_castps128_ps512(sx4)), mins);
+    }
+  }
+  alignas(64) float m[16];
+  _mm512_store_ps(m, mins);
+#define TS_OUT(r)                                                                                          \
+  if constexpr (NX > r) {                                                                                  \
+    const __m512 acc[2] = {a0##r, a1##r};                                                                  \
+    for (int i = 0; i < 4; ++i) {                                                                          \
+      const __m256 h = (i & 1) ? _mm512_extractf32x8_ps(acc[i >> 1], 1) : _mm512_castps512_ps256(acc[i >> 1]); \
+      float y = combine8_avx2(h);                                                                          \
+      if constexpr (has_min(F)) y = y + m[4 * i + r];                                                      \
+      out[r * ldo + i] = y;                                                                                \
+    }                                                                                                      \
+  }
+  TS_OUT(0) TS_OUT(1) TS_OUT(2) TS_OUT(3)
+#undef TS_OUT
+}
+
 template <int64_t F, int NW, int NX, bool W512>
 TS_AVX2 __attribute__((always_inline)) inline void tile(const uint8_t* const* wr, int64_t row_bytes, const QRow* xr,
                                                         int64_t K, float* out, int64_t ldo) {
@@ -684,6 +782,19 @@ template <int64_t F>
 void rows(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
           int64_t ldo, Isa isa) {
 #ifdef TS_X86
+  if constexpr (!is_k(F)) {
+    if (isa == Isa::kAvx512 && nw == kRows) {  // four weight rows x passes of <= 4 input rows
+      for (int64_t r = 0; r < R; r += 4) {
+        switch (std::min<int64_t>(4, R - r)) {
+          case 4: tile_q512<F, 4>(wr, row_bytes, xr + r, K, out + r * ldo, ldo); break;
+          case 3: tile_q512<F, 3>(wr, row_bytes, xr + r, K, out + r * ldo, ldo); break;
+          case 2: tile_q512<F, 2>(wr, row_bytes, xr + r, K, out + r * ldo, ldo); break;
+          default: tile_q512<F, 1>(wr, row_bytes, xr + r, K, out + r * ldo, ldo); break;
+        }
+      }
+      return;
+    }
+  }
   if constexpr (is_k(F)) {
     if (isa == Isa::kAvx512) {
       rows_tiles<F, true>(wr, nw, row_bytes, xr, R, K, out, ldo);

@@ -463,3 +463,27 @@ def test_grouped_layout_bad_input():
         ops.linear(x, [torch.zeros(2, 150, dtype=torch.uint8)], [1003])
     with pytest.raises(RuntimeError, match=r"weight format 1004 is not supported; .*1003 Q4_1G"):
         ops.linear(x, [torch.zeros(2, 160, dtype=torch.uint8)], [1004])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_int8_extreme_weights_and_activations(name):
+    """Every integer at its extreme (Q8_0's -128, 4- and 5-bit values 0 and 15 / 31, activations
+    quantized to +-127): the byte products that the AVX2 and AVX-512 kernels pair up stay exact, so
+    every path gives the spec's bits (8 weight rows: two four-row tiles of the AVX-512 kernel)."""
+    k, n = 256, 8
+    fmt = BLOCK_FORMATS[name]
+    nbytes = reference.WEIGHT_FORMATS[fmt][2]
+    raw = random_blocks(name, n, k, seed=11).reshape(n, k // 32, nbytes).clone()
+    hdr = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q8_0": 2}[name]
+    raw[0::2, :, hdr:] = 0x80 if name == "Q8_0" else 0xFF   # -128 / both nibbles 15
+    raw[1::2, :, hdr:] = 0x7F if name == "Q8_0" else 0x00
+    if name == "Q5_0":
+        raw[0::2, :, 2:6] = 0xFF                             # fifth bits set: 31
+        raw[1::2, :, 2:6] = 0x00
+    raw = raw.reshape(n, -1)
+    x = torch.full((3, k), 1.0)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    ys = on_every_isa(lambda: ops.linear(x, [raw], [fmt], activations=8))
+    for y in ys:
+        assert torch.equal(y, reference.linear_int8(x, [raw], [fmt]))
