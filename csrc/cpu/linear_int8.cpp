@@ -13,7 +13,8 @@
 //   accumulate acc_j = fma(scale_w(j) * d_x, L_j, acc_j) block by block; m = fma(min_w, d_x * sum q_x, m);
 //   y = ((acc_j + acc_j+4), + 2, + 1) + m (+ bias).
 // Paths: scalar (every format), AVX2 (maddubs + madd; every format), AVX-512 (the K-quant formats:
-// two sub-blocks per maddubs + madd). All give the same bits (the lane sums are exact integers).
+// two sub-blocks per maddubs + madd; Q4_0 / Q4_1 / Q5_0 / Q8_0: two weight rows per register, tiles
+// of four weight rows). All give the same bits (the lane sums are exact integers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
