@@ -790,7 +790,7 @@ TS_AVX512 void rows_avx512(const uint8_t* const* wr_bytes, int64_t nw, const flo
 // each weight by its 5-bit value.
 // The grouped layouts (gguf_blocks.h) hold the same blocks with 16 scales side by side, so the
 // widening is one load and one conversion per 16 blocks instead of one per block: on the AVX-512
-// machine of bench/RESULTS.md a Q4_1 pass ran 1.4x faster from DRAM (run 19).
+// machine of bench/RESULTS.md a one-row Q4_1 pass ran 1.2-1.3x faster, SmolLM2 decode 1.15-1.3x (run 19).
 template <int64_t F>
 constexpr int64_t kBase = grouped_base(F) >= 0 ? grouped_base(F) : F;
 template <int64_t F>

@@ -120,7 +120,8 @@ class Linear:
 
     def set_layout(self) -> None:
         """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest: grouped
-        (``reference.group_blocks``: each row's scales side by side, 1.4x faster from DRAM) where the
+        (``reference.group_blocks``: each row's scales side by side; Q4_1 decode 1.15-1.3x faster in
+        bench/RESULTS.md run 19) where the
         kernels run their AVX-512 path with exact activations, else GGUF's. The same values either way
         (every kernel takes both layouts and gives the same bits); this only moves bytes."""
         from ..ops import cpu_isa
