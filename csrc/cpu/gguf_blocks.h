@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace turbospec {
 
@@ -80,9 +81,13 @@ inline int64_t grouped_field(int64_t j, int64_t nb, int64_t bytes, int h) {
   const int64_t g0 = j - j % kGroupBlocks, n = std::min(kGroupBlocks, nb - g0);
   return g0 * bytes + 2 * (h * n + (j - g0));
 }
+// ... the rest of block jj of the group of n blocks that starts at block g0
+constexpr int64_t grouped_rest_in(int64_t g0, int64_t n, int64_t jj, int64_t bytes, int nh) {
+  return g0 * bytes + 2 * nh * n + (bytes - 2 * nh) * jj;
+}
 inline int64_t grouped_rest(int64_t j, int64_t nb, int64_t bytes, int nh) {
-  const int64_t g0 = j - j % kGroupBlocks, n = std::min(kGroupBlocks, nb - g0);
-  return g0 * bytes + 2 * nh * n + (bytes - 2 * nh) * (j - g0);
+  const int64_t g0 = j - j % kGroupBlocks;
+  return grouped_rest_in(g0, std::min(kGroupBlocks, nb - g0), j - g0, bytes, nh);
 }
 
 // rows rows of nb GGUF blocks (src) <-> the grouped layout (dst); src and dst do not overlap.
@@ -102,6 +107,18 @@ inline void regroup_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t
       std::memcpy(to_grouped ? d + g : d + plain + 2 * nh, to_grouped ? s + plain + 2 * nh : s + g,
                   static_cast<size_t>(rest));
     }
+  }
+}
+
+// Pointers to nw grouped rows (base format `base`, row_bytes each) put back in GGUF order in buf:
+// the fallback of every kernel path without a grouped reader.
+inline void ungroup_into(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, int64_t base,
+                         std::vector<uint8_t>& buf, const uint8_t** out) {
+  const int64_t bytes = base == 2 ? 18 : base == 3 ? 20 : base == 6 ? 22 : 34;
+  buf.resize(static_cast<size_t>(nw * row_bytes));
+  for (int64_t i = 0; i < nw; ++i) {
+    out[i] = buf.data() + i * row_bytes;
+    regroup_rows(wr[i], buf.data() + i * row_bytes, 1, row_bytes / bytes, bytes, header_halves(base), false);
   }
 }
 

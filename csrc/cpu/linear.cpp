@@ -813,7 +813,7 @@ struct Block512 {
 
   // The same for block g0 + jj of a group of n blocks starting at g0 (g0 % 16 == 0, n <= 16).
   static int64_t rest_in_group(int64_t g0, int64_t n, int64_t jj) {
-    if constexpr (kGrouped<F>) return g0 * kBytes + 2 * kHalves * n + (kBytes - 2 * kHalves) * jj;
+    if constexpr (kGrouped<F>) return grouped_rest_in(g0, n, jj, kBytes, kHalves);
     else return (g0 + jj) * kBytes + 2 * kHalves;
   }
 
@@ -1178,12 +1178,8 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
 #endif
     // every other path: the rows back in GGUF order, then the GGUF format's kernels (same values)
     thread_local std::vector<uint8_t> plain;
-    plain.resize(static_cast<size_t>(kRowBlock * row_bytes));
     const uint8_t* pr[kRowBlock];
-    for (int64_t i = 0; i < nw; ++i) {
-      pr[i] = plain.data() + i * row_bytes;
-      regroup_rows(wr[i], plain.data() + i * row_bytes, 1, K / 32, info_of(F).bytes, header_halves(kBase<F>), false);
-    }
+    ungroup_into(wr, nw, row_bytes, kBase<F>, plain, pr);
     compute_block<kBase<F>>(pr, nw, row_bytes, xr, R, K, isa, out, panel);
     return;
   } else {

@@ -662,7 +662,7 @@ TS_AVX512 __attribute__((always_inline)) inline __m512i pair_bytes512(const uint
     __m512i u = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(v, m4), _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
     if constexpr (F == kQ5_0) {  // bit e of qh: 0x10 in byte e of the row's 32
       const uint64_t qh = static_cast<uint64_t>(load_u32(p0 + 2)) | (static_cast<uint64_t>(load_u32(p1 + 2)) << 32);
-      u = _mm512_mask_or_epi64(u, 0xFF, u, _mm512_maskz_mov_epi8(static_cast<__mmask64>(qh), _mm512_set1_epi8(0x10)));
+      u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(static_cast<__mmask64>(qh), _mm512_set1_epi8(0x10)));
     }
     return u;
   }
@@ -717,8 +717,8 @@ TS_AVX512 void tile_q512(const uint8_t* const* wr, int64_t row_bytes, const QRow
 #undef TS_INPUT
     if constexpr (has_min(F)) {
       const __m128 mn4 = _mm_setr_ps(f16c(p[0] + 2), f16c(p[1] + 2), f16c(p[2] + 2), f16c(p[3] + 2));
-      const __m128 sx4 = _mm_setr_ps(xr[0].s[b], NX > 1 ? xr[NX > 1 ? 1 : 0].s[b] : 0.f,
-                                     NX > 2 ? xr[NX > 2 ? 2 : 0].s[b] : 0.f, NX > 3 ? xr[NX > 3 ? 3 : 0].s[b] : 0.f);
+      const __m128 sx4 = _mm_setr_ps(xr[0].s[b], NX > 1 ? xr[1].s[b] : 0.f, NX > 2 ? xr[2].s[b] : 0.f,
+                                     NX > 3 ? xr[3].s[b] : 0.f);
       mins = _mm512_fmadd_ps(_mm512_permutexvar_ps(by_row, _mm512_castps128_ps512(mn4)),
                              _mm512_permutexvar_ps(by_input, _mm512_castps128_ps512(sx4)), mins);
     }
@@ -819,12 +819,8 @@ void rows_grouped(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const
                   float* out, int64_t ldo, Isa isa) {
   constexpr int64_t F = grouped_base(G);
   thread_local std::vector<uint8_t> plain;
-  plain.resize(static_cast<size_t>(kRows * row_bytes));
   const uint8_t* pr[kRows];
-  for (int64_t i = 0; i < nw; ++i) {
-    pr[i] = plain.data() + i * row_bytes;
-    regroup_rows(wr[i], plain.data() + i * row_bytes, 1, K / 32, block_bytes(F), header_halves(F), false);
-  }
+  ungroup_into(wr, nw, row_bytes, F, plain, pr);
   rows<F>(pr, nw, row_bytes, xr, R, K, out, ldo, isa);
 }
 

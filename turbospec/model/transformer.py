@@ -128,8 +128,9 @@ class Linear:
         grouped = self.kernel and self.activations == 0 and cpu_isa() == "avx512"
         for i, f in enumerate(self.formats):
             base = reference.grouped_base(f)
-            if grouped and f in (2, 3, 6, 8):
-                self.weights[i], self.formats[i] = reference.group_blocks(self.weights[i], f, self.in_features), f + 1000
+            if grouped and f in reference.GROUPED:
+                self.weights[i], self.formats[i] = (reference.group_blocks(self.weights[i], f, self.in_features),
+                                                    reference.GROUPED[f])
             elif not grouped and base is not None:
                 self.weights[i], self.formats[i] = reference.ungroup_blocks(self.weights[i], f, self.in_features), base
 

@@ -19,6 +19,7 @@ Vocabulary (shapes use B = batch, N = nodes per draft tree including the root, V
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -354,11 +355,15 @@ def row_bytes(fmt: int, k: int) -> int:
     return k // block * nbytes
 
 
+GROUPED = {2: 1002, 3: 1003, 6: 1006, 8: 1008}  # GGUF format id -> its grouped layout's id
+
+
 def grouped_base(fmt: int) -> int | None:
     """The GGUF format id of a grouped format id (1002 Q4_0G -> 2 Q4_0), else None."""
-    return fmt - 1000 if fmt in (1002, 1003, 1006, 1008) else None
+    return fmt - 1000 if fmt in GROUPED.values() else None
 
 
+@functools.lru_cache(maxsize=64)
 def _group_order(fmt: int, k: int) -> Tensor:
     """Byte order of a grouped row: position p of the grouped row holds byte order[p] of the GGUF row.
     A row's blocks go in groups of ``GROUP_BLOCKS`` (the last may be shorter, n blocks); a group holds
@@ -381,7 +386,7 @@ def _group_order(fmt: int, k: int) -> Tensor:
 def group_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     """GGUF blocks uint8 [N, row bytes] of Q4_0 / Q4_1 / Q5_0 / Q8_0 (``fmt`` 2 / 3 / 6 / 8) -> the
     same bytes in the grouped layout (format ``1000 + fmt``): only their places in each row move."""
-    if fmt not in (2, 3, 6, 8):
+    if fmt not in GROUPED:
         raise ValueError(f"group_blocks: format {fmt!r} has no grouped layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), "
                          f"Q8_0 (8) have")
     return raw[:, _group_order(fmt, k)].contiguous()
