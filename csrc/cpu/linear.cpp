@@ -20,8 +20,9 @@
 //            Q4_1 / Q8_0 at 5-8 rows: one pass, half the lanes at a time); dense weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
-//   avx512   dense float32/bfloat16 weights, and every block format at 1-16 input rows, dequantized
-//            in registers of 16 lanes (past 16 rows: the panel, or Q4_K's AVX2 kernel up to 64)
+//   avx512   dense float32/bfloat16 weights (past 4 input rows and a long K, chunk by chunk of K),
+//            and every block format at 1-16 input rows, dequantized in registers of 16 lanes (past
+//            16 rows: the panel)
 // x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
 #include "linear.h"
 
@@ -49,14 +50,17 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int64_t kRowBlock = 4;   // weight rows per work item
-constexpr int64_t kMaxRows = 64;   // input rows per pass; a larger x runs in passes of 64 (same order)
+constexpr int64_t kMaxRows = 64;   // input rows per pass (fewer for a long K: rows_per_pass; same order)
 // Up to this many input rows quantized weights are dequantized in registers (once per pass of <= 4
 // rows); past it, once per row block into a float32 panel. Q4_K, whose panel dequantization costs
 // most, is 20-40 % faster fused at 24-64 rows on the AVX2 machine of bench/RESULTS.md (2026-11-25,
 // 2 threads, 3 alternated rounds); Q5_K and Q6_K were slower fused past 16 rows and Q4_0 / Q4_1 /
-// Q8_0 within the noise between two builds (about 10 %), so they keep 16.
+// Q8_0 within the noise between two builds (about 10 %), so they keep 16. The AVX-512 kernels take
+// 16 (kFusedRows512): on the AVX-512 machine Q4_K at 17-64 rows ran 1.2-2.8x faster through the
+// panel than through the AVX2 fused kernel (2026-11-27).
 template <int64_t F>
 constexpr int64_t kFusedRows = F == kQ4_K ? 64 : 16;
+constexpr int64_t kFusedRows512 = 16;
 
 struct FormatInfo {
   int64_t block;  // weights per block
@@ -694,21 +698,26 @@ TS_AVX512 inline __m512 load16_512(const c10::BFloat16* p) {
 }
 
 // Dense float32 / bfloat16 weights: NW (1-4) weight rows x NX (1-4) input rows, 16 lanes in one
-// register; the last step of a K that is not a multiple of 16 loads under a mask (zeros add
-// nothing). The accumulators are named variables: as an array [NW][NX], GCC 12 at -O3 kept them in
-// memory too and stored every one of them at every step (store-bound from 2 x 2 up;
-// bench/RESULTS.md, run 18).
-template <int NW, int NX, typename W, bool NTA>
-TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
-                                 int64_t r0) {
-  static_assert(NW >= 1 && NW <= 4 && NX >= 1 && NX <= 4, "block_avx512: 1-4 weight rows x 1-4 input rows");
+// register, steps k0, k0 + 16, ... < k1 (k0 % 16 == 0; k1 % 16 == 0 or k1 == K, whose last step loads
+// under a mask: zeros add nothing), added to the lane sums acc[4 i + r]. PF: the prefetch of the next
+// row block (kRowBlock rows ahead): 0 none, 1 T0, 2 non-temporal. The accumulators are named
+// variables: as an array [NW][NX], GCC 12 at -O3 kept them in memory too and stored every one of
+// them at every step (store-bound from 2 x 2 up; bench/RESULTS.md, run 18).
+template <int NW, int NX, typename W, int PF>
+TS_AVX512 void span_avx512(const W* const* wr, const float* const* xr, int64_t k0, int64_t k1, int64_t K,
+                           __m512* acc) {
+  static_assert(NW >= 1 && NW <= 4 && NX >= 1 && NX <= 4, "span_avx512: 1-4 weight rows x 1-4 input rows");
   const __m512 z = _mm512_setzero_ps();
-  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
-  __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+#define TS_ACC(i, r) ((NW > i && NX > r) ? acc[4 * i + r] : z)
+  __m512 a00 = TS_ACC(0, 0), a01 = TS_ACC(0, 1), a02 = TS_ACC(0, 2), a03 = TS_ACC(0, 3);
+  __m512 a10 = TS_ACC(1, 0), a11 = TS_ACC(1, 1), a12 = TS_ACC(1, 2), a13 = TS_ACC(1, 3);
+  __m512 a20 = TS_ACC(2, 0), a21 = TS_ACC(2, 1), a22 = TS_ACC(2, 2), a23 = TS_ACC(2, 3);
+  __m512 a30 = TS_ACC(3, 0), a31 = TS_ACC(3, 1), a32 = TS_ACC(3, 2), a33 = TS_ACC(3, 3);
+#undef TS_ACC
   // one step of 16 weights at k: LOADX(p) / LOADW(p) read 16 input / weight values at p
 #define TS_DENSE_ROW(i, LOADW)                                           \
   if constexpr (NW > i) {                                                \
-    prefetch_weights(wr[i] + kRowBlock * K + k, NTA);                    \
+    if constexpr (PF > 0) prefetch_weights(wr[i] + kRowBlock * K + k, PF == 2); \
     const __m512 w = LOADW(wr[i] + k);                                   \
     a##i##0 = _mm512_fmadd_ps(w, x0, a##i##0);                           \
     if constexpr (NX > 1) a##i##1 = _mm512_fmadd_ps(w, x1, a##i##1);     \
@@ -723,10 +732,10 @@ TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int
     const __m512 x3 = NX > 3 ? LOADX(xr[NX > 3 ? 3 : 0] + k) : z;        \
     TS_DENSE_ROW(0, LOADW) TS_DENSE_ROW(1, LOADW) TS_DENSE_ROW(2, LOADW) TS_DENSE_ROW(3, LOADW) \
   }
-  const int64_t full = K / kLanes * kLanes;
-  int64_t k = 0;
+  const int64_t full = std::min(k1, K / kLanes * kLanes);
+  int64_t k = k0;
   for (; k < full; k += kLanes) TS_DENSE_STEP(_mm512_loadu_ps, load16_512)
-  if (k < K) {
+  if (k < k1) {
     const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
 #define TS_XLOAD_TAIL(p) _mm512_maskz_loadu_ps(m, p)
 #define TS_WLOAD_TAIL(p) load16_512(p, m)
@@ -736,30 +745,63 @@ TS_AVX512 void block_avx512_hint(const W* const* wr, const float* const* xr, int
   }
 #undef TS_DENSE_STEP
 #undef TS_DENSE_ROW
-  const __m512 acc[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
+  const __m512 sums[16] = {a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33};
   for (int i = 0; i < NW; ++i)
-    for (int r = 0; r < NX; ++r)
-      out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i][r]), _mm512_extractf32x8_ps(acc[i][r], 1));
+    for (int r = 0; r < NX; ++r) acc[4 * i + r] = sums[4 * i + r];
 }
 
-// The prefetch hint as a template argument: picked once per call, not tested per block.
+// Past 4 input rows and a K of more than kDenseChunkAbove, K runs in chunks of kDenseChunk weights:
+// the row block's slice (8 KB of float32) stays in L1 while every group of 4 input rows passes over
+// it, the lane sums waiting in memory between chunks (the same additions in the same order). Over
+// all of a long K, a row block and a group of x rows outgrow L1 and the weights come from L2 once
+// per group. One core of the AVX-512 machine of bench/RESULTS.md (2026-11-27, alternated in one
+// process), GFMA/s: float32 1024 x 1536 at 64 rows 27.8 -> 34.3, 16 rows 23.6 -> 27.6; the panel
+// of Q6_K 1024 x 1536 at 64 rows 21.7 -> 27.0; at K = 576-1024 chunks gained nothing or lost up to 5 %.
+constexpr int64_t kDenseChunk = 512, kDenseChunkAbove = 1024;
+
 template <int NW, int NX, typename W>
-TS_AVX512 void block_avx512(const W* const* wr, const float* const* xr, int64_t K, float (*out)[kMaxRows],
-                            int64_t r0) {
-  if (prefetch_nta()) block_avx512_hint<NW, NX, W, true>(wr, xr, K, out, r0);
-  else block_avx512_hint<NW, NX, W, false>(wr, xr, K, out, r0);
+TS_AVX512 void span_avx512_pf(const W* const* wr, const float* const* xr, int64_t k0, int64_t k1, int64_t K,
+                              __m512* acc, int pf) {
+  switch (pf) {
+    case 0: span_avx512<NW, NX, W, 0>(wr, xr, k0, k1, K, acc); break;
+    case 2: span_avx512<NW, NX, W, 2>(wr, xr, k0, k1, K, acc); break;
+    default: span_avx512<NW, NX, W, 1>(wr, xr, k0, k1, K, acc); break;
+  }
 }
 
 template <int NW, typename W>
-TS_AVX512 void rows_avx512_n(const W* const* wr, const float* const* xr, int64_t R, int64_t K, float (*out)[kMaxRows]) {
-  int64_t r = 0;
-  for (; r + 4 <= R; r += 4) block_avx512<NW, 4>(wr, xr + r, K, out, r);
-  switch (R - r) {
-    case 3: block_avx512<NW, 3>(wr, xr + r, K, out, r); break;
-    case 2: block_avx512<NW, 2>(wr, xr + r, K, out, r); break;
-    case 1: block_avx512<NW, 1>(wr, xr + r, K, out, r); break;
-    default: break;
+TS_AVX512 void span_avx512_rows(const W* const* wr, const float* const* xr, int64_t nx, int64_t k0, int64_t k1,
+                                int64_t K, __m512* acc, int pf) {
+  switch (nx) {
+    case 4: span_avx512_pf<NW, 4>(wr, xr, k0, k1, K, acc, pf); break;
+    case 3: span_avx512_pf<NW, 3>(wr, xr, k0, k1, K, acc, pf); break;
+    case 2: span_avx512_pf<NW, 2>(wr, xr, k0, k1, K, acc, pf); break;
+    default: span_avx512_pf<NW, 1>(wr, xr, k0, k1, K, acc, pf); break;
   }
+}
+
+// NW weight rows x R input rows in groups of 4: over all of K per group up to 4 rows (or when K
+// fits one chunk), else chunk by chunk of K (kDenseChunk), every group per chunk.
+template <int NW, typename W>
+TS_AVX512 void rows_avx512_n(const W* const* wr, const float* const* xr, int64_t R, int64_t K, float (*out)[kMaxRows]) {
+  const int pf = prefetch_nta() ? 2 : 1;
+  const int64_t groups = (R + 3) / 4;
+  alignas(64) __m512 acc[kMaxRows / 4][16];
+  for (int64_t g = 0; g < groups; ++g)
+    for (int j = 0; j < 16; ++j) acc[g][j] = _mm512_setzero_ps();
+  const int64_t chunk = R <= 4 || K <= kDenseChunkAbove ? K : kDenseChunk;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    // the next row block is prefetched once per chunk, by the first group
+    for (int64_t g = 0; g < groups; ++g)
+      span_avx512_rows<NW>(wr, xr + 4 * g, std::min<int64_t>(4, R - 4 * g), k0, k1, K, acc[g], g == 0 ? pf : 0);
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int i = 0; i < NW; ++i)
+      for (int64_t r = 4 * g; r < std::min<int64_t>(R, 4 * g + 4); ++r) {
+        const __m512 a = acc[g][4 * i + (r - 4 * g)];
+        out[i][r] = combine_lanes_avx2(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+      }
 }
 
 template <typename W>
@@ -1126,7 +1168,7 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
                                           _mm512_extractf32x8_ps(acc[i * NX + r], 1));
 }
 
-// R (1..16; more rows take the panel path, or for Q4_K the AVX2 kernel up to 64) input rows in one pass.
+// R (1..16; more rows take the panel path) input rows in one pass.
 template <int64_t F>
 TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const float* const* xr, int64_t R,
                          int64_t K, float (*out)[kMaxRows]) {
@@ -1171,7 +1213,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
                    int64_t K, Isa isa, float (*out)[kMaxRows], std::vector<float>& panel) {
   if constexpr (kGrouped<F>) {
 #ifdef TS_X86
-    if (isa == Isa::kAvx512 && R <= kFusedRows<kBase<F>>) {
+    if (isa == Isa::kAvx512 && R <= kFusedRows512) {
       rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
       return;
     }
@@ -1191,7 +1233,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
     return;
   }
 #endif
-  if (!direct && R > kFusedRows<F>) {
+  if (!direct && R > (isa == Isa::kAvx512 ? kFusedRows512 : kFusedRows<F>)) {
     panel.resize(static_cast<size_t>(kRowBlock * K));
     dequant_rows<F>(wr, nw, K, panel.data(), isa);
     const uint8_t* pr[kRowBlock];
@@ -1201,7 +1243,7 @@ void compute_block(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, cons
   }
 #ifdef TS_X86
   if constexpr (kBlock512<F> || kSuper512<F>) {
-    if (isa == Isa::kAvx512 && R <= 16) {
+    if (isa == Isa::kAvx512 && R <= kFusedRows512) {
       rows_q512<F>(wr, nw, row_bytes, xr, R, K, out);
       return;
     }
@@ -1245,14 +1287,24 @@ struct Segment {
   BlockFn fn;
 };
 
+// Input rows per pass: up to kMaxRows, fewer when K is long, so that a pass's rows of x (read once
+// per row block of weights) stay in L2 (kPassBytes of float32). Qwen2.5-1.5B's down projection
+// (K = 8960) at 64 rows ran 1.25-1.45x faster in passes of 16 on the AVX-512 machine of
+// bench/RESULTS.md (float32, Q4_K, Q6_K; 2026-11-27). The split into passes never changes a row's result.
+constexpr int64_t kPassBytes = 384 * 1024;
+inline int64_t rows_per_pass(int64_t K) {
+  return std::clamp<int64_t>(kPassBytes / (4 * std::max<int64_t>(K, 1)) / 4 * 4, 16, kMaxRows);
+}
+
 template <typename Y>
 void run(const std::vector<Segment>& segs, int64_t nblocks, const float* x, const float* bias, Y* y, int64_t N,
          int64_t K, int64_t R) {
   const Isa isa = cpu_isa();
   // Enough blocks per task that the fork/join is amortised; the split never changes the result.
   const int64_t grain = std::max<int64_t>(1, nblocks / (4 * std::max(1, at::get_num_threads())));
-  for (int64_t c0 = 0; c0 < R; c0 += kMaxRows) {
-    const int64_t rc = std::min(kMaxRows, R - c0);
+  const int64_t pass = rows_per_pass(K);
+  for (int64_t c0 = 0; c0 < R; c0 += pass) {
+    const int64_t rc = std::min(pass, R - c0);
     at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
       thread_local std::vector<float> panel;
       float out[kRowBlock][kMaxRows];

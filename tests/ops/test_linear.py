@@ -91,11 +91,13 @@ def test_quantized_linear_matches_spec(isa, name, rows, bias):
 
 
 @pytest.mark.parametrize("name", list(BLOCK_FORMATS))
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17, 45])
 def test_quantized_linear_long_rows_match_spec(isa, name, rows):
     """Rows of 2304 weights (72 blocks of 32, 9 of 256): longer than the AVX-512 kernels' chunk of
     widened scales (64 blocks) and than their K-chunks past 4 input rows (<= 16 KB of x: 1-3
-    super-blocks for the K-quants), with a weight row count (7) that leaves a partial row block."""
+    super-blocks for the K-quants), with a weight row count (7) that leaves a partial row block.
+    Past 16 rows the panel runs chunk by chunk of K (512), and 45 rows take two passes (40 + 5 rows
+    at this K: rows_per_pass)."""
     k, n = 2304, 7
     raw = random_blocks(name, n, k, seed=rows + 100)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -155,6 +157,21 @@ def test_dense_linear_matches_spec(isa, rows, n, k, wdtype, xdtype, bias):
     exact = x.double() @ w.double().T + (0 if b is None else b.double())
     tol = 1e-5 if xdtype == torch.float32 else 1e-2
     assert torch.allclose(got.double(), exact, rtol=tol, atol=1e-4 * k)
+
+
+@pytest.mark.parametrize("rows,k", [(5, 1100), (9, 1536), (17, 2304), (70, 1100), (45, 2304)])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_dense_long_k_chunks_and_passes_match_spec(isa, rows, k, wdtype):
+    """Past 4 input rows and K > 1024 the AVX-512 kernel runs K in chunks of 512 (the last one
+    masked when K % 16 != 0: K = 1100), every group of 4 rows per chunk; a long K also takes fewer
+    rows per pass (2304: 40). Same bits as the spec, and each row alone gives them too."""
+    g = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(7, k, generator=g).to(wdtype)
+    x = torch.randn(rows, k, generator=g)
+    got = ops.small_linear(x, w)
+    assert torch.equal(got, reference.small_linear(x, w))
+    alone = torch.cat([ops.small_linear(x[i:i + 1], w) for i in range(rows)])
+    assert torch.equal(got, alone)
 
 
 def test_dense_rows_and_isas_give_identical_bits():
