@@ -14,7 +14,10 @@ Sections (each system measured back to back, so only same-run ratios are compare
      turbospec plain / n-gram / the shipped EAGLE-3 head + n-gram on the quantized GGUF vs
      ``llama-lookup`` (llama.cpp's prompt-lookup speculation) on the same chat-templated prompts;
      turbospec's outputs are checked equal to its plain greedy output; llama.cpp's plain decode on
-     the same prompts is ``llama-bench -d <prompt length> -n <max new tokens>`` per prompt.
+     the same prompts is ``llama-bench -d <prompt length> -n <max new tokens>`` per prompt;
+  4. prefill (the time to the first token): tok/s of one forward over a --prefill-token prompt
+     into an empty cache (turbospec: the last token's logits) vs ``llama-bench -p N -n 0``, the two
+     alternated round by round.
 llama.cpp is found with ../shared/tools/build_llama_cpp.sh (built once per machine, ~8 min; never
 in CI); without it the turbospec columns are still measured. Writes bench/out/cpu.{json,md}.
 """
@@ -125,6 +128,17 @@ def ts_decode_tps(model, tokens: int, context: int = 8) -> float:
     return tokens / (time.perf_counter() - t)
 
 
+def ts_prefill_tps(model, tokens: int) -> float:
+    """Prefill tok/s: one forward over ``tokens`` prompt tokens into an empty cache, the last token's
+    logits (what a generation computes before its first token; llama-bench pp)."""
+    import torch
+    cache = model.new_cache(tokens + 1)
+    ids = (torch.arange(tokens)[None] * 7919) % model.cfg.vocab_size  # spread over the vocabulary
+    t = time.perf_counter()
+    model.forward(ids, torch.arange(tokens)[None], cache, 0, logits="last")
+    return tokens / (time.perf_counter() - t)
+
+
 def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[str, dict[int, float]]:
     """ms of one forward over N new tokens (a chain) after ``context`` cached tokens: "turbospec"
     with every token's logits; "turbospec, lazy LM head" (when the engine's verify step computes
@@ -170,6 +184,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5,
                    help="plain decode: rounds of turbospec then llama.cpp, alternated (medians reported)")
     p.add_argument("--no-curve", action="store_true", help="skip the verify cost curve")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill rows (0: skip)")
+    p.add_argument("--prefill-rounds", type=int, default=2, help="prefill: rounds of each system, alternated")
     p.add_argument("--spec-prompts", type=int, default=2, help="Spec-Bench prompts per category (0: skip)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--draft-model", default=None,
@@ -190,7 +206,7 @@ def main() -> int:
     formats = args.formats.split(",")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_flags(), "threads": args.threads, "model": src,
             "kernels": turbospec.kernels_available(), "torch": torch.__version__, "llama_cpp": bin_dir}
-    res: dict = {"plain": {}, "curve": {}, "spec": {}, "pair": {}}
+    res: dict = {"plain": {}, "curve": {}, "prefill": {}, "spec": {}, "pair": {}}
     print(f"# CPU benchmark {meta['date']}, {meta['cpu']}, {args.threads} threads", flush=True)
 
     for fmt in formats:
@@ -212,6 +228,20 @@ def main() -> int:
         row["rounds"] = runs
         if not args.no_curve:
             res["curve"].setdefault(fmt, {}).update(ts_verify_curve(model))
+        if args.prefill > 0:
+            pre: dict = {"turbospec": [], "llama.cpp": []}
+            for _ in range(args.prefill_rounds):
+                pre["turbospec"].append(ts_prefill_tps(model, args.prefill))
+                if gguf:
+                    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", "1",
+                           "-p", str(args.prefill), "-n", "0", "-o", "json"]
+                    lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+                    pre["llama.cpp"].append(lb[("pp", args.prefill)])
+            prow = {k: statistics.median(v) for k, v in pre.items() if v}
+            if pre["llama.cpp"]:
+                prow["ratio"] = statistics.median(t / c for t, c in zip(pre["turbospec"], pre["llama.cpp"]))
+            res["prefill"][fmt] = {**prow, "tokens": args.prefill, "rounds": pre}
+            print(f"prefill {fmt}: " + ", ".join(f"{k} {v}" for k, v in pre.items() if v), flush=True)
         del model
         if gguf and not args.no_curve:
             ns = ",".join(str(n) for n in VERIFY_TOKENS)
@@ -390,6 +420,14 @@ def markdown(meta: dict, res: dict) -> str:
         for fmt, systems in res["curve"].items():
             for name, c in systems.items():
                 lines.append(f"| {fmt} | {name} | " + " | ".join(f"{c[n] / c[1]:.2f}" for n in VERIFY_TOKENS) + " |")
+    if res.get("prefill"):
+        lines += ["", "Prefill (one forward over an N-token prompt, empty cache): tok/s", "",
+                  "| weights | N | turbospec tok/s | llama.cpp tok/s (pp) | ratio (median of rounds) |",
+                  "|---|---|---|---|---|"]
+        for fmt, row in res["prefill"].items():
+            lc = row.get("llama.cpp")
+            lines.append(f"| {fmt} | {row['tokens']} | {row['turbospec']:.1f} | "
+                         + (f"{lc:.1f} | {row['ratio']:.2f}x |" if lc else "- | - |"))
     for key, title in (("spec", "Speculation"), ("pair", "Target + draft model")):
         if not res.get(key):
             continue

@@ -52,10 +52,13 @@ def test_turbospec_measurements_on_a_tiny_model():
     assert set(curve) == {"turbospec", "turbospec, lazy LM head"}  # q8_0: a quantized LM head
     for c in curve.values():
         assert sorted(c) == list(bench_cpu.VERIFY_TOKENS) and all(v > 0 for v in c.values())
+    assert bench_cpu.ts_prefill_tps(model, 20) > 0
     md = bench_cpu.markdown({"cpu": "x", "threads": 1, "date": "d", "kernels": {"cpu_isa": "avx2"}},
                             {"plain": {"q": {"turbospec": 50.0, "llama.cpp": 100.0, "ratio": 0.5}},
-                             "curve": {"q": curve}, "spec": {}})
+                             "curve": {"q": curve}, "spec": {},
+                             "prefill": {"q": {"turbospec": 300.0, "llama.cpp": 200.0, "ratio": 1.5, "tokens": 512}}})
     assert "| q | 50.0 | 100.0 | 0.50x |" in md and "N=64" in md and "| q | turbospec, lazy LM head | 1.00 |" in md
+    assert "| q | 512 | 300.0 | 200.0 | 1.50x |" in md
     dense = loader.load_model(make_tiny_model("llama"))
     assert set(bench_cpu.ts_verify_curve(dense, context=16, reps=1)) == {"turbospec"}
 
