@@ -1,8 +1,8 @@
 // tree_attention, CPU: the attention of the target's verify pass over one layer's static KV cache
 // (spec: reference.tree_attention; CUDA twin: csrc/cuda/tree_attention.cu).
 //
-// Work items are (batch row b, kv head, block of query rows) and run in parallel (rows are split only
-// when there are fewer (b, kv head) pairs than threads). An item's rows are the (query i, head of
+// Work items are (batch row b, kv head, block of query rows) and run in parallel (a pair's rows are
+// split when the (b, kv head) pairs do not share out evenly among the threads). An item's rows are the (query i, head of
 // the GQA group) pairs that read the same kv head, row = i * G + head, so every key tile is read and
 // widened to float32 once for all of them. Over tiles of kTile keys an item runs the attention
 // softmax in float32, in base 2 (q is pre-scaled by scale * log2(e)), in two passes (see attend_rows):
@@ -111,6 +111,20 @@ TS_INLINE float exp2_neg(float x) {
   return p * two_k;
 }
 
+// The largest of p[0..n) (-inf for n = 0). Every order gives the same maximum; 16 running maxima
+// let the loop vectorise (a single running maximum is a chain the compiler keeps scalar).
+TS_INLINE float row_max(const float* p, int64_t n) {
+  float mx[16];
+  for (int j = 0; j < 16; ++j) mx[j] = kNegInf;
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16)
+    for (int j = 0; j < 16; ++j) mx[j] = std::max(mx[j], p[t + j]);
+  for (; t < n; ++t) mx[0] = std::max(mx[0], p[t]);
+  float out = mx[0];
+  for (int j = 1; j < 16; ++j) out = std::max(out, mx[j]);
+  return out;
+}
+
 struct Args {
   const void* q;  // [B, n, Hq, D], last dim contiguous
   int64_t qs0, qs1, qs2;
@@ -200,8 +214,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
     scores(p0, nk, s);
-    for (int64_t rr = 0; rr < rows; ++rr)
-      for (int64_t t = 0; t < nk; ++t) m[rr] = std::max(m[rr], s[rr * kTile + t]);
+    for (int64_t rr = 0; rr < rows; ++rr) m[rr] = std::max(m[rr], row_max(s + rr * kTile, nk));
   }
   // float32 values with D a multiple of the micro-kernel width are read in place from the cache
   constexpr bool kF32 = std::is_same_v<T, float>;
@@ -223,13 +236,16 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     }
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* srow = s + rr * kTile;
-      if (m[rr] == kNegInf) {  // the row attends nothing
+      const float mr = m[rr];  // a local: the loop below vectorises (m could alias srow)
+      if (mr == kNegInf) {  // the row attends nothing
         std::fill(srow, srow + nk, 0.f);
         continue;
       }
-      for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - m[rr]);
-      for (int64_t t = 0; t < nk; ++t) l[rr] += srow[t];
+      for (int64_t t = 0; t < nk; ++t) srow[t] = exp2_neg(srow[t] - mr);
     }
+    // l += P key by key, each row's sum in key order; the rows' sums are independent chains
+    for (int64_t t = 0; t < nk; ++t)
+      for (int64_t rr = 0; rr < rows; ++rr) l[rr] += s[rr * kTile + t];
     // O += P V, key by key (padding rows of S hold the scores of zero queries, 0: never written out)
     for (int64_t rb = 0; rb < Rp; rb += kMr)
       for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vsrc + c, ldv, nk, o + rb * Dp + c, Dp);
@@ -325,12 +341,17 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
     case c10::kBFloat16: fn = pick_attend<c10::BFloat16>(); break;
     default: fn = pick_attend<c10::Half>(); break;
   }
-  // Split the rows of a (b, kv head) pair only when there are fewer pairs than threads.
+  // Split the rows of a (b, kv head) pair when the pairs do not share out evenly among the threads
+  // (SmolLM2: 3 kv heads on 2 threads left one thread idle a third of a prefill's attention), into
+  // chunks of at least 16 rows: the smallest count of chunks per pair that makes the items a
+  // multiple of the threads.
   const int64_t units = d.B * d.Hkv, R = d.n * a.G;
   const int64_t threads = at::get_num_threads();
   int64_t chunk_rows = R;
-  if (units < threads) {
-    const int64_t chunks = std::min((threads + units - 1) / units, (R + 15) / 16);
+  if (units % threads != 0) {
+    int64_t want = 1;
+    while ((units * want) % threads != 0 && want < threads) ++want;
+    const int64_t chunks = std::min(want, (R + 15) / 16);
     chunk_rows = round_up((R + chunks - 1) / chunks, kMr);
   }
   const int64_t chunks = (R + chunk_rows - 1) / chunk_rows;

@@ -114,6 +114,28 @@ def test_cpu_row_split_across_threads():
     assert_close(out, lse, *reference.tree_attention(*inputs, 0.2), torch.float32)
 
 
+def test_cpu_row_split_gives_the_bits_of_one_thread():
+    """3 kv heads do not share out evenly among 2 threads, nor 2 among 3 or 4: the kernel splits each
+    pair's rows (a 64-token chain, 192 rows per kv head) into chunks. Every thread count gives the
+    bits of one thread, and each token those it gets attended alone."""
+    dev = need_op("cpu")
+    q, k, v, cache_len, _ = make_inputs(1, 64, 9, 3, 300, 64, [150], "chain", torch.float32, seed=7)
+    packed = reference.build_tree(torch.arange(-1, 63)[None])[1]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3, 4):
+            torch.set_num_threads(t)
+            results.append(run_op(dev, q, k, v, cache_len, packed, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    for i in (0, 31, 63):
+        alone, alone_lse = run_op(dev, q[:, i:i + 1], k, v, cache_len + i, torch.tensor([[1]]), 0.125)
+        assert torch.equal(alone, results[0][0][:, i:i + 1]) and torch.equal(alone_lse, results[0][1][:, :, i:i + 1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_given_out(device):
     """q a transposed view, caches narrowed views of larger buffers; out and lse are written in place."""
