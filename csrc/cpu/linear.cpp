@@ -757,6 +757,8 @@ TS_AVX512 void span_avx512(const W* const* wr, const float* const* xr, int64_t k
 // per group. One core of the AVX-512 machine of bench/RESULTS.md (2026-11-27, alternated in one
 // process), GFMA/s: float32 1024 x 1536 at 64 rows 27.8 -> 34.3, 16 rows 23.6 -> 27.6; the panel
 // of Q6_K 1024 x 1536 at 64 rows 21.7 -> 27.0; at K = 576-1024 chunks gained nothing or lost up to 5 %.
+// The AVX2 dense kernel (2 x 3 tiles), chunked the same way and forced on that machine, gained
+// nothing beyond the noise (~10 %), so it keeps whole rows.
 constexpr int64_t kDenseChunk = 512, kDenseChunkAbove = 1024;
 
 template <int NW, int NX, typename W>
