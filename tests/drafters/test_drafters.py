@@ -465,21 +465,26 @@ def test_budget_untimed_ignores_measured_cost():
 
 
 def simulate(budget_or_k, steps=400, accept=0.86, verify=lambda w: 1.0 + 0.1 * (w - 1), draft=0.3,
-             seed=0, first_draft_extra=0.0, accept_next=None):
+             seed=0, first_draft_extra=0.0, accept_next=None, noise=0.0, catch_up=0.0):
     """A drafter whose first token is accepted with probability ``accept`` and each later one, once
     the tokens before it were, with ``accept_next`` (default: ``accept``; the chain stops at the
     first rejection), ``draft`` seconds per drafted token, ``verify(width)`` seconds per verify;
-    returns tokens per second over ``steps`` steps, with the budget choosing k (or k fixed)."""
+    returns tokens per second over ``steps`` steps, with the budget choosing k (or k fixed).
+    ``noise``: each time is scaled by a uniform factor in [1 - noise, 1 + noise]; ``catch_up``:
+    seconds a drafting step adds after more than 8 plain steps (a draft model catching up)."""
     import random
     rng = random.Random(seed)
     tokens = seconds = 0.0
+    plain_run = 0
     for i in range(steps):
         k = budget_or_k if isinstance(budget_or_k, int) else budget_or_k.choose()
         n = 0
         while n < k and rng.random() < (accept if n == 0 or accept_next is None else accept_next):
             n += 1
-        t_draft = draft * k + (first_draft_extra if i == 0 and k else 0.0)
-        t_verify = verify(k + 1)
+        t_draft = draft * k * (1.0 + rng.uniform(-noise, noise)) + (first_draft_extra if i == 0 and k else 0.0)
+        t_draft += catch_up if k and plain_run > 8 else 0.0
+        plain_run = plain_run + 1 if k == 0 else 0
+        t_verify = verify(k + 1) * (1.0 + rng.uniform(-noise, noise))
         if not isinstance(budget_or_k, int):
             budget_or_k.record(k, n, k + 1, t_verify, t_draft)
         tokens += n + 1
@@ -506,6 +511,22 @@ def test_budget_within_noise_of_the_best_fixed_length_correlated(accept, accept_
     cost = dict(verify=lambda w: 1.0 + 0.2 * (w - 1), draft=0.27, accept_next=accept_next, steps=600)
     fixed = {k: simulate(k, accept=accept, **cost) for k in range(9)}
     adaptive = simulate(DraftBudget(8), accept=accept, **cost)
+    best = max(fixed, key=fixed.get)
+    assert adaptive >= 0.95 * fixed[best], (adaptive, fixed)
+
+
+@pytest.mark.parametrize("accept", [0.45, 0.6, 0.75, 0.9])
+def test_budget_near_break_even_with_noisy_timings(accept):
+    """Costs like the Qwen 1.5B / 0.5B pair's on the 2-core AVX-512 machine (bench/RESULTS.md run
+    20: a verify of w tokens 1 + 0.35 (w - 1) plain steps, a draft token 0.4, a catch-up of 4 after
+    a plain stretch), every time +-20 % at random, the first token accepted 45-90 % of the time and
+    the next 92 % once it was: plain decoding is best up to ~70 %, then 1-2 draft tokens. The budget
+    must stay within 5 % of the best fixed length, averaged over 8 runs. Before it measured plain
+    steps while drafting, it kept drafting at 60 % (0.94 of plain)."""
+    cost = dict(verify=lambda w: 1.0 + 0.35 * (w - 1), draft=0.4, accept_next=0.92, steps=600, noise=0.2,
+                catch_up=4.0)
+    fixed = {k: sum(simulate(k, accept=accept, seed=s, **cost) for s in range(8)) / 8 for k in range(4)}
+    adaptive = sum(simulate(DraftBudget(3), accept=accept, seed=s, **cost) for s in range(8)) / 8
     best = max(fixed, key=fixed.get)
     assert adaptive >= 0.95 * fixed[best], (adaptive, fixed)
 

@@ -11,25 +11,30 @@ drafts and underrates longer ones.
 
 Both costs are measured. Verify: per width, the lower median of its last 5 passes; a width not yet
 measured is interpolated linearly between measured neighbours, beyond them it grows by a mild slope;
-every 8th drafting step tries a neighbouring length, so that the widths around the choice stay
-fresh. Draft: k times the median per-token cost of the last 9 drafting steps (k draft forwards, k
-lookups). Medians, so one outlier (a drafter catching up on a long stretch, a page fault) cannot
-switch speculation off; a probe (below) starts the draft cost's history afresh (its own time,
-inflated by a draft model's catch-up on the tokens committed while off, is not kept). a(d) is a
-decayed count (decayed at each step that reached depth d) of the steps whose token d was accepted
-among the steps that drafted it after accepting tokens 1..d-1, over a prior of 2 pseudo-steps at
-a(d - 1) (``prior_accept`` for d = 1); a depth not reached lately keeps its last estimate, and
-every 8th drafting step tries a neighbouring length, so the depth just past the choice stays
-measured. A probe (below) keeps a quarter of the counts: acceptance comes in phases (a draft model
-on the Qwen pair: stretches of 0s, then of 2s), and the counts that switched speculation off must
-not outvote what the probe sees now. While speculation is off, two steps draft anyway after 4, 8, 16,
-... 64 plain steps (1 or 2 tokens, whichever the estimates prefer; the second step's draft time
-is measured), so that acceptance and draft cost are measured again: a drafter is never kept off on
-stale data. A probe costs what its two steps took beyond the plain steps they replace (a draft
-model catching up on the tokens committed while off: on the Qwen 1.5B/0.5B pair, int8, 6 plain
-steps' worth); the next probe waits until the plain steps since the last one took PROBE_SHARE^-1
-times that, so a useless drafter costs at most PROBE_SHARE (2%) of the decode time. Plain steps
-since the last probe are counted across the generations of one engine (``carry_over``).
+every 8th drafting step tries a neighbouring length (one token fewer may be a plain step: the cost
+drafting is weighed against), so that the widths around the choice stay fresh. Draft: k times the
+median per-token cost of the last 9 drafting steps (k draft forwards, k lookups). Medians, so one
+outlier (a drafter catching up on a long stretch, a page fault) cannot switch speculation off; a
+probe (below) starts the draft cost's history afresh (its own time, inflated by a draft model's
+catch-up on the tokens committed while off, is not kept). a(d) is a decayed count (decayed at each
+step that reached depth d) of the steps whose token d was accepted among the steps that drafted it
+after accepting tokens 1..d-1, over a prior of 2 pseudo-steps at a(d - 1) (``prior_accept`` for d =
+1); a depth not reached lately keeps its last estimate, and every 8th drafting step tries a
+neighbouring length, so the depth just past the choice stays measured. While drafting, speculation
+goes off only when a plain step beats every length by SWITCH_OFF_MARGIN on acceptance counts decayed
+slowly (SLOW_DECAY, ~30 steps): coming back costs a probe, and over ~10 steps the estimate swings by
+more than a marginal gain (simulated with this CPU's Qwen-pair costs and +-20 % timing noise: 0.94
+of plain before, 0.95-0.97 after). A probe (below) keeps a quarter of the counts: acceptance comes
+in phases (a draft model on the Qwen pair: stretches of 0s, then of 2s), and the counts that
+switched speculation off must not outvote what the probe sees now. While speculation is off, two
+steps draft anyway after 4, 8, 16, ... 64 plain steps (1 or 2 tokens, whichever the estimates
+prefer; the second step's draft time is measured), so that acceptance and draft cost are measured
+again: a drafter is never kept off on stale data. A probe costs what its two steps took beyond the
+plain steps they replace (a draft model catching up on the tokens committed while off: on the Qwen
+1.5B/0.5B pair, int8, 6 plain steps' worth); the next probe waits until the plain steps since the
+last one took PROBE_SHARE^-1 times that, so a useless drafter costs at most PROBE_SHARE (2%) of the
+decode time. Plain steps since the last probe are counted across the generations of one engine
+(``carry_over``).
 
 A draft model reads the prompt in the prefill (``Drafter.prepare``) only when that is expected to
 pay over the generation: ``reading_pays`` weighs the seconds drafting is expected to save over
@@ -75,6 +80,8 @@ class DraftBudget:
     MAX_COSTLY_INTERVAL = 4096
     PROBE_DISCOUNT = 0.25  # at a probe, the weight left to the acceptance measured before it
     PRIOR_WEIGHT = 2.0  # pseudo-steps of the prior acceptance at every depth
+    SWITCH_OFF_MARGIN = 0.05  # while drafting, a plain step must look this much better to switch off
+    SLOW_DECAY = 0.97  # ... on acceptance counts decayed this slowly (~30 steps)
 
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
@@ -86,6 +93,9 @@ class DraftBudget:
         # among them those whose token d was accepted too (decayed counts)
         self.arrived = [0.0] * max_draft
         self.went_on = [0.0] * max_draft
+        # the same counts decayed more slowly (SLOW_DECAY): what switching speculation off is judged on
+        self.arrived_slow = [0.0] * max_draft
+        self.went_on_slow = [0.0] * max_draft
         self.verify_time: dict[int, list[float]] = {}  # width (nodes) -> last seconds measured
         self.draft_time: list[float] = []  # last seconds per drafted token
         self._cost: list[float] | None = None  # cost(k), k = 0..max_draft; None: to recompute
@@ -102,11 +112,13 @@ class DraftBudget:
         self.windowed = False
         self._carried: tuple[list[float], list[float]] | None = None  # (arrived, went_on) passed on to us
 
-    def _chain(self, k: int) -> list[float]:
+    def _chain(self, k: int, slow: bool = False) -> list[float]:
         """[a(1), ..., a(k)]. a(d)'s prior is a(d - 1) (a(1)'s: ``prior_accept``): a depth seldom
-        reached is taken to be about as good as the one before it."""
+        reached is taken to be about as good as the one before it. ``slow``: from the slowly
+        decayed counts."""
         out, a = [], self.prior_accept
-        for went_on, arrived in zip(self.went_on[:k], self.arrived[:k]):
+        counts = (self.went_on_slow, self.arrived_slow) if slow else (self.went_on, self.arrived)
+        for went_on, arrived in zip(counts[0][:k], counts[1][:k]):
             a = (went_on + self.PRIOR_WEIGHT * a) / (arrived + self.PRIOR_WEIGHT)
             out.append(a)
         return out
@@ -137,6 +149,7 @@ class DraftBudget:
         self._carried = counts
         self.arrived = [0.5 * n for n in counts[0]]
         self.went_on = [0.5 * n for n in counts[1]]
+        self.arrived_slow, self.went_on_slow = list(self.arrived), list(self.went_on)
         # The probe back-off (4 while drafting; longer when the last generation ended with
         # speculation off): a useless drafter is not probed after 4 plain steps of every generation.
         self._probe_interval = last._probe_interval
@@ -164,10 +177,10 @@ class DraftBudget:
         """Measured draft seconds per drafted token (0 before anything is measured)."""
         return self._median(self.draft_time) if self.draft_time else 0.0
 
-    def expected_upto(self, k: int) -> list[float]:
+    def expected_upto(self, k: int, slow: bool = False) -> list[float]:
         """[E(0), ..., E(k)], in one pass over the chain (past max_draft, E stays E(max_draft))."""
         out, reach = [1.0], 1.0
-        for a in self._chain(k):
+        for a in self._chain(k, slow):
             reach *= min(a, 0.999)
             out.append(out[-1] + reach)
         return out + [out[-1]] * (k + 1 - len(out))
@@ -218,13 +231,22 @@ class DraftBudget:
             k, self._confirm = self._confirm, 0
             return k
         rates, best_k = self._rates_and_best()
+        if best_k == 0 and self._off_steps == 0 and self._drafting_steps > 0:
+            # Drafting until now: switch off only if the slowly decayed acceptance agrees, by
+            # SWITCH_OFF_MARGIN. Coming back costs a probe (for a draft model a catch-up), and over
+            # ~10 steps the acceptance estimate swings by more than a marginal gain.
+            slow = [e / c for e, c in zip(self.expected_upto(self.max_draft, slow=True), self.costs())]
+            k = max(range(1, self.max_draft + 1), key=lambda k: slow[k])
+            if slow[k] * (1.0 + self.SWITCH_OFF_MARGIN) >= rates[0]:
+                best_k = k
         if best_k > 0:
             self._off_steps, self._probe_interval = 0, 4
             self._drafting_steps += 1
             if self.timed and self._drafting_steps % self.EXPLORE_EVERY == 0:
-                # keep the neighbours' verify times fresh (one stale sample must not pin the choice)
+                # keep the neighbours' verify times fresh (one stale sample must not pin the choice),
+                # a plain step's too: it is what drafting is weighed against
                 up = self._drafting_steps % (2 * self.EXPLORE_EVERY) == 0
-                return min(best_k + 1, self.max_draft) if up else max(best_k - 1, 1)
+                return min(best_k + 1, self.max_draft) if up else best_k - 1
             return best_k
         # speculation is off: probe now and then, with fresh measurements
         self._off_steps += 1
@@ -236,6 +258,8 @@ class DraftBudget:
             # the acceptance that switched speculation off is stale now: the probe's steps decide
             self.arrived = [self.PROBE_DISCOUNT * n for n in self.arrived]
             self.went_on = [self.PROBE_DISCOUNT * n for n in self.went_on]
+            self.arrived_slow = [self.PROBE_DISCOUNT * n for n in self.arrived_slow]
+            self.went_on_slow = [self.PROBE_DISCOUNT * n for n in self.went_on_slow]
             self._probe_steps, self._probe_extra = 1, 0.0
             if self.timed:
                 self._confirm = k
@@ -279,6 +303,8 @@ class DraftBudget:
         for i in range(min(proposed, accepted + 1)):  # the depths this step reached
             self.arrived[i] = self.decay * self.arrived[i] + 1.0
             self.went_on[i] = self.decay * self.went_on[i] + (1.0 if accepted > i else 0.0)
+            self.arrived_slow[i] = self.SLOW_DECAY * self.arrived_slow[i] + 1.0
+            self.went_on_slow[i] = self.SLOW_DECAY * self.went_on_slow[i] + (1.0 if accepted > i else 0.0)
 
 
 class DepthBudget:
