@@ -70,6 +70,29 @@ def parse_llama_bench(stdout: str) -> dict:
     return out
 
 
+def llama_bench(bin_dir: str, gguf: str, threads: int, reps: int, prompt: str, gen: int) -> dict:
+    """``llama-bench -p <prompt> -n <gen>`` on ``gguf`` -> {("pp" | "tg", n): mean tok/s}."""
+    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(reps), "-p", str(prompt),
+           "-n", str(gen), "-o", "json"]
+    return parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def alternated(rounds: int, turbospec_fn, llama_fn) -> dict:
+    """Rounds of turbospec then llama.cpp (llama_fn None: turbospec only), alternated (this
+    machine's speed drifts by tens of percent over minutes): the median of each system, the median
+    of the per-round ratios, and the rounds."""
+    runs: dict = {"turbospec": [], "llama.cpp": []}
+    for _ in range(rounds):
+        runs["turbospec"].append(turbospec_fn())
+        if llama_fn is not None:
+            runs["llama.cpp"].append(llama_fn())
+    row = {k: statistics.median(v) for k, v in runs.items() if v}
+    if runs["llama.cpp"]:
+        row["ratio"] = statistics.median(t / c for t, c in zip(runs["turbospec"], runs["llama.cpp"]))
+    row["rounds"] = runs
+    return row
+
+
 def llama_plain_at_depths(bin_dir: str, gguf: str, depths: list[int], n_gen: int, threads: int) -> dict:
     """llama.cpp's plain decode on the same prompts' context lengths: ``llama-bench -d <each prompt's
     length> -n n_gen`` (tg after that many cached tokens, one run each; the depth's prefill is not
@@ -212,42 +235,23 @@ def main() -> int:
     for fmt in formats:
         model = ts_model(src, fmt)
         gguf = (src if fmt.startswith("q") else peer_gguf(bin_dir, src, fmt)) if bin_dir else None
-        # Plain decode, the two systems alternated round by round (this machine's speed drifts by
-        # tens of percent over minutes): the median of each, and the median of the per-round ratios.
-        runs: dict = {"turbospec": [], "llama.cpp": []}
-        for _ in range(args.rounds):
-            runs["turbospec"].append(ts_decode_tps(model, args.tokens))
-            if gguf:
-                cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", "1",
-                       "-p", "0", "-n", str(args.tokens), "-o", "json"]
-                lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-                runs["llama.cpp"].append(lb[("tg", args.tokens)])
-        row = {k: statistics.median(v) for k, v in runs.items() if v}
-        if gguf:
-            row["ratio"] = statistics.median(t / c for t, c in zip(runs["turbospec"], runs["llama.cpp"]))
-        row["rounds"] = runs
+        # Plain decode, the two systems alternated round by round
+        row = alternated(args.rounds, lambda: ts_decode_tps(model, args.tokens),
+                         (lambda: llama_bench(bin_dir, gguf, args.threads, 1, "0", args.tokens)[("tg", args.tokens)])
+                         if gguf else None)
+        runs = row["rounds"]
         if not args.no_curve:
             res["curve"].setdefault(fmt, {}).update(ts_verify_curve(model))
         if args.prefill > 0:
-            pre: dict = {"turbospec": [], "llama.cpp": []}
-            for _ in range(args.prefill_rounds):
-                pre["turbospec"].append(ts_prefill_tps(model, args.prefill))
-                if gguf:
-                    cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", "1",
-                           "-p", str(args.prefill), "-n", "0", "-o", "json"]
-                    lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-                    pre["llama.cpp"].append(lb[("pp", args.prefill)])
-            prow = {k: statistics.median(v) for k, v in pre.items() if v}
-            if pre["llama.cpp"]:
-                prow["ratio"] = statistics.median(t / c for t, c in zip(pre["turbospec"], pre["llama.cpp"]))
-            res["prefill"][fmt] = {**prow, "tokens": args.prefill, "rounds": pre}
-            print(f"prefill {fmt}: " + ", ".join(f"{k} {v}" for k, v in pre.items() if v), flush=True)
+            pre = alternated(args.prefill_rounds, lambda: ts_prefill_tps(model, args.prefill),
+                             (lambda: llama_bench(bin_dir, gguf, args.threads, 1, str(args.prefill), 0)
+                              [("pp", args.prefill)]) if gguf else None)
+            res["prefill"][fmt] = {**pre, "tokens": args.prefill}
+            print(f"prefill {fmt}: " + ", ".join(f"{k} {v}" for k, v in pre["rounds"].items() if v), flush=True)
         del model
         if gguf and not args.no_curve:
-            ns = ",".join(str(n) for n in VERIFY_TOKENS)
-            cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(args.threads), "-r", str(args.reps),
-                   "-p", ns, "-n", str(args.tokens), "-o", "json"]
-            lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            lb = llama_bench(bin_dir, gguf, args.threads, args.reps, ",".join(str(n) for n in VERIFY_TOKENS),
+                             args.tokens)
             tg_ms = 1e3 / lb[("tg", args.tokens)]
             res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
         res["plain"][fmt] = row
@@ -385,9 +389,7 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
         target.set_activations("exact")
         draft.set_activations("exact")
     if bin_dir:
-        cmd = [os.path.join(bin_dir, "llama-bench"), "-m", src, "-t", str(args.threads), "-r", str(args.reps),
-               "-p", "0", "-n", str(args.tokens), "-o", "json"]
-        lb = parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        lb = llama_bench(bin_dir, src, args.threads, args.reps, "0", args.tokens)
         out["llama_plain_tg"] = {"tok_s": lb[("tg", args.tokens)]}
         print(f"spec llama_plain_tg: {out['llama_plain_tg']}", flush=True)
         out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,

@@ -2,9 +2,9 @@
 // (spec: reference.tree_attention; CUDA twin: csrc/cuda/tree_attention.cu).
 //
 // Work items are (batch row b, kv head, block of query rows) and run in parallel (a pair's rows are
-// split when the (b, kv head) pairs do not share out evenly among the threads). An item's rows are the (query i, head of
-// the GQA group) pairs that read the same kv head, row = i * G + head, so every key tile is read and
-// widened to float32 once for all of them. Over tiles of kTile keys an item runs the attention
+// split when the (b, kv head) pairs do not share out evenly among the threads). An item's rows are
+// the (query i, head of the GQA group) pairs that read the same kv head, row = i * G + head, so
+// every key tile is read and widened to float32 once for all of them. Over tiles of kTile keys an item runs the attention
 // softmax in float32, in base 2 (q is pre-scaled by scale * log2(e)), in two passes (see attend_rows):
 //   S = Q K^T; keys past the end or outside the row's tree mask -> -inf; m = max over all tiles;
 //   then per tile P = 2^(S - m); l += P and O += P V key by key.

@@ -34,6 +34,22 @@ def test_llama_plain_at_depths_sums_seconds_per_prompt(tmp_path):
     assert args[args.index("-d") + 1] == "100,500,100" and args[args.index("-n") + 1] == "10"
 
 
+def test_llama_bench_command_and_alternated_rounds(tmp_path):
+    rows = [{"n_prompt": 512, "n_gen": 0, "avg_ts": 200.0}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\ncat <<'EOF'\n" + json.dumps(rows) + "\nEOF\n")
+    fake.chmod(0o755)
+    assert bench_cpu.llama_bench(str(tmp_path), "m.gguf", 2, 1, "512", 0) == {("pp", 512): 200.0}
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-p") + 1] == "512" and args[args.index("-n") + 1] == "0" and args[args.index("-t") + 1] == "2"
+    ts, lc = iter([10.0, 30.0, 20.0]), iter([10.0, 10.0, 40.0])
+    row = bench_cpu.alternated(3, lambda: next(ts), lambda: next(lc))
+    assert row["turbospec"] == 20.0 and row["llama.cpp"] == 10.0 and row["ratio"] == 1.0  # median of 1, 3, 0.5
+    assert row["rounds"] == {"turbospec": [10.0, 30.0, 20.0], "llama.cpp": [10.0, 10.0, 40.0]}
+    alone = bench_cpu.alternated(2, lambda: 5.0, None)
+    assert alone == {"turbospec": 5.0, "rounds": {"turbospec": [5.0, 5.0], "llama.cpp": []}}
+
+
 def test_parse_llama_lookup_log():
     log = ("0.02.315.695 I encoded   18 tokens in    0.307 seconds, speed:  175.874 t/s\n"
            "0.02.315.696 I decoded   36 tokens in    1.541 seconds, speed:   23.367 t/s\n"

@@ -189,8 +189,17 @@ class DraftBudget:
         """E(k): tokens a step drafting k emits, on average (the bonus/recovered token included)."""
         return self.expected_upto(k)[k]
 
+    def _rates(self, slow: bool = False) -> list[float]:
+        """Tokens per second (or per prior cost unit) of drafting k = 0..max_draft tokens."""
+        return [e / c for e, c in zip(self.expected_upto(self.max_draft, slow), self.costs())]
+
+    def _scale_counts(self, factor: float) -> None:
+        """Both sets of acceptance counts times ``factor``."""
+        for name in ("arrived", "went_on", "arrived_slow", "went_on_slow"):
+            setattr(self, name, [factor * n for n in getattr(self, name)])
+
     def _rates_and_best(self) -> tuple[list[float], int]:
-        rates = [e / c for e, c in zip(self.expected_upto(self.max_draft), self.costs())]
+        rates = self._rates()
         best_k = 0
         for k in range(1, self.max_draft + 1):
             if rates[k] > rates[best_k] * 1.0001:
@@ -235,7 +244,7 @@ class DraftBudget:
             # Drafting until now: switch off only if the slowly decayed acceptance agrees, by
             # SWITCH_OFF_MARGIN. Coming back costs a probe (for a draft model a catch-up), and over
             # ~10 steps the acceptance estimate swings by more than a marginal gain.
-            slow = [e / c for e, c in zip(self.expected_upto(self.max_draft, slow=True), self.costs())]
+            slow = self._rates(slow=True)
             k = max(range(1, self.max_draft + 1), key=lambda k: slow[k])
             if slow[k] * (1.0 + self.SWITCH_OFF_MARGIN) >= rates[0]:
                 best_k = k
@@ -256,10 +265,7 @@ class DraftBudget:
             self._probing = True
             k = max(range(1, min(2, self.max_draft) + 1), key=lambda k: rates[k])  # cheap: 1 or 2
             # the acceptance that switched speculation off is stale now: the probe's steps decide
-            self.arrived = [self.PROBE_DISCOUNT * n for n in self.arrived]
-            self.went_on = [self.PROBE_DISCOUNT * n for n in self.went_on]
-            self.arrived_slow = [self.PROBE_DISCOUNT * n for n in self.arrived_slow]
-            self.went_on_slow = [self.PROBE_DISCOUNT * n for n in self.went_on_slow]
+            self._scale_counts(self.PROBE_DISCOUNT)
             self._probe_steps, self._probe_extra = 1, 0.0
             if self.timed:
                 self._confirm = k
