@@ -7,9 +7,9 @@
 // These three ops do the same arithmetic with torch's roundings (float32 math, each stored value
 // rounded to the dtype; multiplies and adds are written as __fmul_rn / __fadd_rn so that nvcc
 // does not contract them into an FMA that torch does not do), one kernel each:
-// - add_rms_norm: one warp per row up to 1024 values (in registers), else one block per row; the
-//   residual add and the norm (the sum of squares in a fixed lane / tree order, so a row's result
-//   never depends on the other rows or the row count);
+// - add_rms_norm: one warp per row up to 1024 values, else one block per row (the row in registers
+//   up to 8 values per thread); the residual add and the norm (the sum of squares in a fixed lane /
+//   tree order, so a row's result never depends on the other rows or the row count);
 // - silu_mul: elementwise over [rows, I];
 // - rope_cache: one thread per (b, j, head, d) of qkv: q heads rotated into q_out, k heads rotated
 //   and v heads copied into the caches at slot cache_len[b] + j (read on the device: graph-safe).
@@ -29,6 +29,10 @@ namespace {
 
 constexpr int kElemThreads = 256;
 
+#ifdef TURBOSPEC_EMULATE
+inline bool norm_emu_loop = false;  // test hook (tests/ops/cuda_emu): long rows always by the loop kernel
+#endif
+
 struct NormParams {
   const void* x;
   const void* delta;  // nullptr: no residual add
@@ -40,6 +44,48 @@ struct NormParams {
   int type;
 };
 
+// Longer rows: one block per row; thread t takes the values t, t + blockDim.x, ... in order.
+// Up to kBlockRowItems values per thread, the row stays in registers and every load (x, delta,
+// weight) is issued before the first store: a store to `sum` might alias x for all the compiler
+// knows, so a loop that loads, adds and stores value by value waits for each load in turn.
+constexpr int kBlockRowItems = 8;
+
+__global__ void __launch_bounds__(1024) add_rms_norm_block_kernel(const NormParams p) {
+  __shared__ float scratch[kMaxWarps];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.K;
+  float v[kBlockRowItems], d[kBlockRowItems], w[kBlockRowItems];
+#pragma unroll
+  for (int i = 0; i < kBlockRowItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    v[i] = d[i] = w[i] = 0.f;
+    if (k < p.K) {
+      v[i] = load_float(p.x, base + k, p.type);
+      if (p.delta != nullptr) d[i] = load_float(p.delta, base + k, p.type);
+      w[i] = load_float(p.weight, k, p.type);
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBlockRowItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (k < p.K) {
+      if (p.delta != nullptr) {
+        v[i] = round_to(add_rn(v[i], d[i]), p.type);
+        store_float(p.sum, base + k, p.type, v[i]);
+      }
+      ss = add_rn(ss, mul_rn(v[i], v[i]));
+    }
+  }
+  ss = block_reduce(ss, Sum(), scratch);
+  const float inv = 1.f / sqrtf(add_rn(ss / static_cast<float>(p.K), p.eps));
+#pragma unroll
+  for (int i = 0; i < kBlockRowItems; ++i) {
+    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+    if (k < p.K) store_float(p.out, base + k, p.type, mul_rn(w[i], round_to(mul_rn(v[i], inv), p.type)));
+  }
+}
+
+// Rows of more than kBlockRowItems values per thread: the same order and arithmetic in a loop.
 __global__ void __launch_bounds__(1024) add_rms_norm_kernel(const NormParams p) {
   __shared__ float scratch[kMaxWarps];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * p.K;
@@ -72,20 +118,28 @@ __global__ void __launch_bounds__(kWarpRowThreads) add_rms_norm_warp_kernel(cons
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp: row is the same for its 32 lanes
   const int64_t base = row * p.K;
-  float v[kWarpRowMax];
+  // Every load before the first store, as in add_rms_norm_block_kernel.
+  float v[kWarpRowMax], d[kWarpRowMax], w[kWarpRowMax];
+#pragma unroll
+  for (int i = 0; i < kWarpRowMax; ++i) {
+    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
+    v[i] = d[i] = w[i] = 0.f;
+    if (k < p.K) {
+      v[i] = load_float(p.x, base + k, p.type);
+      if (p.delta != nullptr) d[i] = load_float(p.delta, base + k, p.type);
+      w[i] = load_float(p.weight, k, p.type);
+    }
+  }
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < kWarpRowMax; ++i) {
     const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
-    v[i] = 0.f;
     if (k < p.K) {
-      float s = load_float(p.x, base + k, p.type);
       if (p.delta != nullptr) {
-        s = round_to(add_rn(s, load_float(p.delta, base + k, p.type)), p.type);
-        store_float(p.sum, base + k, p.type, s);
+        v[i] = round_to(add_rn(v[i], d[i]), p.type);
+        store_float(p.sum, base + k, p.type, v[i]);
       }
-      v[i] = s;
-      ss = add_rn(ss, mul_rn(s, s));
+      ss = add_rn(ss, mul_rn(v[i], v[i]));
     }
   }
   ss = warp_sum(ss);
@@ -93,8 +147,7 @@ __global__ void __launch_bounds__(kWarpRowThreads) add_rms_norm_warp_kernel(cons
 #pragma unroll
   for (int i = 0; i < kWarpRowMax; ++i) {
     const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
-    if (k < p.K)
-      store_float(p.out, base + k, p.type, mul_rn(load_float(p.weight, k, p.type), round_to(mul_rn(v[i], inv), p.type)));
+    if (k < p.K) store_float(p.out, base + k, p.type, mul_rn(w[i], round_to(mul_rn(v[i], inv), p.type)));
   }
 }
 
@@ -186,10 +239,16 @@ void add_rms_norm_cuda(const at::Tensor& x, const std::optional<at::Tensor>& del
   }
   // Longer rows: one block per row, a thread per 4-8 values (a row of 576-8192 values: 128-1024 threads).
   int threads = static_cast<int>(std::min<int64_t>(1024, std::max<int64_t>(64, (d.K / 4 + 31) / 32 * 32)));
+  bool in_registers = true;
 #ifdef TURBOSPEC_EMULATE
   if (::emu::block_threads_override > 0) threads = ::emu::block_threads_override;
+  in_registers = !norm_emu_loop;
 #endif
-  TS_LAUNCH(add_rms_norm_kernel, dim3(static_cast<unsigned>(d.rows)), dim3(threads), p);
+  if (in_registers && d.K <= static_cast<int64_t>(threads) * kBlockRowItems) {
+    TS_LAUNCH(add_rms_norm_block_kernel, dim3(static_cast<unsigned>(d.rows)), dim3(threads), p);
+  } else {
+    TS_LAUNCH(add_rms_norm_kernel, dim3(static_cast<unsigned>(d.rows)), dim3(threads), p);
+  }
 }
 
 void silu_mul_cuda(const at::Tensor& gate_up, const at::Tensor& out) {

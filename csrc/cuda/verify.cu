@@ -3,7 +3,12 @@
 //
 // Variant: one thread block per batch row (the walk down a tree is sequential, the vocabulary
 // is not). At each visited node the block sweeps the node's logits with block-wide reductions:
-//   1. validity + max + argmax in one pass (NaN / +inf / all -inf -> accept_len = -1);
+//   1. validity + max + argmax (NaN / +inf / all -inf -> accept_len = -1). On large vocabularies a
+//      first kernel computes these for every node of every row at once, a block per chunk of
+//      kStatsItems * 256 logits (grid B * N x chunks: the whole GPU reads, where one block per
+//      row read 128k float32 logits in ~55 µs on an H100), and the row's block combines the node's
+//      chunk results. Max and first argmax are exact under any grouping, so both paths give the
+//      same bits; the first kernel reads every node, visited or not, at full bandwidth;
 //   2. greedy: move to the first child whose token is the argmax, else emit it;
 //   3. sampling: x = logits / temperature; top-k threshold = the k-th largest x by a 4-bit radix
 //      select on order-preserving keys (8 counting passes, no sort); softmax sum in float64;
@@ -27,6 +32,7 @@
 // after the row's real nodes (else the row is invalid) and is never a child (the child loops stop at
 // the row's first padding node), so a padded row gives what it gives alone.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "../checks.h"
@@ -38,6 +44,19 @@ namespace gpu {
 namespace {
 
 constexpr int kMaxThreads = 512;
+
+#ifdef TURBOSPEC_EMULATE
+// Test hook (tests/ops/cuda_emu): -1 the real choice; 0 no chunk pass; > 0 the chunk pass with
+// chunks of that many logits.
+inline int64_t verify_emu_chunk = -1;
+#endif
+
+// Validity, max and first argmax of one chunk of one node's logits.
+struct NodeStats {
+  float value;  // max over the chunk (-inf if none above)
+  int flags;    // bit 0: a NaN or +inf; bit 1: a value other than -inf
+  int64_t index;
+};
 
 struct VerifyParams {
   const void* logits;          // [B, N, V], vocab dim contiguous
@@ -58,7 +77,60 @@ struct VerifyParams {
   bool temperature_f64, top_p_f64;
   int N;
   int64_t V;
+  const NodeStats* stats;  // [B, N, splits] from verify_stats_kernel, or nullptr: scan here
+  int splits;
 };
+
+// Large vocabularies: node (b, n) = blockIdx.x, chunk = blockIdx.y of `chunk` logits. Each thread
+// loads kStatsItems values before comparing any (the loads are independent: many in flight).
+constexpr int kStatsThreads = 256, kStatsItems = 16;
+constexpr int64_t kStatsMinVocab = 8192;
+
+struct StatsParams {
+  const void* logits;
+  int64_t s0, s1;
+  int N;
+  int64_t V, chunk;
+  int splits;
+  NodeStats* out;
+};
+
+__device__ __forceinline__ void stats_update(float v, int64_t i, int& flags, ArgMax& best) {
+  const float kInf = __uint_as_float(0x7f800000u);
+  if (isnan(v) || v == kInf) flags |= 1;
+  if (v != -kInf) flags |= 2;
+  if (v > best.value) best = ArgMax{v, i};
+}
+
+template <int kType>
+__global__ void __launch_bounds__(kStatsThreads) verify_stats_kernel(const StatsParams P) {
+  __shared__ int red_i[kMaxWarps];
+  __shared__ ArgMax red_am[kMaxWarps];
+  const float kInf = __uint_as_float(0x7f800000u);
+  const int64_t r = blockIdx.x, b = r / P.N, n = r % P.N;
+  const void* row = static_cast<const char*>(P.logits) + (b * P.s0 + n * P.s1) * (kType == kF32 ? 4 : 2);
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * P.chunk;
+  const int64_t c1 = c0 + P.chunk < P.V ? c0 + P.chunk : P.V;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kStatsItems;
+  int flags = 0;
+  ArgMax best{-kInf, P.V};
+  for (int64_t start = c0 + threadIdx.x; start < c1; start += step) {
+    float v[kStatsItems];
+#pragma unroll
+    for (int j = 0; j < kStatsItems; ++j) {
+      const int64_t i = start + static_cast<int64_t>(j) * blockDim.x;
+      v[j] = i < c1 ? load_float(row, i, kType) : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kStatsItems; ++j) {
+      const int64_t i = start + static_cast<int64_t>(j) * blockDim.x;
+      if (i < c1) stats_update(v[j], i, flags, best);
+    }
+  }
+  flags = block_reduce(flags, Or(), red_i);
+  best = block_argmax(best, red_am);
+  if (threadIdx.x == 0) P.out[r * P.splits + blockIdx.y] = NodeStats{best.value, flags, best.index};
+}
 
 // The target distribution at the current node, p = logits_to_probs(row), after the rejections of
 // the node's first `rejected` children: enough to recompute p(i) and q(i) for any i.
@@ -326,11 +398,14 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     // 1. validity, max and argmax
     int flags = 0;  // bit 0: a NaN or +inf; bit 1: a value other than -inf
     ArgMax best{-kInf, V};
-    for (int64_t i = tid; i < V; i += blockDim.x) {
-      const float v = load_float(row, i, P.logits_type);
-      if (isnan(v) || v == kInf) flags |= 1;
-      if (v != -kInf) flags |= 2;
-      if (v > best.value) best = ArgMax{v, i};
+    if (P.stats != nullptr) {  // the chunks' results from verify_stats_kernel
+      const NodeStats* st = P.stats + (b * N + node) * P.splits;
+      for (int j = tid; j < P.splits; j += blockDim.x) {
+        flags |= st[j].flags;
+        best = argmax_op(best, ArgMax{st[j].value, st[j].index});
+      }
+    } else {
+      for (int64_t i = tid; i < V; i += blockDim.x) stats_update(load_float(row, i, P.logits_type), i, flags, best);
     }
     flags = block_reduce(flags, Or(), sm.red_i);
     best = block_argmax(best, sm.red_am);
@@ -532,6 +607,35 @@ void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_i
   P.top_p_f64 = top_p.scalar_type() == c10::kDouble;
   P.N = static_cast<int>(d.N);
   P.V = d.V;
+  // Large vocabularies: every node's validity / max / argmax first, over the whole GPU.
+  bool by_chunks = d.V >= kStatsMinVocab;
+  int stats_threads = kStatsThreads;
+  int64_t chunk = static_cast<int64_t>(kStatsThreads) * kStatsItems;
+#ifdef TURBOSPEC_EMULATE
+  if (verify_emu_chunk >= 0) by_chunks = verify_emu_chunk > 0;
+  if (verify_emu_chunk > 0) chunk = verify_emu_chunk;
+  if (::emu::block_threads_override > 0) stats_threads = ::emu::block_threads_override;
+#endif
+  at::Tensor workspace;
+  if (by_chunks) {
+    const int64_t splits = (d.V + chunk - 1) / chunk;
+    TORCH_CHECK(splits <= 65535, "verify: vocabulary of ", d.V, " logits is too large for the CUDA kernel (at most ",
+                65535 * chunk, ")");
+    // From the caching allocator (capture-safe: a graph keeps its own pool), 16 bytes per chunk.
+    workspace = at::empty({d.B * d.N * splits * 2}, logits.options().dtype(at::kLong));
+    StatsParams S{logits.data_ptr(), logits.stride(0), logits.stride(1), P.N, d.V, chunk,
+                  static_cast<int>(splits), reinterpret_cast<NodeStats*>(workspace.data_ptr<int64_t>())};
+    const dim3 grid(static_cast<unsigned>(d.B * d.N), static_cast<unsigned>(splits));
+    if (P.logits_type == kF32) {
+      TS_LAUNCH(verify_stats_kernel<kF32>, grid, dim3(stats_threads), S);
+    } else if (P.logits_type == kBF16) {
+      TS_LAUNCH(verify_stats_kernel<kBF16>, grid, dim3(stats_threads), S);
+    } else {
+      TS_LAUNCH(verify_stats_kernel<kF16>, grid, dim3(stats_threads), S);
+    }
+    P.stats = S.out;
+    P.splits = S.splits;
+  }
   TS_LAUNCH(verify_kernel, dim3(static_cast<unsigned>(d.B)), dim3(row_block_threads(d.V)), P);
 }
 

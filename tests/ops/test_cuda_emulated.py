@@ -39,15 +39,17 @@ def emu():
                 extra_cflags=["-O1", "-std=c++20"], verbose=False)
 
 
-def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p):
+def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p, chunk=-1):
     """The CUDA entry point on the emulator; Python numbers are broadcast to the op's per-row tensors
-    (float64 / int64 / float64) as the wrapper does."""
+    (float64 / int64 / float64) as the wrapper does. ``chunk``: -1 the real choice (no chunk pass below
+    8192 logits), 0 none, > 0 verify_stats_kernel with chunks of that many logits."""
     bsz, n = parents.shape
     outs = (torch.empty(bsz, dtype=torch.int64), torch.empty(bsz, n, dtype=torch.int64),
             torch.empty(bsz, n, dtype=torch.int64))
     params = [v if isinstance(v, torch.Tensor) else torch.full((bsz,), v, dtype=dtype)
               for v, dtype in ((temperature, torch.float64), (top_k, torch.int64), (top_p, torch.float64))]
     emu.set_block_threads(threads)
+    emu.set_verify_chunk(chunk)
     emu.verify(logits, parents, tokens, draft_probs, uniform, *params, *outs)
     return outs
 
@@ -79,7 +81,10 @@ def test_build_tree_invalid_rows_marked(emu):
 
 @pytest.mark.parametrize("mode", list(SAMPLING))
 @pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
-def test_verify(emu, mode, with_q):
+@pytest.mark.parametrize("chunk", [0, 7, 64], ids=["scan", "chunk7", "chunk64"])
+def test_verify(emu, mode, with_q, chunk):
+    """Both ways to find a node's max / argmax: the row's block scanning (chunk 0) and the chunk pass
+    (verify_stats_kernel; chunks of 7 logits: many per row, ragged last ones)."""
     if mode == "greedy" and with_q:
         pytest.skip("greedy ignores draft_probs")
     temperature, top_k, top_p = SAMPLING[mode]
@@ -87,9 +92,24 @@ def test_verify(emu, mode, with_q):
     for trial, (bsz, n, vocab, kind, threads) in enumerate(cases):
         inputs = make_verify_inputs(bsz, n, vocab, kind, with_q, temperature, top_k, top_p, seed=40 + trial,
                                     boost=2.0 if trial else None)
-        out = verify_emu(emu, threads, *inputs, temperature, top_k, top_p)
+        out = verify_emu(emu, threads, *inputs, temperature, top_k, top_p, chunk=chunk)
         ref = reference.verify(*inputs, temperature, top_k, top_p)
-        assert_same(out, ref, f"(B={bsz}, N={n}, V={vocab}, {threads} threads)")
+        assert_same(out, ref, f"(B={bsz}, N={n}, V={vocab}, {threads} threads, chunk {chunk})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("chunk", [0, 64], ids=["scan", "chunk64"])
+def test_verify_half_logits(emu, dtype, chunk):
+    """bfloat16 / float16 logits (the chunk pass has a kernel per logits type), with ties: bf16
+    rounding makes equal maxima common, and the first index must win across chunks."""
+    for mode in ("greedy", "sample"):
+        temperature, top_k, top_p = SAMPLING[mode]
+        logits, parents, tokens, _, uniform = make_verify_inputs(2, 6, 300, "chain", False, temperature, top_k,
+                                                                 top_p, seed=17, boost=2.0)
+        logits = (logits * 2).round().to(dtype)   # many equal values
+        logits[0, :, 250] = logits[0, :, :250].max(-1).values  # the max again, in a later chunk
+        args = (logits, parents, tokens, None, uniform, temperature, top_k, top_p)
+        assert_same(verify_emu(emu, 32, *args, chunk=chunk), reference.verify(*args), f"({mode}, chunk {chunk})")
 
 
 @pytest.mark.parametrize("mode,with_q", [("top_k_top_p", True), ("top_p", False), ("sample", True)])
@@ -102,7 +122,8 @@ def test_verify_many_tiles(emu, mode, with_q):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_verify_non_finite_and_invalid_rows(emu, temperature):
+@pytest.mark.parametrize("chunk", [0, 5], ids=["scan", "chunk5"])
+def test_verify_non_finite_and_invalid_rows(emu, temperature, chunk):
     bsz, n, vocab = 6, 4, 32
     g = gen(5)
     parents = random_parents(bsz, n, "chain", g)
@@ -115,7 +136,7 @@ def test_verify_non_finite_and_invalid_rows(emu, temperature):
     logits[3, 2, 7] = float("nan")
     logits[4, 0, :vocab - 1] = float("-inf")
     uniform = torch.rand(bsz, n, generator=g) * 0.01
-    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, temperature, 0, 1.0)
+    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, temperature, 0, 1.0, chunk=chunk)
     assert_same(out, reference.verify(logits, parents, tokens, None, uniform, temperature, 0, 1.0))
     assert out[0][:4].tolist() == [-1] * 4 and (out[0][4:] >= 0).all()
     # Invalid parents or token ids: the CPU kernel raises; the CUDA kernel marks the row.
@@ -123,23 +144,23 @@ def test_verify_non_finite_and_invalid_rows(emu, temperature):
     tokens[2, 3] = vocab
     tokens[3, 1] = -1
     out = verify_emu(emu, 32, torch.randn(bsz, n, vocab, generator=g), parents, tokens, None, uniform,
-                     temperature, 0, 1.0)
+                     temperature, 0, 1.0, chunk=chunk)
     assert out[0][1:4].tolist() == [-1, -1, -1]
     assert (out[1][1:4] == -1).all() and (out[2][1:4] == -1).all()
     assert (out[0][[0, 4, 5]] >= 0).all()
 
 
 @pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
-@pytest.mark.parametrize("vocab,threads", [(300, 32), (1500, 64)])
-def test_verify_mixed_rows_equal_rows_alone(emu, vocab, threads, with_q):
+@pytest.mark.parametrize("vocab,threads,chunk", [(300, 32, 0), (1500, 64, 0), (300, 32, 29)])
+def test_verify_mixed_rows_equal_rows_alone(emu, vocab, threads, chunk, with_q):
     """Per-row temperature / top_k / top_p (greedy and sampled rows) and ragged drafts (-1 padding with
     NaN logits and draft probs and a coin of 0): each row equals the row alone with scalar parameters,
     on the emulated kernel and the reference (test_verify_rows.py: the same batches on the CPU kernel)."""
     inputs, params, alone, num_real = ragged_batch(ROWS, vocab, with_q, seed=vocab + 3 * with_q)
-    out = verify_emu(emu, threads, *inputs, *params)
+    out = verify_emu(emu, threads, *inputs, *params, chunk=chunk)
     assert_same(out, reference.verify(*inputs, *params), f"(V={vocab})")
     for b, ((row, (t, k, p)), n_real) in enumerate(zip(alone, num_real)):
-        assert_row_equals_alone(out, b, verify_emu(emu, threads, *row, t, k, p), n_real, "(emulated)")
+        assert_row_equals_alone(out, b, verify_emu(emu, threads, *row, t, k, p, chunk=chunk), n_real, "(emulated)")
         assert_row_equals_alone(out, b, reference.verify(*row, t, k, p), n_real, "(reference)")
 
 
@@ -296,10 +317,12 @@ def test_tree_attention_out_of_range_rows_attend_nothing(emu, splits):
 # ---------------------------------------------------------------------------------------------
 # The fused decoder-layer ops (csrc/cuda/layer_ops.cu)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, k, threads", [(3, 100, 0), (5, 1024, 0), (2, 1100, 32), (2, 1100, 64)])
+@pytest.mark.parametrize("rows, k, threads", [(3, 100, 0), (5, 1024, 0), (2, 1100, 0), (2, 1100, 160),
+                                              (2, 1100, 32), (2, 1100, 64)])
 def test_add_rms_norm_emulated(emu, dtype, rows, k, threads):
     """K <= 1024: the warp-per-row kernel (5 rows: a partly filled block); longer rows: the
-    block-per-row kernel at two block sizes."""
+    block-per-row kernel, the row in registers (288 threads: 4 values each; 160: 7, the last partly
+    filled) or by the loop (32 and 64 threads: more than 8 values per thread)."""
     x = (torch.randn(rows, k, generator=gen(40)) * 3).to(dtype)
     delta = torch.randn(rows, k, generator=gen(41)).to(dtype)
     w = (1 + 0.1 * torch.randn(k, generator=gen(42))).to(dtype)
@@ -315,6 +338,30 @@ def test_add_rms_norm_emulated(emu, dtype, rows, k, threads):
             torch.testing.assert_close(out.float(), ref_y.float(), rtol=rtol, atol=1e-5)
     finally:
         emu.set_block_threads(0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [0, 160])
+def test_add_rms_norm_registers_equal_loop(emu, dtype, threads):
+    """The register kernel gives the loop kernel's bits (same values per thread, same order)."""
+    x = (torch.randn(3, 1100, generator=gen(44)) * 3).to(dtype)
+    delta = torch.randn(3, 1100, generator=gen(45)).to(dtype)
+    w = (1 + 0.1 * torch.randn(1100, generator=gen(46))).to(dtype)
+    emu.set_block_threads(threads)
+    try:
+        for d in (None, delta):
+            outs = []
+            for loop in (False, True):
+                emu.set_norm_loop(loop)
+                out, s = torch.empty_like(x), None if d is None else torch.empty_like(x)
+                emu.add_rms_norm(x, d, w, 1e-5, out, s)
+                outs.append((out, s))
+            assert torch.equal(outs[0][0], outs[1][0])
+            if d is not None:
+                assert torch.equal(outs[0][1], outs[1][1])
+    finally:
+        emu.set_block_threads(0)
+        emu.set_norm_loop(False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,12 +17,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Threads per block for the row kernels (0: the real choice).");
   m.def("build_tree", &turbospec::gpu::build_tree_cuda);
   m.def("verify", &turbospec::gpu::verify_cuda);
+  m.def("set_verify_chunk", [](int64_t chunk) { turbospec::gpu::verify_emu_chunk = chunk; },
+        "verify: -1 the real choice; 0 no chunk pass; > 0 the chunk pass with chunks of that many logits.");
   m.def("compact_kv", [](std::vector<at::Tensor> caches, const at::Tensor& prefix_len, const at::Tensor& accept_index,
                          const at::Tensor& accept_len) {
     turbospec::gpu::compact_kv_cuda(caches, prefix_len, accept_index, accept_len);
   });
   m.def("tree_attention", &turbospec::gpu::tree_attention_cuda);
   m.def("add_rms_norm", &turbospec::gpu::add_rms_norm_cuda);
+  m.def("set_norm_loop", [](bool on) { turbospec::gpu::norm_emu_loop = on; },
+        "add_rms_norm: long rows always by the loop kernel (the register kernel's twin).");
   m.def("silu_mul", &turbospec::gpu::silu_mul_cuda);
   m.def("rope_cache", &turbospec::gpu::rope_cache_cuda);
   m.def("set_tree_attention_splits", [](int sms, int splits, int min_chunk) {
