@@ -245,7 +245,10 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         model_dir = resolve_model_dir(source)
         cfg = ModelConfig.from_hf(load_hf_config(model_dir))
         gguf_file = gguf_path(source)
-        if gguf_file is not None and mode != "dense":
+        # A GGUF in a model directory without dense weights is the only copy of the weights: read
+        # for "dense" too (_place dequantizes the blocks).
+        only_copy = gguf_file is not None and Path(model_dir) == Path(gguf_file).parent
+        if gguf_file is not None and (mode != "dense" or only_copy):
             raw = read_gguf_weights(gguf_file, cfg, dtype)
         else:
             raw = convert_hf_state_dict(_read_state_dict(model_dir), cfg)
@@ -259,14 +262,17 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
 
 
 def gguf_path(source) -> str | None:
-    """The .gguf file behind ``source`` (a .gguf path, or a directory holding exactly one without a
-    config.json), else None."""
+    """The .gguf file behind ``source``, else None: a .gguf path, or a directory holding exactly one
+    .gguf and either no config.json or a config.json and tokenizer but no dense weights (a model
+    directory whose weights are the GGUF: what bench/gpu_carry.py puts together on a machine that
+    has no ``gguf`` package to convert the file with)."""
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
         return str(path)
-    if path.is_dir() and not (path / "config.json").is_file():
+    if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
+        dense = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
+        if len(ggufs) == 1 and not ((path / "config.json").is_file() and dense):
             return str(ggufs[0])
     return None
 

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The last of the GPU calls that `python bench/gpu_carry.py pack` plans (issue 12 §4): the real
+# SmolLM2 weights joined from the calls' parts, the extension built, then self-distillation and
+# EAGLE-3 training with training-time test on the GPU, stopped with SIGINT at T_TRAIN seconds (the
+# trainer then saves the head and its --resume state), and the head sent back in parts.
+#
+#   here:   python bench/gpu_carry.py pack        # prints the calls: carry .gpu_carry/callK
+#   there:  python bench/gpu_carry.py stash .gpu_carry/call1      (call 1, and so on)
+#           LAST_CALL=.gpu_carry/call3 bash bench/gpu_train.sh      (the last call, same warm machine)
+#   here:   python bench/gpu_carry.py join-back <files_at>/head --dest /work/train/gpu-eagle3
+#           python bench/ship_head.py --head /work/train/gpu-eagle3 --samples /work/train/gpu-eagle3/samples.jsonl ...
+#
+# A second call on the same warm machine with RESUME=1 continues the training (the work folder
+# with the generations and features stays in $CARRY while the machine is held).
+# Env: LAST_CALL (the folder this call carries; empty: already stashed), CARRY (/tmp/turbospec_carry),
+# OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256),
+# GEN_BATCH (128), EPOCHS (4), DTYPE (float32: the target's; the CPU engine runs it so),
+# SAVE_EVERY (400), SKIP_BUILD (1: use the built extension), RESUME (1: continue), TRAIN_ARGS (more).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/out/gpu_train}"
+CARRY="${CARRY:-/tmp/turbospec_carry}"
+DEVICE="${DEVICE:-cuda}"
+export CARRY
+mkdir -p "$OUT"
+START=$(date +%s)
+# $OUT holds train.log and head/ (the device tool returns at most 8 files): the build log stays in $CARRY.
+step() { echo "== [$(( $(date +%s) - START )) s] $*" | tee -a "$OUT/train.log"; }
+if ! command -v python >/dev/null; then  # some images have only python3
+  mkdir -p bench/out/pybin && ln -sf "$(command -v python3)" bench/out/pybin/python
+  export PATH="$PWD/bench/out/pybin:$PATH"
+fi
+
+if [ -n "${LAST_CALL:-}" ]; then
+  step "stash $LAST_CALL"
+  python bench/gpu_carry.py stash "$LAST_CALL" || exit 1
+fi
+if [ ! -f "$CARRY/model/config.json" ] || ! ls "$CARRY"/model/*.gguf >/dev/null 2>&1; then
+  step "join"
+  python bench/gpu_carry.py join || exit 1
+fi
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  step "build the extension (CUDA kernels for sm_90; CPU kernels at -O1)"
+  TURBOSPEC_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+    TURBOSPEC_BUILD_OPT="${TURBOSPEC_BUILD_OPT:--O1}" python setup.py build_ext --inplace > "$CARRY/build.log" 2>&1 \
+    || { tail -30 "$CARRY/build.log" | tee -a "$OUT/train.log"; exit 1; }
+fi
+python -c 'import turbospec; print("kernels:", turbospec.kernels_available())' | tee -a "$OUT/train.log"
+
+DATA="$(ls "$CARRY"/data/*.jsonl 2>/dev/null | head -1)"
+[ -n "$DATA" ] || { echo "gpu_train: no prompts under $CARRY/data (pack carries them)"; exit 1; }
+RESUME_FLAG=""
+[ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
+step "train (SIGINT at ${T_TRAIN:-480} s: the trainer saves the head and its state)"
+timeout -s INT -k 60 "${T_TRAIN:-480}" python -u -m turbospec.cli train --method eagle3 \
+  --target "$CARRY/model" --data "$DATA" --out "$CARRY/head" --work-dir "$CARRY/work" \
+  --num-prompts "${NUM_PROMPTS:-0}" --max-new-tokens "${MAX_NEW:-256}" --gen-batch-size "${GEN_BATCH:-128}" \
+  --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --loss-on-prompt \
+  --eval-every "${SAVE_EVERY:-400}" --save-every "${SAVE_EVERY:-400}" $RESUME_FLAG ${TRAIN_ARGS:-} \
+  2>&1 | tee -a "$OUT/train.log"
+rc=${PIPESTATUS[0]}
+step "train: exit $rc (124 / 130: stopped at T_TRAIN; the head saved is the partial one)"
+
+if [ -f "$CARRY/head/model.safetensors" ]; then
+  # The samples the head learnt from (ship_head.py takes its draft vocabulary from them).
+  SAMPLES="$(ls -t "$CARRY"/work/gen-*/samples.jsonl 2>/dev/null | head -1)"
+  step "send the head back"
+  python bench/gpu_carry.py split-out "$CARRY/head/config.json" "$CARRY/head/model.safetensors" \
+    ${SAMPLES:+"$SAMPLES"} --out "$OUT/head" || exit 1
+else
+  echo "gpu_train: no head saved under $CARRY/head"
+  exit 1
+fi
+step "done"
