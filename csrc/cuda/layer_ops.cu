@@ -44,19 +44,17 @@ struct NormParams {
   int type;
 };
 
-// Longer rows: one block per row; thread t takes the values t, t + blockDim.x, ... in order.
-// Up to kBlockRowItems values per thread, the row stays in registers and every load (x, delta,
-// weight) is issued before the first store: a store to `sum` might alias x for all the compiler
-// knows, so a loop that loads, adds and stores value by value waits for each load in turn.
-constexpr int kBlockRowItems = 8;
-
-__global__ void __launch_bounds__(1024) add_rms_norm_block_kernel(const NormParams p) {
-  __shared__ float scratch[kMaxWarps];
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.K;
-  float v[kBlockRowItems], d[kBlockRowItems], w[kBlockRowItems];
+// One row held in registers: this thread's values first + i * stride (i < kItems, in order).
+// Every load (x, delta, weight) is issued before the first store: a store to `sum` might alias x
+// for all the compiler knows, so a loop that loads, adds and stores value by value waits for each
+// load in turn. `reduce` sums the row's squares over the threads that share it.
+template <int kItems, typename Reduce>
+__device__ __forceinline__ void norm_row(const NormParams& p, int64_t base, int64_t first, int64_t stride,
+                                         Reduce reduce) {
+  float v[kItems], d[kItems], w[kItems];
 #pragma unroll
-  for (int i = 0; i < kBlockRowItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = first + i * stride;
     v[i] = d[i] = w[i] = 0.f;
     if (k < p.K) {
       v[i] = load_float(p.x, base + k, p.type);
@@ -66,8 +64,8 @@ __global__ void __launch_bounds__(1024) add_rms_norm_block_kernel(const NormPara
   }
   float ss = 0.f;
 #pragma unroll
-  for (int i = 0; i < kBlockRowItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = first + i * stride;
     if (k < p.K) {
       if (p.delta != nullptr) {
         v[i] = round_to(add_rn(v[i], d[i]), p.type);
@@ -76,13 +74,23 @@ __global__ void __launch_bounds__(1024) add_rms_norm_block_kernel(const NormPara
       ss = add_rn(ss, mul_rn(v[i], v[i]));
     }
   }
-  ss = block_reduce(ss, Sum(), scratch);
+  ss = reduce(ss);
   const float inv = 1.f / sqrtf(add_rn(ss / static_cast<float>(p.K), p.eps));
 #pragma unroll
-  for (int i = 0; i < kBlockRowItems; ++i) {
-    const int64_t k = threadIdx.x + static_cast<int64_t>(i) * blockDim.x;
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t k = first + i * stride;
     if (k < p.K) store_float(p.out, base + k, p.type, mul_rn(w[i], round_to(mul_rn(v[i], inv), p.type)));
   }
+}
+
+// Longer rows: one block per row; thread t takes the values t, t + blockDim.x, ..., in registers up
+// to kBlockRowItems values per thread.
+constexpr int kBlockRowItems = 8;
+
+__global__ void __launch_bounds__(1024) add_rms_norm_block_kernel(const NormParams p) {
+  __shared__ float scratch[kMaxWarps];
+  norm_row<kBlockRowItems>(p, static_cast<int64_t>(blockIdx.x) * p.K, threadIdx.x, blockDim.x,
+                           [&](float ss) { return block_reduce(ss, Sum(), scratch); });
 }
 
 // Rows of more than kBlockRowItems values per thread: the same order and arithmetic in a loop.
@@ -108,7 +116,7 @@ __global__ void __launch_bounds__(1024) add_rms_norm_kernel(const NormParams p) 
 }
 
 // Rows of K <= kWarpRowMax * 32 (SmolLM2's 576, Qwen2.5-0.5B's 896): one warp per row, the row in
-// registers, a shuffle reduction and no block barrier. The block kernel above took 4.9 µs per
+// registers, a shuffle reduction and no block barrier. The loop kernel above took 4.9 µs per
 // 576-wide row on the H100 (bench/RESULTS.md, GPU run 2026-11-26), mostly its two barriers.
 constexpr int kWarpRowMax = 32;
 constexpr int kWarpRowThreads = 128;
@@ -117,38 +125,7 @@ __global__ void __launch_bounds__(kWarpRowThreads) add_rms_norm_warp_kernel(cons
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   if (row >= p.rows) return;  // the whole warp: row is the same for its 32 lanes
-  const int64_t base = row * p.K;
-  // Every load before the first store, as in add_rms_norm_block_kernel.
-  float v[kWarpRowMax], d[kWarpRowMax], w[kWarpRowMax];
-#pragma unroll
-  for (int i = 0; i < kWarpRowMax; ++i) {
-    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
-    v[i] = d[i] = w[i] = 0.f;
-    if (k < p.K) {
-      v[i] = load_float(p.x, base + k, p.type);
-      if (p.delta != nullptr) d[i] = load_float(p.delta, base + k, p.type);
-      w[i] = load_float(p.weight, k, p.type);
-    }
-  }
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < kWarpRowMax; ++i) {
-    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
-    if (k < p.K) {
-      if (p.delta != nullptr) {
-        v[i] = round_to(add_rn(v[i], d[i]), p.type);
-        store_float(p.sum, base + k, p.type, v[i]);
-      }
-      ss = add_rn(ss, mul_rn(v[i], v[i]));
-    }
-  }
-  ss = warp_sum(ss);
-  const float inv = 1.f / sqrtf(add_rn(ss / static_cast<float>(p.K), p.eps));
-#pragma unroll
-  for (int i = 0; i < kWarpRowMax; ++i) {
-    const int64_t k = lane + static_cast<int64_t>(i) * kWarpSize;
-    if (k < p.K) store_float(p.out, base + k, p.type, mul_rn(w[i], round_to(mul_rn(v[i], inv), p.type)));
-  }
+  norm_row<kWarpRowMax>(p, row * p.K, lane, kWarpSize, [](float ss) { return warp_sum(ss); });
 }
 
 struct SiluParams {
