@@ -37,6 +37,11 @@ Sections (``--sections``, default all):
   SmolLM2-shaped models only), for profiling the speculative path; on random weights their τ means
   nothing. Failures are reported as "failed: <reason>", never hidden.
 
+With ``--real-model DIR`` the SmolLM2-shaped model gets real weights (SmolLM2-135M-Instruct: on the
+GPU machine the directory ``bench/gpu_carry.py`` joins) and the e2e section runs the Spec-Bench sample
+(``--spec-per-category`` first turns per category, chat template): τ and the speculative systems' tok/s
+are then real.
+
 Random weights read the same bytes as real ones, so step times and plain tok/s are real; acceptance
 (τ) is not, so ``--tau LABEL=TAU@NODES`` takes τ measured on CPU with real weights and projects the
 speculative tok/s of the SmolLM2-shaped model as TAU / (tree-verify step time at NODES tokens), drafting
@@ -443,11 +448,13 @@ def compiled_forward(model):
         torch._dynamo.reset()
 
 
-def timed_runs(fn, device: str, repeats: int, label: str, profile: bool) -> tuple[list[float], object]:
-    """One untimed warm-up call of ``fn``, then ``repeats`` synchronized wall times (inside a CUDA
-    profiler capture range when ``profile``)."""
-    with nvtx_range(f"bench:warmup:{label}", device):
-        fn()
+def timed_runs(fn, device: str, repeats: int, label: str, profile: bool, warmup: bool = True
+               ) -> tuple[list[float], object]:
+    """One untimed warm-up call of ``fn`` (unless ``warmup`` is False), then ``repeats`` synchronized
+    wall times (inside a CUDA profiler capture range when ``profile``)."""
+    if warmup:
+        with nvtx_range(f"bench:warmup:{label}", device):
+            fn()
     times, out = [], None
     if profile:
         torch.cuda.profiler.start()
@@ -462,55 +469,92 @@ def timed_runs(fn, device: str, repeats: int, label: str, profile: bool) -> tupl
     return times, out
 
 
-def run_hf_system(system: str, model, prompt: torch.Tensor, args) -> dict:
+def over_prompts(run_one, prompts: list, args, label: str) -> tuple[list[float], list]:
+    """``run_one(prompt)`` on each prompt: a warm-up on the first, then ``--repeats`` timed runs of
+    each; the median wall time and the output of each prompt."""
+    walls, outs = [], []
+    for i, prompt in enumerate(prompts):
+        times, out = timed_runs(lambda: run_one(prompt), args.device, args.repeats, f"{label}:{i}",  # noqa: B023
+                                args.cuda_profiler_range, warmup=i == 0)
+        walls.append(statistics.median(times))
+        outs.append(out)
+    return walls, outs
+
+
+def run_hf_system(system: str, model, prompts: list, args) -> dict:
     if system == "hf_static_compile" and not args.hf_compile_on:
         return {"status": "skipped: torch.compile off (--hf-compile off; the default on CPU)"}
-    fn = lambda: hf_generate(model, prompt, args.max_new_tokens, static=system not in ("hf_plain", "hf_lookup"),  # noqa: E731
-                             lookup=10 if system == "hf_lookup" else 0)
+    run_one = lambda prompt: hf_generate(model, prompt, args.max_new_tokens,  # noqa: E731
+                                         static=system not in ("hf_plain", "hf_lookup"),
+                                         lookup=10 if system == "hf_lookup" else 0)
     ctx = compiled_forward(model) if system == "hf_static_compile" else contextlib.nullcontext()
     with ctx:
-        times, tokens = timed_runs(fn, args.device, args.repeats, system, args.cuda_profiler_range)
-    wall = statistics.median(times)
-    return {"status": "ok", "wall_s": wall, "wall_all_s": times, "new_tokens": len(tokens),
-            "tok_s": len(tokens) / wall, "token_ids": tokens}
+        walls, tokens = over_prompts(run_one, prompts, args, system)
+    n = sum(len(t) for t in tokens)
+    return {"status": "ok", "wall_s": sum(walls), "wall_per_prompt_s": walls, "new_tokens": n,
+            "tok_s": n / sum(walls), "token_ids": tokens}
 
 
-def run_ts_system(system: str, model, prompt: torch.Tensor, args) -> dict:
-    # The cache holds exactly prompt + new tokens, as HF's static cache does.
-    engine = ts_system_engine(system, model, args, prompt.shape[1] + args.max_new_tokens)
-    ids = prompt[0].tolist()
-    fn = lambda: engine.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0.0)  # noqa: E731
+def run_ts_system(system: str, model, prompts: list, args) -> dict:
+    # The cache holds exactly the longest prompt + new tokens, as HF's static cache does.
+    engine = ts_system_engine(system, model, args, max(p.shape[1] for p in prompts) + args.max_new_tokens)
+    run_one = lambda prompt: engine.generate(prompt[0].tolist(), max_new_tokens=args.max_new_tokens,  # noqa: E731
+                                             temperature=0.0)
     try:
-        times, gen = timed_runs(fn, args.device, args.repeats, system, args.cuda_profiler_range)
+        walls, gens = over_prompts(run_one, prompts, args, system)
         runner = getattr(engine, "runner", None)
         graphs = getattr(runner, "graphs", None)
     finally:
         del engine
         free_memory(args.device)
-    wall = statistics.median(times)
-    st = gen.stats
-    return {"status": "ok", "wall_s": wall, "wall_all_s": times, "new_tokens": len(gen.token_ids),
-            "tok_s": len(gen.token_ids) / wall, "decode_tok_s": st.get("decode_tokens_per_s"),
-            "tau": st.get("tau"), "verify_steps": st.get("verify_steps"), "graphs": graphs,
+    n = sum(len(g.token_ids) for g in gens)
+    steps = sum(g.stats.get("verify_steps") or 0 for g in gens)
+    decode_s = [len(g.token_ids) / g.stats["decode_tokens_per_s"] for g in gens if g.stats.get("decode_tokens_per_s")]
+    st = gens[0].stats
+    return {"status": "ok", "wall_s": sum(walls), "wall_per_prompt_s": walls, "new_tokens": n,
+            "tok_s": n / sum(walls),
+            "decode_tok_s": n / sum(decode_s) if len(decode_s) == len(gens) and sum(decode_s) > 0 else None,
+            # τ over the prompts: each prompt's τ weighted by its verify steps
+            "tau": (sum((g.stats.get("tau") or 0) * (g.stats.get("verify_steps") or 0) for g in gens) / steps
+                    if steps else st.get("tau")),
+            "verify_steps": steps, "graphs": graphs,
             "stats": {k: st.get(k) for k in ("tokens_per_s", "decode_tokens_per_s", "verify_steps", "tau",
                                              "verify_s", "draft_s", "prefill_s", "total_s")},
-            "token_ids": list(gen.token_ids)}
+            "token_ids": [list(g.token_ids) for g in gens]}
+
+
+def e2e_prompts(model, name: str, args) -> tuple[list[torch.Tensor], str]:
+    """The prompts of the e2e section: with --real-model on the SmolLM2-shaped model and
+    --spec-per-category > 0, the Spec-Bench sample's first turns (chat template); else one random
+    --prompt-len-token prompt."""
+    if name == "smollm2_135m" and args.real_model and args.spec_per_category > 0:
+        from turbospec import load_tokenizer
+        from turbospec.benchmark import load_prompts
+        from turbospec.decode.text import encode
+        tok = load_tokenizer(args.real_model)
+        rows = load_prompts(args.spec_bench, args.spec_per_category, 0)
+        prompts = [torch.tensor([encode(tok, model.config.vocab_size, r["text"])], device=args.device) for r in rows]
+        cats = sorted({r["category"] for r in rows})
+        return prompts, (f"Spec-Bench sample: {len(rows)} prompts ({args.spec_per_category} per category: "
+                         f"{', '.join(cats)}), first turn, chat template")
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=gen).to(args.device)
+    return [prompt], f"random {args.prompt_len}-token prompt"
 
 
 def e2e_section(model, name: str, args) -> dict:
-    """Every selected system on the same prompt; hf_plain first (the baseline)."""
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), generator=gen).to(args.device)
+    """Every selected system on the same prompts; hf_plain first (the baseline)."""
+    prompts, desc = e2e_prompts(model, name, args)
     systems = sorted(args.systems, key=lambda s: s != "hf_plain")
-    out = {"prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-           "systems": {}}
+    out = {"prompts": desc, "num_prompts": len(prompts), "prompt_len": args.prompt_len,
+           "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "systems": {}}
     for system in systems:
         try:
             with nvtx_range(f"bench:e2e:{name}:{system}", args.device):
                 if system in HF_SYSTEMS:
-                    res = run_hf_system(system, model, prompt, args)
+                    res = run_hf_system(system, model, prompts, args)
                 else:
-                    res = run_ts_system(system, model, prompt, args)
+                    res = run_ts_system(system, model, prompts, args)
         except Exception as e:  # noqa: BLE001 - reported, and re-raised with --strict
             res = failure(e, args, f"e2e {name} {system}")
         free_memory(args.device)
@@ -519,7 +563,8 @@ def e2e_section(model, name: str, args) -> dict:
     for system, res in out["systems"].items():
         if res.get("status") == "ok" and base.get("status") == "ok":
             res["speedup_vs_hf_plain"] = res["tok_s"] / base["tok_s"]
-            res["match_hf_plain"] = common_prefix_fraction(res["token_ids"], base["token_ids"])
+            res["match_hf_plain"] = statistics.mean(
+                common_prefix_fraction(a, b) for a, b in zip(res["token_ids"], base["token_ids"]))
     return out
 
 
@@ -609,19 +654,20 @@ def markdown_bandwidth(bw: dict) -> list[str]:
 
 
 def markdown_models(models: dict, tiny: bool) -> list[str]:
-    lines = ["## Models (random weights) and the weight-read floor", "",
+    lines = ["## Models and the weight-read floor", "",
              "Floor of one decode step = bytes of every `nn.Linear` weight (q/k/v/o, gate/up/down in every "
              "layer, lm_head; a tied lm_head counted once) / read bandwidth. The embedding table (gathered), "
              "RMSNorm weights and the KV cache are not counted.", "",
-             "| model | params | layers | hidden | heads / KV | vocab | tied | linear weight MB | floor µs "
-             "| floor tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | weights | params | layers | hidden | heads / KV | vocab | tied | linear weight MB "
+             "| floor µs | floor tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in models.items():
         s = m["summary"]
         label = name + (" (tiny stand-in)" if tiny else "")
-        lines.append(f"| {label} | {s['params'] / 1e6:.1f}M | {s['layers']} | {s['hidden']} | {s['heads']} / "
-                     f"{s['kv_heads']} | {s['vocab']} | {s['tied']} | {s['linear_weight_bytes'] / 1e6:.1f} | "
-                     f"{_fmt(s.get('floor_s') and s['floor_s'] * 1e6)} | {_fmt(s.get('floor_tok_s'), '.0f')} |")
+        lines.append(f"| {label} | {s.get('weights', 'random')} | {s['params'] / 1e6:.1f}M | {s['layers']} | "
+                     f"{s['hidden']} | {s['heads']} / {s['kv_heads']} | {s['vocab']} | {s['tied']} | "
+                     f"{s['linear_weight_bytes'] / 1e6:.1f} | {_fmt(s.get('floor_s') and s['floor_s'] * 1e6)} | "
+                     f"{_fmt(s.get('floor_tok_s'), '.0f')} |")
     return lines + [""]
 
 
@@ -666,9 +712,10 @@ def markdown_projection(name: str, proj: list[dict]) -> list[str]:
 
 def markdown_e2e(name: str, e2e: dict) -> list[str]:
     lines = [f"## End to end — {name}", "",
-             f"Greedy, random {e2e['prompt_len']}-token prompt, {e2e['max_new_tokens']} new tokens; tok/s = new "
-             f"tokens / wall time incl. prefill, median of {e2e['repeats']} after a warm-up run. Match = tokens "
-             "identical to hf_plain before the first difference (bf16: differences are expected).", "",
+             f"Greedy, {e2e['prompts']}, {e2e['max_new_tokens']} new tokens; tok/s = new tokens / wall time "
+             f"incl. prefill (summed over the prompts, each the median of {e2e['repeats']} after a warm-up run). "
+             "Match = tokens identical to hf_plain before the first difference, mean over the prompts (bf16: "
+             "differences are expected).", "",
              "| system | tok/s | decode tok/s | ms/token | speedup vs hf_plain | τ | match hf_plain | CUDA graphs "
              "| status |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -733,6 +780,13 @@ def parse_args(argv=None):
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help=f"e2e systems, comma list from {','.join(HF_SYSTEMS + TS_PLAIN + TS_SPEC)}")
     p.add_argument("--prompt-len", type=int, default=None, help="random prompt tokens (default 128)")
+    p.add_argument("--real-model", default=None,
+                   help="real weights for the SmolLM2-shaped model: a model directory or .gguf (on the GPU "
+                        "machine, the directory bench/gpu_carry.py joins); τ is then real")
+    p.add_argument("--spec-bench", default=os.path.join(_ROOT, "..", "shared", "data", "specbench_dev.jsonl"),
+                   help="Spec-Bench-format prompts for the e2e section with --real-model")
+    p.add_argument("--spec-per-category", type=int, default=1,
+                   help="with --real-model: prompts per Spec-Bench category in the e2e section (0: the random prompt)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--repeats", type=int, default=None, help="timed e2e runs per system (default 3)")
     p.add_argument("--hf-compile", default="auto", choices=["auto", "on", "off"],
@@ -794,6 +848,16 @@ def resolve_args(p: argparse.ArgumentParser, args):
         args.tau = [_parse_tau(t) for t in args.tau]
     except ValueError as e:
         p.error(str(e))
+    if args.real_model:
+        if not os.path.exists(args.real_model):
+            p.error(f"--real-model {args.real_model!r} does not exist")
+        if "smollm2_135m" not in args.models or args.tiny:
+            p.error("--real-model stands in for the smollm2_135m shape: list it in --models, without --tiny")
+        if args.spec_per_category > 0 and not os.path.isfile(args.spec_bench):
+            p.error(f"--spec-bench {args.spec_bench!r} does not exist (needed with --real-model and "
+                    f"--spec-per-category {args.spec_per_category})")
+    if args.spec_per_category < 0:
+        p.error(f"--spec-per-category must be >= 0, got {args.spec_per_category}")
     args.hf_compile_on = args.hf_compile == "on" or (args.hf_compile == "auto" and args.device.startswith("cuda"))
     if args.cuda_profiler_range and not args.device.startswith("cuda"):
         p.error("--cuda-profiler-range needs --device cuda")
@@ -803,11 +867,31 @@ def resolve_args(p: argparse.ArgumentParser, args):
     return args
 
 
+def load_real_model(path: str, name: str, args):
+    """--real-model: the transformers model of ``path`` on the device, checked against the shape it
+    stands in for (a model directory whose weights are a GGUF needs no gguf package: see
+    bench/gpu_carry.py, which brings SmolLM2's to the GPU machine)."""
+    from turbospec.model.loader import load_hf_model
+    model = load_hf_model(path, getattr(torch, args.dtype), args.device)
+    want, got = model_config(name, args.tiny), model.config
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    if any(getattr(want, k) != getattr(got, k) for k in keys):
+        raise ValueError(f"--real-model {path!r} is not {name}-shaped: "
+                         f"{ {k: getattr(got, k) for k in keys} } vs { {k: getattr(want, k) for k in keys} }")
+    return model
+
+
 def run_model(name: str, args, bandwidth: dict | None) -> dict:
-    """Build one random model, then its step times, projection and end-to-end runs."""
+    """Build one model (random weights, or --real-model's for the SmolLM2 shape), then its step
+    times, projection and end-to-end runs."""
     dtype = getattr(torch, args.dtype)
-    model = build_random_llama(model_config(name, args.tiny), args.device, dtype, seed=args.seed)
+    real = bool(args.real_model) and name == "smollm2_135m"
+    if real:
+        model = load_real_model(args.real_model, name, args)
+    else:
+        model = build_random_llama(model_config(name, args.tiny), args.device, dtype, seed=args.seed)
     out = {"summary": model_summary(name, model, bandwidth)}
+    out["summary"]["weights"] = f"real ({args.real_model})" if real else "random"
     floor_s = out["summary"].get("floor_s")
     try:
         if "steps" in args.sections:

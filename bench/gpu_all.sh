@@ -7,8 +7,11 @@
 #   STAGES="build e2e" bash bench/gpu_all.sh                    # SmolLM2-shaped end to end
 #   STAGES="build e2e8b ncu" bash bench/gpu_all.sh              # Llama-3-8B-shaped, ncu
 #
-# Stages: build, test, memcheck, profile, ops, e2e, e2e8b, ncu (default: all, which may pass the device
-# tool's 10-minute limit for one command). A failing stage is reported and the next one runs; the
+#   LAST_CALL=.gpu_carry/call3 STAGES="build test e2ereal" bash bench/gpu_all.sh
+#                                              # real SmolLM2 weights (bench/gpu_carry.py's last call)
+#
+# Stages: build, test, memcheck, profile, ops, e2e, e2e8b, e2ereal, ncu (default: all but e2ereal,
+# which needs the carried weights; all may pass the device tool's 10-minute limit for one command). A failing stage is reported and the next one runs; the
 # exit status is 1 when any stage failed. The build is incremental: repeating it costs seconds.
 #
 # Env: STAGES; T_<stage> (seconds, e.g. T_test=180: the stage is killed past it and counted as
@@ -67,6 +70,13 @@ stage profile python bench/profile_step.py ${PROFILE_ARGS:-}
 stage ops python bench/bench_ops.py --device cuda --iters "${OPS_ITERS:-200}"
 stage e2e python bench/bench_gpu.py --device cuda --models smollm2_135m --out "$OUT/gpu_smollm2.md" ${E2E_ARGS:-}
 stage e2e8b python bench/bench_gpu.py --device cuda --models llama3_8b --out "$OUT/gpu_llama3_8b.md" ${E2E8B_ARGS:-}
+# Real SmolLM2 weights and the Spec-Bench sample, carried by bench/gpu_carry.py (LAST_CALL: this call's share).
+CARRY="${CARRY:-/tmp/turbospec_carry}"
+stage e2ereal bash -c "python bench/gpu_carry.py ready && python bench/bench_gpu.py --device cuda --models smollm2_135m \
+  --sections steps,e2e --cache-lens 1024 --tokens 1,8,64 --real-model '$CARRY/model' \
+  --spec-bench '$CARRY/data/specbench_dev.jsonl' --spec-per-category 1 --max-new-tokens 128 --repeats 1 \
+  --systems hf_plain,hf_lookup,hf_static,hf_static_compile,ts_graphs,ts_ngram,ts_eagle,ts_medusa \
+  --out '$OUT/gpu_smollm2_real.md' ${E2EREAL_ARGS:-}"
 stage ncu bash bench/profile_ncu.sh
 cp -f bench/out/*.md bench/out/*.json bench/out/*.csv "$OUT"/ 2>/dev/null || true
 pack

@@ -10,14 +10,16 @@ the training prompts 8 MB, a trained EAGLE-3 head ~38 MB in float32. So:
              weights), the GGUF cut into parts, the prompts; each call's share fits beside the
              repository. Prints the calls to make, back to back: the machine stays warm only ~30 s
              after a call, and a fresh one has lost what the earlier calls left in /tmp.
-  there  python bench/gpu_carry.py stash .gpu_carry/callK      (every call: its share to $CARRY)
-         python bench/gpu_carry.py join                         (the last: $CARRY/model, sha256-checked)
+  there  python bench/gpu_carry.py stash .gpu_carry/callK      (every call but the last: its share to $CARRY)
+         LAST_CALL=.gpu_carry/callN python bench/gpu_carry.py ready
+                                   (the last: its share, then $CARRY/model joined, sha256-checked)
              $CARRY/model is a model directory turbospec loads (config.json + tokenizer + one .gguf:
              turbospec reads the GGUF itself, dequantizing the blocks on CUDA).
   there  python bench/gpu_carry.py split-out FILE... --out $OUT (one .tar.gz in parts of <= 15 MiB)
   here   python bench/gpu_carry.py join-back DIR --dest HEAD    (the parts together, sha256-checked)
 
-bench/gpu_train.sh is the last call's script. $CARRY defaults to /tmp/turbospec_carry.
+The last call then runs bench/gpu_all.sh (its `e2ereal` stage: bench_gpu.py on the real weights and
+the Spec-Bench sample) and / or bench/gpu_train.sh. $CARRY defaults to /tmp/turbospec_carry.
 """
 from __future__ import annotations
 
@@ -98,15 +100,16 @@ def cmd_pack(args) -> int:
         raise SystemExit(f"--model {args.model!r}: expected a .gguf file (or 'default')")
     gguf = Path(gguf)
     model_dir = Path(resolve_model_dir(gguf))  # config.json and tokenizer, converted here once
-    data = Path(args.data) if args.data else None
-    if data is not None and not data.is_file():
-        raise SystemExit(f"--data {str(data)!r} does not exist")
+    data = [Path(d) for d in args.data]
+    for d in data:
+        if not d.is_file():
+            raise SystemExit(f"--data {str(d)!r} does not exist")
     out = Path(args.dir)
     if out.exists():
         shutil.rmtree(out)
     fixed = [(f"model/{n}", (model_dir / n).stat().st_size) for n in MODEL_FILES if (model_dir / n).is_file()]
-    if data is not None:
-        fixed.append((f"data/{data.name}", data.stat().st_size))
+    fixed += [(f"data/{d.name}", d.stat().st_size) for d in data]
+    by_name = {f"data/{d.name}": d for d in data}
     base = travel_size(ROOT) if args.repo_bytes is None else args.repo_bytes
     room = CALL_LIMIT - base - args.margin_mib * MIB - 64 * 1024  # the manifest and folders
     calls = plan_calls(fixed, gguf.stat().st_size, room)
@@ -119,7 +122,7 @@ def cmd_pack(args) -> int:
             for item in call:
                 if item[0] == "file":
                     _, name, _ = item
-                    from_path = data if name.startswith("data/") else model_dir / name.split("/", 1)[1]
+                    from_path = by_name.get(name) or model_dir / name.split("/", 1)[1]
                     dest = folder / name
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(from_path, dest)
@@ -137,9 +140,12 @@ def cmd_pack(args) -> int:
           f"calls; the repository sends {base / MIB:.1f} MiB, so each call has {room / MIB:.1f} MiB of room")
     for k, s in enumerate(sizes, 1):
         last = k == len(calls)
-        cmd = ("bash bench/gpu_train.sh" if last else f"python bench/gpu_carry.py stash {out}/call{k}")
-        print(f"  call {k}: carry [\"{out}/call{k}\"] ({(s + base) / MIB:.1f} MiB with the repository), "
-              f"command: {cmd}" + (f"  (LAST_CALL={out}/call{k})" if last else ""))
+        rel = os.path.relpath(out / f"call{k}", ROOT)
+        # gpu_all's logs in one file (the device tool returns at most 8), the head's parts beside it
+        cmd = (f"PACK=\"$OUT/gpu_all.tgz\" OUT=bench/out/gpu_all LAST_CALL={rel} STAGES='build test e2ereal' "
+               f"bash bench/gpu_all.sh; SKIP_BUILD=1 bash bench/gpu_train.sh" if last
+               else f"python bench/gpu_carry.py stash {rel}")
+        print(f"  call {k}: carry [\"{rel}\"] ({(s + base) / MIB:.1f} MiB with the repository), command: {cmd}")
     return 0
 
 
@@ -179,6 +185,18 @@ def cmd_join(args) -> int:
     for part in manifest["parts"]:
         (carry / part).unlink()
     print(f"gpu_carry: {model} ({manifest['gguf']}, sha256 ok)")
+    return 0
+
+
+def cmd_ready(args) -> int:
+    """The last call's start: its share stashed (--last), the model joined unless it already is;
+    prints the model directory."""
+    if args.last:
+        cmd_stash(argparse.Namespace(folder=args.last, carry=args.carry))
+    model = Path(args.carry) / "model"
+    if not ((model / "config.json").is_file() and list(model.glob("*.gguf"))):
+        cmd_join(args)
+    print(model)
     return 0
 
 
@@ -230,8 +248,9 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack", help="here: the calls' shares under .gpu_carry/")
     a.add_argument("--model", default="default", help="a .gguf, or 'default' (SmolLM2-135M-Instruct)")
-    a.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "train_prompts.jsonl"),
-                   help="training prompts to carry ('' for none)")
+    shared = ROOT.parent / "shared" / "data"
+    a.add_argument("--data", nargs="*", default=[str(shared / "train_prompts.jsonl"), str(shared / "specbench_dev.jsonl")],
+                   help="data files to carry (default: the training prompts and the Spec-Bench sample; none: --data)")
     a.add_argument("--dir", default=str(ROOT / ".gpu_carry"))
     a.add_argument("--margin-mib", type=int, default=2, help="room kept free in each call")
     a.add_argument("--repo-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests
@@ -239,6 +258,9 @@ def main(argv=None) -> int:
     a.add_argument("folder")
     a.add_argument("--carry", default=DEFAULT_CARRY)
     a = sub.add_parser("join", help="there: $CARRY/model from the stashed parts")
+    a.add_argument("--carry", default=DEFAULT_CARRY)
+    a = sub.add_parser("ready", help="there, last call: stash --last, join if not joined yet")
+    a.add_argument("--last", default=os.environ.get("LAST_CALL", ""), help="this call's folder (default $LAST_CALL)")
     a.add_argument("--carry", default=DEFAULT_CARRY)
     a = sub.add_parser("split-out", help="there: files into parts that come back from $OUT")
     a.add_argument("files", nargs="+")
@@ -248,9 +270,7 @@ def main(argv=None) -> int:
     a.add_argument("folder")
     a.add_argument("--dest", required=True)
     args = p.parse_args(argv)
-    if args.cmd == "pack" and not args.data:
-        args.data = None
-    return {"pack": cmd_pack, "stash": cmd_stash, "join": cmd_join, "split-out": cmd_split_out,
+    return {"pack": cmd_pack, "stash": cmd_stash, "join": cmd_join, "ready": cmd_ready, "split-out": cmd_split_out,
             "join-back": cmd_join_back}[args.cmd](args)
 
 

@@ -6,7 +6,8 @@
 #
 #   here:   python bench/gpu_carry.py pack        # prints the calls: carry .gpu_carry/callK
 #   there:  python bench/gpu_carry.py stash .gpu_carry/call1      (call 1, and so on)
-#           LAST_CALL=.gpu_carry/call3 bash bench/gpu_train.sh      (the last call, same warm machine)
+#           LAST_CALL=.gpu_carry/call3 bash bench/gpu_train.sh      (the last call, same warm machine;
+#           gpu_carry.py pack prints it with bench/gpu_all.sh's e2ereal stage first)
 #   here:   python bench/gpu_carry.py join-back <files_at>/head --dest /work/train/gpu-eagle3
 #           python bench/ship_head.py --head /work/train/gpu-eagle3 --samples /work/train/gpu-eagle3/samples.jsonl ...
 #
@@ -31,14 +32,9 @@ if ! command -v python >/dev/null; then  # some images have only python3
   export PATH="$PWD/bench/out/pybin:$PATH"
 fi
 
-if [ -n "${LAST_CALL:-}" ]; then
-  step "stash $LAST_CALL"
-  python bench/gpu_carry.py stash "$LAST_CALL" || exit 1
-fi
-if [ ! -f "$CARRY/model/config.json" ] || ! ls "$CARRY"/model/*.gguf >/dev/null 2>&1; then
-  step "join"
-  python bench/gpu_carry.py join || exit 1
-fi
+step "the carried model (stash ${LAST_CALL:-nothing more}, join unless joined)"
+python bench/gpu_carry.py ready || exit 1
+[ -n "${LAST_CALL:-}" ] && export LAST_CALL=""  # stashed once
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   step "build the extension (CUDA kernels for sm_90; CPU kernels at -O1)"
   TURBOSPEC_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
@@ -47,8 +43,8 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 fi
 python -c 'import turbospec; print("kernels:", turbospec.kernels_available())' | tee -a "$OUT/train.log"
 
-DATA="$(ls "$CARRY"/data/*.jsonl 2>/dev/null | head -1)"
-[ -n "$DATA" ] || { echo "gpu_train: no prompts under $CARRY/data (pack carries them)"; exit 1; }
+DATA="$CARRY/data/train_prompts.jsonl"
+[ -f "$DATA" ] || { echo "gpu_train: no $DATA (gpu_carry.py pack carries it)"; exit 1; }
 RESUME_FLAG=""
 [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
 step "train (SIGINT at ${T_TRAIN:-480} s: the trainer saves the head and its state)"

@@ -35,25 +35,34 @@ def test_plan_calls_fills_each_call_and_keeps_files_whole():
         gpu_carry.plan_calls([], MIB, room=1000)
 
 
-def test_pack_stash_join_gives_the_same_model(tmp_path, smollm2_dir):
-    """The repository is made to take most of each call, so the GGUF goes in several parts; the
-    joined directory loads (weights from the GGUF, config and tokenizer beside it) and computes the
-    default model's logits bit for bit."""
-    data = tmp_path / "prompts.jsonl"
+@pytest.fixture(scope="module")
+def carried(tmp_path_factory, smollm2_dir):
+    """The default model packed with the repository made to take most of each call (so the GGUF
+    goes in several parts), every call stashed, and joined: (carry folder, room per call)."""
+    tmp = tmp_path_factory.mktemp("carry")
+    data = tmp / "prompts.jsonl"
     data.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    out = tmp_path / "carry_out"
-    room_target = 40 * MIB
+    out = tmp / "carry_out"
+    room = 40 * MIB
     gpu_carry.main(["pack", "--data", str(data), "--dir", str(out), "--margin-mib", "0",
-                    "--repo-bytes", str(gpu_carry.CALL_LIMIT - room_target)])
+                    "--repo-bytes", str(gpu_carry.CALL_LIMIT - room)])
+    carry = tmp / "carry"
+    for call in sorted(out.iterdir()):
+        gpu_carry.main(["stash", str(call), "--carry", str(carry)])
+    gpu_carry.main(["join", "--carry", str(carry)])
+    return out, carry, room
+
+
+def test_pack_stash_join_gives_the_same_model(carried, smollm2_dir):
+    """Each call's share fits; the joined directory loads (weights from the GGUF, config and
+    tokenizer beside it) and computes the default model's logits bit for bit."""
+    out, carry, room = carried
     calls = sorted(out.iterdir())
     assert len(calls) == 3  # 94 MiB in 40 MiB calls
     for call in calls:
         size = sum(p.stat().st_size for p in call.rglob("*") if p.is_file())
-        assert size <= room_target
-    carry = tmp_path / "carry"
-    for call in calls:
-        gpu_carry.main(["stash", str(call), "--carry", str(carry)])
-    gpu_carry.main(["join", "--carry", str(carry)])
+        assert size <= room
+    assert (carry / "data" / "prompts.jsonl").is_file()
     model_dir = carry / "model"
     assert not list(carry.glob("gguf.part*"))
     assert loader.gguf_path(model_dir) is not None and loader.resolve_model_dir(model_dir) == str(model_dir)
@@ -65,6 +74,41 @@ def test_pack_stash_join_gives_the_same_model(tmp_path, smollm2_dir):
         logits.append(model.forward(ids, torch.arange(5)[None], model.new_cache(8), 0))
     assert torch.equal(logits[0], logits[1])
     assert turbospec.load_tokenizer(str(model_dir)).encode("hello") == turbospec.load_tokenizer(smollm2_dir).encode("hello")
+
+
+def test_hf_model_from_the_carried_directory(carried, smollm2_hf):
+    """loader.load_hf_model builds the transformers model from turbospec's GGUF reader (the GPU machine
+    has no gguf package): the same weights transformers' own GGUF conversion loads."""
+    hf = loader.load_hf_model(carried[1] / "model")
+    mine, ref = hf.state_dict(), smollm2_hf.state_dict()
+    assert set(mine) == set(ref)
+    assert all(torch.equal(mine[k], ref[k]) for k in ref)
+
+
+def test_bench_gpu_real_weights_on_spec_bench(carried, tmp_path):
+    """bench_gpu.py's e2e section on the carried real model and the Spec-Bench sample (CPU, float32):
+    turbospec's greedy tokens equal HF generate's on every prompt, and the report says real weights."""
+    import subprocess
+    import sys
+    spec_bench = os.path.join(ROOT, "..", "shared", "data", "specbench_dev.jsonl")
+    if not os.path.isfile(spec_bench):
+        pytest.skip(f"no Spec-Bench sample at {spec_bench}")
+    out = tmp_path / "real.md"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_gpu.py"), "--device", "cpu", "--models", "smollm2_135m",
+           "--sections", "e2e", "--real-model", str(carried[1] / "model"), "--spec-bench", spec_bench,
+           "--spec-per-category", "1", "--dtype", "float32", "--max-new-tokens", "6", "--repeats", "1",
+           "--systems", "hf_plain,ts_eager,ts_ngram", "--threads", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads((tmp_path / "real.json").read_text())
+    m = data["models"]["smollm2_135m"]
+    assert m["summary"]["weights"].startswith("real")
+    e2e = m["e2e"]
+    assert e2e["num_prompts"] == 6 and "Spec-Bench sample" in e2e["prompts"]
+    for system in ("ts_eager", "ts_ngram"):
+        r = e2e["systems"][system]
+        assert r["status"] == "ok" and r["match_hf_plain"] == 1.0, (system, r)
+        assert r["new_tokens"] == 6 * 6 and r["tau"] >= 1.0
 
 
 def test_join_names_what_is_missing_and_checks_the_sum(tmp_path, smollm2_dir):

@@ -180,6 +180,54 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return out
 
 
+def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """turbospec names -> HF Llama / Qwen2 names, every weight dense in ``dtype`` (blocks dequantized):
+    the inverse of ``convert_hf_state_dict``."""
+    def dense(w) -> Tensor:
+        return w.dequantize(dtype) if isinstance(w, QuantWeight) else w.to(dtype)
+
+    out = {"model.embed_tokens.weight": dense(raw["embed"]), "model.norm.weight": dense(raw["norm"])}
+    if "lm_head" in raw:
+        out["lm_head.weight"] = dense(raw["lm_head"])
+    sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    for i in range(cfg.num_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        for x, w in zip("qkv", raw[p + "qkv"]):
+            out[h + f"self_attn.{x}_proj.weight"] = dense(w)
+        if cfg.qkv_bias:
+            for x, b in zip("qkv", raw[p + "qkv_bias"].split(sizes)):
+                out[h + f"self_attn.{x}_proj.bias"] = b.to(dtype)
+        out[h + "self_attn.o_proj.weight"] = dense(raw[p + "o"])
+        gate, up = raw[p + "gate_up"]
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
+        out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
+        out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
+        out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
+    return out
+
+
+def load_hf_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """The ``transformers`` model of ``source`` (eval mode). A model directory whose weights are a GGUF
+    (config.json + tokenizer + one .gguf, as bench/gpu_carry.py joins it) is built from turbospec's
+    own GGUF reader: no ``gguf`` package needed, the same dequantized values transformers would load.
+    Anything else loads as transformers loads it (a GGUF converted once, see ``resolve_model_dir``)."""
+    from transformers import AutoModelForCausalLM
+    model_dir = resolve_model_dir(source)
+    gguf_file = gguf_path(source)
+    if gguf_file is None or Path(model_dir) != Path(gguf_file).parent:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf_cfg = load_hf_config(model_dir)
+    cfg = ModelConfig.from_hf(hf_cfg)
+    sd = hf_state_dict(read_gguf_weights(gguf_file, cfg, torch.float32), cfg, dtype)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if model.config.tie_word_embeddings:
+        missing = [n for n in missing if n != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"{gguf_file}: weights missing {missing[:4]}, unexpected {unexpected[:4]}")
+    return model.to(device).eval()
+
+
 def _shape(w) -> tuple[int, int]:
     if isinstance(w, list):
         return sum(_shape(p)[0] for p in w), _shape(w[0])[1]
