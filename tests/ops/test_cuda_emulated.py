@@ -81,10 +81,10 @@ def test_build_tree_invalid_rows_marked(emu):
 
 @pytest.mark.parametrize("mode", list(SAMPLING))
 @pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
-@pytest.mark.parametrize("chunk", [0, 7, 64], ids=["scan", "chunk7", "chunk64"])
+@pytest.mark.parametrize("chunk", [0, 64], ids=["scan", "chunk64"])
 def test_verify(emu, mode, with_q, chunk):
     """Both ways to find a node's max / argmax: the row's block scanning (chunk 0) and the chunk pass
-    (verify_stats_kernel; chunks of 7 logits: many per row, ragged last ones)."""
+    (verify_stats_kernel; V = 300 in 5 chunks, the last ragged; chunks of 5 and 29 logits below)."""
     if mode == "greedy" and with_q:
         pytest.skip("greedy ignores draft_probs")
     temperature, top_k, top_p = SAMPLING[mode]
