@@ -34,7 +34,6 @@ fi
 
 step "the carried model (stash ${LAST_CALL:-nothing more}, join unless joined)"
 python bench/gpu_carry.py ready || exit 1
-[ -n "${LAST_CALL:-}" ] && export LAST_CALL=""  # stashed once
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   step "build the extension (CUDA kernels for sm_90; CPU kernels at -O1)"
   TURBOSPEC_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
