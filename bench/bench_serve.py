@@ -11,6 +11,8 @@ The clients drive ``turbospec.serve.AsyncEngine`` in-process (the engine the HTT
 so the figures are the engine's, without HTTP/JSON costs.
 
     python bench/bench_serve.py --concurrency 1 2 4 8 16 32 --temperature 0 0.7 --out bench/out/serve
+    python bench/bench_serve.py --device cuda --dtype bfloat16 --model /tmp/turbospec_carry/model \
+        --data /tmp/turbospec_carry/data/specbench_dev.jsonl --concurrency 1 2 4 8 16 32 64   # the GPU machine
 """
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ def draft_model(spec: str | None, model: str):
     from turbospec.model import loader
     path = loader.default_model_path() if model == "default" else model
     return layer_skip_draft(turbospec.load_model(path, torch.float32), int(spec.split(":", 1)[1]))
+
+
+def sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -130,11 +137,11 @@ def run_mode(engine, prompts, levels, max_new, temperature, speculate, requests_
     return out
 
 
-def hf_padded(model_dir: str, gguf: str | None, tokenizer, prompts, levels, max_new, temperature) -> dict:
+def hf_padded(source: str, tokenizer, prompts, levels, max_new, temperature, device: str = "cpu",
+              dtype: torch.dtype = torch.float32) -> dict:
     """HF generate on left-padded batches: one batch of c prompts per level."""
-    from transformers import AutoModelForCausalLM
-    kw = {"gguf_file": gguf} if gguf else {}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw).eval()
+    from turbospec.model.loader import load_hf_model
+    model = load_hf_model(source, dtype, device)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -142,12 +149,14 @@ def hf_padded(model_dir: str, gguf: str | None, tokenizer, prompts, levels, max_
     for c in levels:
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                tokenize=False) for p in (prompts * (c // len(prompts) + 1))[:c]]
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         gen_kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id)
         gen_kw.update(do_sample=True, temperature=temperature) if temperature > 0 else gen_kw.update(do_sample=False)
         with torch.inference_mode():
+            sync(device)
             t = time.perf_counter()
             model.generate(**enc, **gen_kw)
+            sync(device)
             wall = time.perf_counter() - t
         out[c] = dict(tok_s=c * max_new / wall, req_s=c / wall, wall_s=wall)
         print(f"  c={c:2d}: {out[c]['tok_s']:7.1f} tok/s (HF padded batch)", flush=True)
@@ -190,6 +199,8 @@ def main(argv=None) -> int:
     p.add_argument("--requests-per-level", type=int, default=2, help="requests per client at each level")
     p.add_argument("--num-draft", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the engine and the HF peer)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per step while others decode (0: whole)")
     p.add_argument("--data", default=DATA)
     p.add_argument("--out", default=None, help="write <out>.json and <out>.png")
@@ -212,16 +223,16 @@ def main(argv=None) -> int:
         for mode in args.modes:
             print(f"{mode} T={temp}", flush=True)
             if mode == "hf":
-                d = loader.resolve_model_dir(path)
-                results[(mode, temp)] = hf_padded(d, None, tokenizer, prompts, args.concurrency, args.max_new_tokens,
-                                                  temp)
+                results[(mode, temp)] = hf_padded(path, tokenizer, prompts, args.concurrency, args.max_new_tokens,
+                                                  temp, args.device, getattr(torch, args.dtype))
                 continue
             adaptive = mode != "fixed"
             if adaptive not in engines:
                 # by name, so that drafter "auto" finds the default model's shipped head
                 engines[adaptive] = Engine(args.model, drafter=args.drafter, num_draft=args.num_draft,
                                            max_batch=max_batch, max_seq_len=1024, adaptive=adaptive,
-                                           draft_model=draft_model(args.draft_model, args.model))
+                                           draft_model=draft_model(args.draft_model, args.model),
+                                           device=args.device, dtype=args.dtype)
                 print(f"  drafter: {engines[adaptive].drafter.name if engines[adaptive].drafter else 'none'}, "
                       f"num_draft {engines[adaptive].num_draft}", flush=True)
             results[(mode, temp)] = run_mode(engines[adaptive], prompts, args.concurrency, args.max_new_tokens, temp,

@@ -113,7 +113,7 @@ def test_bench_gpu_real_weights_on_spec_bench(carried, tmp_path):
 
 def test_join_names_what_is_missing_and_checks_the_sum(tmp_path, smollm2_dir):
     out = tmp_path / "carry_out"
-    gpu_carry.main(["pack", "--data", "", "--dir", str(out), "--margin-mib", "0",
+    gpu_carry.main(["pack", "--data", "--dir", str(out), "--margin-mib", "0",
                     "--repo-bytes", str(gpu_carry.CALL_LIMIT - 60 * MIB)])
     calls = sorted(out.iterdir())
     assert len(calls) == 2
