@@ -508,18 +508,16 @@ def run_ts_system(system: str, model, prompts: list, args) -> dict:
         del engine
         free_memory(args.device)
     n = sum(len(g.token_ids) for g in gens)
-    steps = sum(g.stats.get("verify_steps") or 0 for g in gens)
+    steps = sum(g.stats["verify_steps"] for g in gens)
     decode_s = [len(g.token_ids) / g.stats["decode_tokens_per_s"] for g in gens if g.stats.get("decode_tokens_per_s")]
-    st = gens[0].stats
     return {"status": "ok", "wall_s": sum(walls), "wall_per_prompt_s": walls, "new_tokens": n,
             "tok_s": n / sum(walls),
             "decode_tok_s": n / sum(decode_s) if len(decode_s) == len(gens) and sum(decode_s) > 0 else None,
-            # τ over the prompts: each prompt's τ weighted by its verify steps
-            "tau": (sum((g.stats.get("tau") or 0) * (g.stats.get("verify_steps") or 0) for g in gens) / steps
-                    if steps else st.get("tau")),
+            # τ over the prompts as the engine defines it per generation: tokens emitted / verify steps
+            "tau": sum(g.stats["new_tokens"] for g in gens) / max(steps, 1),
             "verify_steps": steps, "graphs": graphs,
-            "stats": {k: st.get(k) for k in ("tokens_per_s", "decode_tokens_per_s", "verify_steps", "tau",
-                                             "verify_s", "draft_s", "prefill_s", "total_s")},
+            "stats": [{k: g.stats.get(k) for k in ("tokens_per_s", "decode_tokens_per_s", "verify_steps", "tau",
+                                                   "verify_s", "draft_s", "prefill_s", "total_s")} for g in gens],
             "token_ids": [list(g.token_ids) for g in gens]}
 
 

@@ -11,8 +11,8 @@
 #                                              # real SmolLM2 weights (bench/gpu_carry.py's last call)
 #
 # Stages: build, test, memcheck, profile, ops, e2e, e2e8b, e2ereal, ncu (default: all but e2ereal,
-# which needs the carried weights; all may pass the device tool's 10-minute limit for one command). A failing stage is reported and the next one runs; the
-# exit status is 1 when any stage failed. The build is incremental: repeating it costs seconds.
+# which needs the carried weights; all may pass the device tool's 10-minute limit for one command).
+# A failing stage is reported and the next one runs; the exit status is 1 when any stage failed. The build is incremental: repeating it costs seconds.
 #
 # Env: STAGES; T_<stage> (seconds, e.g. T_test=180: the stage is killed past it and counted as
 # failed, so one hang cannot eat the whole call; default 600); PACK=FILE.tgz (after every stage,

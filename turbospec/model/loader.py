@@ -206,6 +206,12 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
     return out
 
 
+def _weights_are_gguf(model_dir: str, gguf_file: str | None) -> bool:
+    """The GGUF is the only copy of the weights: it sits in the model directory itself (no dense
+    checkpoint beside it; a bare GGUF resolves to a converted directory elsewhere)."""
+    return gguf_file is not None and Path(model_dir) == Path(gguf_file).parent
+
+
 def load_hf_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """The ``transformers`` model of ``source`` (eval mode). A model directory whose weights are a GGUF
     (config.json + tokenizer + one .gguf, as bench/gpu_carry.py joins it) is built from turbospec's
@@ -214,7 +220,7 @@ def load_hf_model(source, dtype: torch.dtype = torch.float32, device: str | torc
     from transformers import AutoModelForCausalLM
     model_dir = resolve_model_dir(source)
     gguf_file = gguf_path(source)
-    if gguf_file is None or Path(model_dir) != Path(gguf_file).parent:
+    if not _weights_are_gguf(model_dir, gguf_file):
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     hf_cfg = load_hf_config(model_dir)
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -293,10 +299,9 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         model_dir = resolve_model_dir(source)
         cfg = ModelConfig.from_hf(load_hf_config(model_dir))
         gguf_file = gguf_path(source)
-        # A GGUF in a model directory without dense weights is the only copy of the weights: read
-        # for "dense" too (_place dequantizes the blocks).
-        only_copy = gguf_file is not None and Path(model_dir) == Path(gguf_file).parent
-        if gguf_file is not None and (mode != "dense" or only_copy):
+        # "dense" reads the converted checkpoint, unless the GGUF is the only copy (_place then
+        # dequantizes the blocks)
+        if gguf_file is not None and (mode != "dense" or _weights_are_gguf(model_dir, gguf_file)):
             raw = read_gguf_weights(gguf_file, cfg, dtype)
         else:
             raw = convert_hf_state_dict(_read_state_dict(model_dir), cfg)
