@@ -17,7 +17,7 @@
 # Env: STAGES; T_<stage> (seconds, e.g. T_test=180: the stage is killed past it and counted as
 # failed, so one hang cannot eat the whole call; default 600); PACK=FILE.tgz (after every stage,
 # pack all of $OUT's logs into that one file: for a device tool that returns only a few files);
-# TEST_ARGS (more pytest options for the test stage); PROFILE_ARGS (bench/profile_step.py's);
+# TEST_PATHS (the test stage's files, default tests); TEST_ARGS (more pytest options for it); PROFILE_ARGS (bench/profile_step.py's);
 # E2E_ARGS / E2E8B_ARGS (more bench_gpu.py options for those stages, e.g. "--sections steps");
 # TURBOSPEC_BUILD_OPT (-O1 builds the CPU kernels faster; they are not what a GPU run measures).
 set -uo pipefail
@@ -63,7 +63,7 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:
 stage build python setup.py build_ext --inplace
 python -c 'import turbospec.ops as o; print("kernels:", o.kernels_available())' | tee -a "$OUT/machine.txt"
 # CUDA cases of every test file (the CPU cases ran in CI); the emulator is not needed here.
-stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest tests -q -rs -p no:cacheprovider \
+stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest ${TEST_PATHS:-tests} -q -rs -p no:cacheprovider \
   -k "cuda and not refuses_without_cuda" --durations 15 ${TEST_ARGS:-}
 stage memcheck bash bench/memcheck.sh
 stage profile python bench/profile_step.py ${PROFILE_ARGS:-}

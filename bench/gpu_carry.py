@@ -143,7 +143,7 @@ def cmd_pack(args) -> int:
         rel = os.path.relpath(out / f"call{k}", ROOT)
         # gpu_all's logs in one file (the device tool returns at most 8), the head's parts beside it
         cmd = (f"PACK=\"$OUT/gpu_all.tgz\" OUT=bench/out/gpu_all LAST_CALL={rel} STAGES='build test e2ereal' "
-               f"bash bench/gpu_all.sh; SKIP_BUILD=1 bash bench/gpu_train.sh" if last
+               f"bash bench/gpu_all.sh; bash bench/gpu_train.sh" if last
                else f"python bench/gpu_carry.py stash {rel}")
         print(f"  call {k}: carry [\"{rel}\"] ({(s + base) / MIB:.1f} MiB with the repository), command: {cmd}")
     return 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The last of the GPU calls that `python bench/gpu_carry.py pack` plans (issue 12 §4): the real
 # SmolLM2 weights joined from the calls' parts, the extension built, then self-distillation and
-# EAGLE-3 training with training-time test on the GPU, stopped with SIGINT at T_TRAIN seconds (the
-# trainer then saves the head and its --resume state), and the head sent back in parts.
+# EAGLE-3 training with training-time test on the GPU within T_TRAIN seconds, and the head and the
+# generated samples sent back in parts.
 #
 #   here:   python bench/gpu_carry.py pack        # prints the calls: carry .gpu_carry/callK
 #   there:  python bench/gpu_carry.py stash .gpu_carry/call1      (call 1, and so on)
@@ -11,12 +11,16 @@
 #   here:   python bench/gpu_carry.py join-back <files_at>/head --dest /work/train/gpu-eagle3
 #           python bench/ship_head.py --head /work/train/gpu-eagle3 --samples /work/train/gpu-eagle3/samples.jsonl ...
 #
-# A second call on the same warm machine with RESUME=1 continues the training (the work folder
+# The trainer's own --time-budget (T_TRAIN s) bounds the run: generation stops by 45% of it, features
+# by 70%, and the schedule anneals by the deadline, where the final eval and head follow; SIGINT at
+# T_TRAIN + 90 s is only the backstop. Whatever was generated comes back with the head (or alone).
+# A second call on the same warm machine with RESUME=1 continues all three stages (the work folder
 # with the generations and features stays in $CARRY while the machine is held).
 # Env: LAST_CALL (the folder this call carries; empty: already stashed), CARRY (/tmp/turbospec_carry),
 # OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256),
-# GEN_BATCH (128), EPOCHS (4), DTYPE (float32: the target's; the CPU engine runs it so),
-# SAVE_EVERY (400), SKIP_BUILD (1: use the built extension), RESUME (1: continue), TRAIN_ARGS (more).
+# GEN_BATCH (256), EPOCHS (4), BATCH (32 sequences a step), DTYPE (float32: the target's; the CPU
+# engine runs it so), SAVE_EVERY (400), RESUME (1: continue), TRAIN_ARGS (more). The extension is
+# built unless its kernels for DEVICE already load (an earlier call on the same machine built them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/out/gpu_train}"
@@ -34,7 +38,8 @@ fi
 
 step "the carried model (stash ${LAST_CALL:-nothing more}, join unless joined)"
 python bench/gpu_carry.py ready || exit 1
-if [ "${SKIP_BUILD:-0}" != 1 ]; then
+KIND="${DEVICE%%:*}"  # cuda or cpu: the kernels this run needs
+if ! python -c "import sys, turbospec; sys.exit(0 if turbospec.kernels_available()['$KIND'] else 1)" 2>/dev/null; then
   step "build the extension (CUDA kernels for sm_90; CPU kernels at -O1)"
   TURBOSPEC_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
     TURBOSPEC_BUILD_OPT="${TURBOSPEC_BUILD_OPT:--O1}" python setup.py build_ext --inplace > "$CARRY/build.log" 2>&1 \
@@ -46,24 +51,29 @@ DATA="$CARRY/data/train_prompts.jsonl"
 [ -f "$DATA" ] || { echo "gpu_train: no $DATA (gpu_carry.py pack carries it)"; exit 1; }
 RESUME_FLAG=""
 [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
-step "train (SIGINT at ${T_TRAIN:-480} s: the trainer saves the head and its state)"
-timeout -s INT -k 60 "${T_TRAIN:-480}" python -u -m turbospec.cli train --method eagle3 \
+T_TRAIN="${T_TRAIN:-480}"
+step "train (--time-budget $T_TRAIN s; SIGINT at $(( T_TRAIN + 90 )) s as a backstop)"
+timeout -s INT -k 60 "$(( T_TRAIN + 90 ))" python -u -m turbospec.cli train --method eagle3 \
   --target "$CARRY/model" --data "$DATA" --out "$CARRY/head" --work-dir "$CARRY/work" \
-  --num-prompts "${NUM_PROMPTS:-0}" --max-new-tokens "${MAX_NEW:-256}" --gen-batch-size "${GEN_BATCH:-128}" \
-  --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --loss-on-prompt \
+  --num-prompts "${NUM_PROMPTS:-0}" --max-new-tokens "${MAX_NEW:-256}" --gen-batch-size "${GEN_BATCH:-256}" \
+  --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --batch-size "${BATCH:-32}" \
+  --loss-on-prompt --time-budget "$T_TRAIN" \
   --eval-every "${SAVE_EVERY:-400}" --save-every "${SAVE_EVERY:-400}" $RESUME_FLAG ${TRAIN_ARGS:-} \
   2>&1 | tee -a "$OUT/train.log"
 rc=${PIPESTATUS[0]}
-step "train: exit $rc (124 / 130: stopped at T_TRAIN; the head saved is the partial one)"
+step "train: exit $rc (0: the head is final, at the time budget or after its epochs; 124 / 130: stopped by the backstop)"
 
-if [ -f "$CARRY/head/model.safetensors" ]; then
-  # The samples the head learnt from (ship_head.py takes its draft vocabulary from them).
-  SAMPLES="$(ls -t "$CARRY"/work/gen-*/samples.jsonl 2>/dev/null | head -1)"
-  step "send the head back"
-  python bench/gpu_carry.py split-out "$CARRY/head/config.json" "$CARRY/head/model.safetensors" \
-    ${SAMPLES:+"$SAMPLES"} --out "$OUT/head" || exit 1
-else
-  echo "gpu_train: no head saved under $CARRY/head"
-  exit 1
+# The samples the head learnt from (ship_head.py takes its draft vocabulary from them): all of
+# them, also when the run stopped before a head was saved, so generation continues elsewhere.
+SAMPLES="$(ls -t "$CARRY"/work/gen-*/samples.jsonl 2>/dev/null | head -1)"
+FILES=()
+for f in "$CARRY/head/config.json" "$CARRY/head/model.safetensors" "$SAMPLES"; do
+  [ -n "$f" ] && [ -f "$f" ] && FILES+=("$f")
+done
+[ -f "$CARRY/head/model.safetensors" ] || echo "gpu_train: no head saved under $CARRY/head" | tee -a "$OUT/train.log"
+if [ "${#FILES[@]}" -gt 0 ]; then
+  step "send back: ${FILES[*]}"
+  python bench/gpu_carry.py split-out "${FILES[@]}" --out "$OUT/head" || exit 1
 fi
+[ -f "$CARRY/head/model.safetensors" ] || exit 1
 step "done"

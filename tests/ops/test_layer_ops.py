@@ -36,7 +36,10 @@ def assert_near_ulps(out: torch.Tensor, ref: torch.Tensor, what: str):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 8), (1, 3, 576), (2, 5, 1000), (7, 64)])
+# widths: the warp kernel (<= 1024), the block kernel with the row in registers (<= 8192: 2048,
+# Llama-3-8B's 4096, 8192) and the block loop kernel past it (12288)
+@pytest.mark.parametrize("shape", [(1, 1, 8), (1, 3, 576), (2, 5, 1000), (7, 64), (2, 3, 2048), (3, 4096),
+                                   (1, 2, 8192), (2, 12288)])
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_matches_spec(device, dtype, shape, with_delta):
     dev = need_kernels(device)

@@ -6,8 +6,10 @@ beat its initial acceptance by a wide margin on held-out samples."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -148,6 +150,56 @@ def test_generation_and_features_are_reused(tmp_path):
     assert sorted(s["index"] for s in distill.read_samples(path)) == list(range(6))
 
 
+def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
+    """--time-budget: no generation batch starts past 45% of the budget and feature extraction
+    stops by 70%; the part done is used (its own feature folder), and a later run resumes both."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 12)
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=12,
+               max_new_tokens=6, eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1,
+               stop_after="features")
+    real = distill.greedy_batch
+    calls = []
+
+    def slow_first(*a, **k):  # the first batch ends past both deadlines (2.7 s and 4.2 s)
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(4.5)
+        return real(*a, **k)
+    monkeypatch.setattr(distill, "greedy_batch", slow_first)
+    s1 = train.run(config.TrainConfig(**cfg, time_budget=6.0))
+    assert len(calls) == 1
+    g1 = s1["generation"]
+    assert g1["complete"] is False and g1["generated"] == 4
+    assert not os.path.isfile(os.path.join(s1["generation_dir"], "meta.json"))
+    with open(os.path.join(s1["features_dir"], "manifest.json")) as f:
+        m1 = json.load(f)
+    # features: past their deadline when they start, so the eval split and one train sample
+    assert m1["complete"] is False and len(m1["shards"]) == 1 and m1["shards"][0]["end"] == 1
+    assert m1["eval_samples"] == 1 and m1["feature_rms"] > 0
+    first = {s["index"]: s for s in distill.read_samples(os.path.join(s1["generation_dir"], "samples.jsonl"))}
+    assert len(first) == 4
+
+    monkeypatch.setattr(distill, "greedy_batch", real)
+    s2 = train.run(config.TrainConfig(**cfg))
+    assert s2["generation_dir"] == s1["generation_dir"] and s2["features_dir"] != s1["features_dir"]
+    assert s2["generation"]["complete"] is True and s2["generation"]["generated"] == 8
+    done = {s["index"]: s for s in distill.read_samples(os.path.join(s2["generation_dir"], "samples.jsonl"))}
+    assert sorted(done) == list(range(12)) and all(done[i] == first[i] for i in first)
+    with open(os.path.join(s2["features_dir"], "manifest.json")) as f:
+        m2 = json.load(f)
+    assert m2["complete"] is True and m2["shards"][-1]["end"] == m2["train_samples"] == 11
+    # an interrupted feature folder resumes where it stopped
+    fd, _ = distill.collect_features(load_model(target), s1["generation_dir"], sorted(first.values(),
+                                     key=lambda s: s["index"]), str(tmp_path / "o" / "work"), (0, 1),
+                                     eval_samples=1, shard_tokens=65536, feature_dtype="bfloat16",
+                                     complete_gen=False)
+    with open(os.path.join(fd, "manifest.json")) as f:
+        m3 = json.load(f)
+    assert fd == s1["features_dir"] and m3["complete"] is True
+    assert [sh["end"] for sh in m3["shards"]] == [1, 3]
+
+
 def test_interrupted_training_resumes_exactly(tmp_path, bigram, monkeypatch):
     """Ctrl-C leaves a usable partial head; --resume then ends exactly where an uninterrupted run
     ends (same batches, optimizer, schedule and noise)."""
@@ -192,6 +244,57 @@ def test_resume_continues_training(tmp_path, bigram):
     # resuming a finished run does no further step and keeps its result
     s = train.run(config.config_from_args(_parse(base + ["--resume"])))
     assert s["steps"] == 8
+
+
+def test_time_budget_schedule_anneals_by_the_deadline():
+    """The decay follows whichever is further along, steps or time; warmup stays step-based."""
+    cfg = config.TrainConfig(method="eagle3", out="x", warmup_steps=10)
+    t = {"p": 0.0}
+    f = train._schedule(cfg, 1000, lambda: t["p"])
+    assert f(0) == pytest.approx(0.1) and f(10) == pytest.approx(1.0)
+    t["p"] = 0.5
+    assert f(10) == pytest.approx(0.5) and f(5) == pytest.approx(0.5)  # min(ramp 0.6, cosine(0.5))
+    assert f(760) == pytest.approx(0.5 * (1 + math.cos(math.pi * 750 / 990)))  # steps further along
+    t["p"] = 1.0
+    assert f(20) == pytest.approx(0.0, abs=1e-12)
+    # the default warmup (3% of the schedule) ends after 3% of the steps or of the time
+    d = train._schedule(config.TrainConfig(method="eagle3", out="x"), 100000, lambda: t["p"])
+    t["p"] = 0.015
+    assert d(0) == pytest.approx(0.5) and d(2999) == pytest.approx(1.0, abs=0.01)
+    t["p"] = 0.0
+    assert d(0) == pytest.approx(1 / 3000)
+    for sched, want in (("linear", 0.0), ("constant", 1.0)):
+        g = train._schedule(config.TrainConfig(method="eagle3", out="x", warmup_steps=10, schedule=sched),
+                            1000, lambda: 1.0)
+        assert g(20) == pytest.approx(want, abs=1e-12)
+
+
+def test_time_budget_ends_training_with_a_final_head(tmp_path, bigram):
+    """--time-budget: a run planned for far more steps than fit stops at the deadline, with the
+    schedule annealed, the final eval and a complete (not partial) head; --resume of it does nothing."""
+    target, data, d = bigram
+    out = tmp_path / "o"
+    argv = _args("eagle3", target, data, out, d / "work", "--eval-every", "0")
+    argv[argv.index("--epochs") + 1] = "100000"
+    assert cli.main(argv + ["--stop-after", "features"]) == 0  # the data, cached
+    tr = train.Trainer(config.config_from_args(_parse(argv + ["--time-budget", "8"])))
+    lrs = []
+    real_step = tr.train_step
+    tr.train_step = lambda batch: (lrs.append(tr.sched.get_last_lr()[0]), real_step(batch))[1]
+    t0 = time.perf_counter()
+    tr.run()
+    assert time.perf_counter() - t0 < 8 + 10  # the final eval and the save after the deadline
+    assert max(lrs) > 0.5 * tr.lr  # warmed up (3% of the time), then annealed
+    head = checkpoints.load_head(str(out))
+    ex = head.extra
+    assert ex["stopped_by_time_budget"] is True and ex["partial"] is False
+    assert 0 < ex["steps"] < ex["total_steps"] == 400000
+    assert ex["eval"] is not None and ex["eval"]["step"] == ex["steps"]
+    assert tr.sched.get_last_lr()[0] < 1e-3 * tr.lr  # annealed to ~0 at the deadline
+    st = torch.load(tr.state_path, weights_only=False)
+    assert st["time_progress"] == 1.0
+    s = train.run(config.config_from_args(_parse(argv + ["--time-budget", "8", "--resume"])))
+    assert s["steps"] == ex["steps"]
 
 
 @pytest.mark.parametrize("method, extra", [

@@ -66,6 +66,7 @@ class TrainConfig:
     amp: str = "auto"                  # "auto" | "bfloat16" | "none": autocast of the head's math
     threads: int | None = None
     stop_after: str | None = None      # "generate" | "features"
+    time_budget: float | None = None   # seconds for the whole run; the schedule ends at the deadline
     command: str = ""                  # recorded in the checkpoint
     extra: dict = field(default_factory=dict)
 
@@ -109,6 +110,8 @@ def check_config(cfg: TrainConfig) -> None:
                          "would learn the user's text, not the target's own continuation")
     if cfg.amp not in ("auto", "bfloat16", "none"):
         raise ValueError(f"--amp {cfg.amp!r}: choose auto, bfloat16 or none")
+    if cfg.time_budget is not None and not (isinstance(cfg.time_budget, (int, float)) and cfg.time_budget > 0):
+        raise ValueError(f"--time-budget must be a number of seconds > 0, got {cfg.time_budget!r}")
     if cfg.stop_after not in (None, "generate", "features"):
         raise ValueError(f"--stop-after {cfg.stop_after!r}: choose generate or features")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -203,6 +206,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 autocast for the head's training math (auto: where bfloat16 matmuls "
                         "are fast: CUDA, CPUs with AVX512-BF16/AMX)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole run: generation stops by 45%% of it and features by 70%% "
+                        "(--resume continues them), training gets what is left, its learning-rate "
+                        "schedule running on time as well as steps "
+                        "(whichever is further along) and ends at the deadline with the final eval "
+                        "and head; --resume continues the decay where it stopped")
     g.add_argument("--stop-after", default=None, choices=["generate", "features"],
                    help="stop after a stage (e.g. to time it)")
 

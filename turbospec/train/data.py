@@ -281,19 +281,22 @@ def read_samples(path: str) -> list[dict]:
 
 def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list, work_dir: str, *,
              data_sha1: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int,
-             truncate: bool, batch_size: int, dtype: str) -> tuple[str, list[dict], dict]:
+             truncate: bool, batch_size: int, dtype: str,
+             stop_at: float | None = None) -> tuple[str, list[dict], dict]:
     """Stage 1. ``encode``: prompt -> token ids (with the chat template); ``eos_token_ids``: the tokens
     that end a response. Returns (the generation folder, its samples sorted by index, info) where info
-    says how many samples this call generated (0 when the stored file was re-used)."""
+    says how many samples this call generated (0 when the stored file was re-used).
+    ``stop_at`` (a ``time.perf_counter()`` value): no batch starts after it; the samples done so far
+    are returned (info["complete"] False) and a later call resumes the rest."""
     settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
     with stage_lock(gen_dir):
-        return _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size)
+        return _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
 
 
-def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size):
+def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at=None):
     from tqdm import tqdm
     num_prompts, max_new_tokens = settings["num_prompts"], settings["max_new_tokens"]
     max_prompt_tokens, seed, truncate = settings["max_prompt_tokens"], settings["seed"], settings["truncate"]
@@ -305,7 +308,8 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
             samples = sorted(read_samples(samples_path), key=lambda s: s["index"])
             if len(samples) == meta["num_samples"]:
                 log(f"generation: re-using {len(samples)} samples in {gen_dir}")
-                return gen_dir, samples, {"generated": 0, "reused": len(samples), **meta["info"]}
+                return gen_dir, samples, {"generated": 0, "reused": len(samples), "complete": True,
+                                          **meta["info"]}
     os.makedirs(gen_dir, exist_ok=True)
     t0 = time.perf_counter()
     encoded, skipped = select_prompts(prompts, encode, num_prompts, max_prompt_tokens, seed, truncate)
@@ -330,6 +334,8 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
     with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
                                              desc="generate", **BAR) as bar:
         for idx in batches:
+            if stop_at is not None and time.perf_counter() >= stop_at:
+                break
             results = greedy_batch(target, [encoded[i] for i in idx], max_new_tokens, eos_token_ids)
             for i, (resp, fin) in zip(idx, results):
                 rec = {"index": i, "prompt_ids": encoded[i], "response_ids": resp, "finish": fin}
@@ -339,16 +345,23 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
             f.flush()
             bar.update(len(idx))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-    samples = [done[i] for i in range(len(encoded))]
+    samples = [done[i] for i in sorted(done)]
+    complete = len(samples) == len(encoded)
     info = {"prompts": len(encoded), "skipped_prompts": skipped,
             "prompt_tokens": sum(len(s["prompt_ids"]) for s in samples),
             "response_tokens": sum(len(s["response_ids"]) for s in samples),
             "finished_by_eos": sum(s["finish"] == "eos" for s in samples),
             "seconds": round(time.perf_counter() - t0, 1)}
+    if not complete:
+        log(f"generation: stopped at the time limit with {len(samples)} of {len(encoded)} samples "
+            f"({info['response_tokens']} response tokens in {info['seconds']} s); a later run resumes")
+        return gen_dir, samples, {"generated": len(samples) - (len(encoded) - len(todo)),
+                                  "reused": len(encoded) - len(todo), "complete": False, **info}
     _write_json(meta_path, {"settings": settings, "complete": True, "num_samples": len(samples),
                             "info": info})
     log(f"generation: {info['response_tokens']} response tokens in {info['seconds']} s -> {gen_dir}")
-    return gen_dir, samples, {"generated": len(todo), "reused": len(encoded) - len(todo), **info}
+    return gen_dir, samples, {"generated": len(todo), "reused": len(encoded) - len(todo), "complete": True,
+                              **info}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,17 +397,23 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
 
 
 def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
-                     eval_samples: int, shard_tokens: int, feature_dtype: str) -> tuple[str, dict]:
-    """Stage 2. Returns (the feature folder, its manifest)."""
+                     eval_samples: int, shard_tokens: int, feature_dtype: str, complete_gen: bool = True,
+                     stop_at: float | None = None) -> tuple[str, dict]:
+    """Stage 2. Returns (the feature folder, its manifest). ``complete_gen`` False: ``samples`` are
+    the part of the generation done so far (their indices key the folder). ``stop_at`` (a
+    ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
+    has passed; the manifest lists the shards done (not "complete") and a later call resumes."""
     spec_key = "final" if spec == "final" else [int(i) for i in spec]
     settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
+    if not complete_gen:
+        settings["subset"] = sha1([s["index"] for s in samples])
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
     with stage_lock(feat_dir):
-        return _collect(target, samples, feat_dir, settings, spec)
+        return _collect(target, samples, feat_dir, settings, spec, stop_at)
 
 
-def _collect(target, samples, feat_dir, settings, spec):
+def _collect(target, samples, feat_dir, settings, spec, stop_at=None):
     from tqdm import tqdm
     eval_samples, shard_tokens, feature_dtype = (settings["eval_samples"], settings["shard_tokens"],
                                                  settings["feature_dtype"])
@@ -463,7 +482,8 @@ def _collect(target, samples, feat_dir, settings, spec):
             bar.update(n)
             bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}")
             i += 1
-            if sum(r["ids"].numel() for r in rows) >= shard_tokens or i == len(train):
+            late = stop_at is not None and time.perf_counter() >= stop_at
+            if sum(r["ids"].numel() for r in rows) >= shard_tokens or i == len(train) or late:
                 k = len(manifest["shards"])
                 record(rows, group)
                 write(f"train-{k:05d}.safetensors", rows, group)
@@ -472,6 +492,14 @@ def _collect(target, samples, feat_dir, settings, spec):
                                            "prompt_lens": [len(g["prompt_ids"]) for g in group]})
                 _write_json(man_path, manifest)
                 rows, group = [], []
+                if late and i < len(train):
+                    manifest["seconds"] = round(time.perf_counter() - t0, 1)
+                    manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
+                    manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
+                    _write_json(man_path, manifest)
+                    log(f"features: stopped at the time limit after {i} of {len(train)} train samples "
+                        f"({done_tokens} tokens in {manifest['seconds']} s); a later run resumes")
+                    return feat_dir, manifest
     manifest["complete"] = True
     manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
     manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)

@@ -39,6 +39,10 @@ from .objectives import Frozen, Method, format_eval, lm_head_weight
 from ..heads.config import HeadConfig
 from ..heads.layers import draft_vocab_from_counts, init_weights
 
+# With --time-budget, generation stops by this share of the budget and features by the next
+# (a later --resume run continues both); training has the rest, at least 30%.
+GEN_SHARE, FEATURES_SHARE = 0.45, 0.70
+
 __all__ = ["Trainer", "add_args", "build_head", "config_from_args", "run", "run_cli"]
 
 
@@ -72,16 +76,22 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
     return head
 
 
-def _schedule(cfg: TrainConfig, total: int):
+def _schedule(cfg: TrainConfig, total: int, time_progress=lambda: 0.0):
+    """The learning-rate factor of a step: a linear warmup over the first steps, then the decay
+    (cosine, linear or none) over the progress made, which is the steps' share of ``total`` or,
+    with a time budget, ``time_progress()`` (the share of the training time used) where that is
+    further along: a run given a deadline anneals fully by it. The default warmup (3% of the
+    schedule) ends after 3% of the steps or of the time, whichever comes first."""
     warm = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.03 * total))
 
     def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
+        ramp = (step + 1) / warm if step < warm else 1.0
+        if cfg.warmup_steps is None:  # the default warmup is 3% of the schedule, in time too
+            ramp = max(ramp, min(1.0, time_progress() / 0.03))
         if cfg.schedule == "constant":
-            return 1.0
-        p = min(1.0, (step - warm) / max(1, total - warm))
-        return 0.5 * (1 + math.cos(math.pi * p)) if cfg.schedule == "cosine" else 1.0 - p
+            return ramp
+        p = min(1.0, max(max(0, step - warm) / max(1, total - warm), time_progress()))
+        return min(ramp, 0.5 * (1 + math.cos(math.pi * p)) if cfg.schedule == "cosine" else 1.0 - p)
     return f
 
 
@@ -110,6 +120,10 @@ class Trainer:
         self.summary: dict = {}
         self.step, self.history, self.t_train = 0, [], 0.0
         self.last_ev: dict | None = None
+        # --time-budget: the deadline, and the share of the schedule's time-based progress already
+        # made (by a resumed run) and what this run can spend training (set when training starts)
+        self.deadline: float | None = None
+        self.time_p0, self.train_avail = 0.0, None
 
     def run(self) -> dict:
         """The whole pipeline; returns a summary (stage infos, final eval, checkpoint path)."""
@@ -120,6 +134,8 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.t_start = time.perf_counter()
+        if cfg.time_budget:
+            self.deadline = self.t_start + cfg.time_budget
         os.makedirs(self.work, exist_ok=True)
         target, tok = self.load_target()
         self.generate(target, tok)
@@ -164,7 +180,8 @@ class Trainer:
             target, lambda prompt: encode(tok, vocab, prompt), eos_token_ids(target.cfg.eos_token_ids, tok),
             self.prompts, self.work, data_sha1=self.data_sha1, num_prompts=cfg.num_prompts,
             max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
-            truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size, dtype=cfg.dtype)
+            truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size, dtype=cfg.dtype,
+            stop_at=self._stage_deadline(GEN_SHARE))
         self.summary = {"generation": self.gen_info, "generation_dir": self.gen_dir}
 
     def collect_features(self, target) -> None:
@@ -177,8 +194,13 @@ class Trainer:
         spec = tuple(probe.feature_layers) if cfg.method == "eagle3" else "final"
         self.feat_dir, self.manifest = distill.collect_features(
             target, self.gen_dir, self.samples, self.work, spec, eval_samples=self.n_eval,
-            shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype)
+            shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
+            complete_gen=self.gen_info.get("complete", True), stop_at=self._stage_deadline(FEATURES_SHARE))
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
+
+    def _stage_deadline(self, share: float) -> float | None:
+        """With --time-budget: when a data stage stops (the budget's first ``share``); else None."""
+        return None if self.deadline is None else self.t_start + share * self.cfg.time_budget
 
     # -----------------------------------------------------------------------------------------
     # Stage 3: the head, its optimizer and the saved state
@@ -220,7 +242,7 @@ class Trainer:
         self.lr = cfg.lr or DEFAULT_LR[cfg.method]
         self.params = [p for p in self.head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=self.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg, self.total))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _schedule(cfg, self.total, self.time_progress))
         hyper = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("command", "extra")}
         hyper.update(lr=self.lr, ttt_steps=self.method.steps, feature_noise_abs=self.method.noise,
                      amp_dtype=str(self.amp), eval_samples=self.manifest["eval_samples"])
@@ -244,6 +266,7 @@ class Trainer:
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
         self.step, self.history, self.t_train = st["step"], st["history"], st["train_seconds"]
+        self.time_p0 = st.get("time_progress", 0.0)
         torch.set_rng_state(st["rng"])
         log(f"train: resuming at step {self.step}/{self.total} from {self.state_path}")
 
@@ -261,6 +284,7 @@ class Trainer:
                                     "seed": cfg.seed, "target_dtype": cfg.dtype, "greedy": True},
             "argmax_agreement": manifest.get("argmax_agreement"),
             "hyperparameters": self.hyper, "steps": self.step, "total_steps": self.total, "partial": partial,
+            "stopped_by_time_budget": self.time_progress() >= 1.0,
             "run_time_s": {"generation": gen_info.get("seconds"),
                            "features": manifest.get("seconds"), "training": round(self.t_train, 1),
                            "total_this_run": round(time.perf_counter() - self.t_start, 1)},
@@ -278,7 +302,8 @@ class Trainer:
         save_head(self.head, self.cfg.out, extra=self.provenance(ev, partial))
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
                     "step": self.step, "history": self.history, "train_seconds": self.t_train,
-                    "rng": torch.get_rng_state()}, self.state_path + ".tmp")
+                    "rng": torch.get_rng_state(), "time_progress": self.time_progress()},
+                   self.state_path + ".tmp")
         os.replace(self.state_path + ".tmp", self.state_path)
 
     # -----------------------------------------------------------------------------------------
@@ -305,12 +330,20 @@ class Trainer:
             f"steps/epoch x {cfg.epochs} epochs = {self.total} steps of {cfg.batch_size} sequences; "
             f"lr {self.lr}, {cfg.schedule}"
             + (f", {self.method.steps} unrolled steps" if cfg.method != "medusa" else ""))
+        t_eval = time.perf_counter()
         self.last_ev = self.evaluate("at init ") if self.step == 0 else None
+        t_eval = time.perf_counter() - t_eval
         self.summary["init_eval"] = self.last_ev
         bar = tqdm(total=self.total, initial=self.step, unit="step", desc=f"train {cfg.method}", **distill.BAR)
         self._t0, self._t_prev, self._ema = time.perf_counter(), self.t_train, None
+        if self.deadline is not None:
+            # what is left once the final eval and the save are paid for (each eval's time, again)
+            self.train_avail = self.deadline - self._t0 - (2 * t_eval + 2.0)
+            log(f"train: --time-budget {cfg.time_budget:g} s: {max(self.train_avail, 0):.0f} s left to train; "
+                f"the schedule ends by then" + (f" (resumed at {100 * self.time_p0:.0f}% of it)"
+                                                 if self.time_p0 else ""))
         try:
-            while self.step < self.total:
+            while self.step < self.total and self.time_progress() < 1.0:
                 epoch, k = divmod(self.step, self.per_epoch)
                 self.run_epoch(epoch, k, bar)
         except KeyboardInterrupt:
@@ -320,6 +353,9 @@ class Trainer:
                 f"continue with --resume")
             raise
         bar.close()
+        if self.step < self.total:
+            log(f"train: the time budget ran out at step {self.step}/{self.total} (the schedule has "
+                f"annealed); final eval")
         final = self.evaluate("final ")
         self.save(final, partial=False)
         log(f"train: {self.step} steps in {self.t_train:.0f} s; head saved to {cfg.out}")
@@ -330,6 +366,8 @@ class Trainer:
         cfg = self.cfg
         plan = self.store.plan(cfg.batch_size, cfg.seed, epoch)
         for sh, idx in plan[start:]:
+            if self.time_progress() >= 1.0:
+                return
             batch = {key: v.to(self.dev) for key, v in collate(self.store.load(sh), idx).items()}
             lv, stats = self.train_step(batch)
             self._ema = lv if self._ema is None else 0.95 * self._ema + 0.05 * lv
@@ -341,6 +379,16 @@ class Trainer:
                 self.save(self.last_ev, partial=True)
             elif cfg.save_every and self.step % cfg.save_every == 0 and self.step < self.total:
                 self.save(self.last_ev, partial=True)
+
+    def time_progress(self) -> float:
+        """With --time-budget, the share of the schedule's time this run and the runs it resumed
+        have used (1.0 at the deadline); 0.0 without a budget or before training starts."""
+        if self.train_avail is None:
+            return self.time_p0
+        if self.train_avail <= 0:
+            return 1.0
+        used = (time.perf_counter() - self._t0) / self.train_avail
+        return min(1.0, self.time_p0 + (1.0 - self.time_p0) * used)
 
     def train_step(self, batch: dict) -> tuple[float, dict]:
         """One optimizer step on a batch (on device); returns (the loss, the method's stats)."""
