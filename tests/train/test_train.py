@@ -200,6 +200,52 @@ def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
     assert [sh["end"] for sh in m3["shards"]] == [1, 3]
 
 
+def test_distill_data_travels_and_generation_continues_from_it(tmp_path, monkeypatch):
+    """--distill-data: a stored (partial) generation seeds a fresh work folder on another machine,
+    generation continues after it (the stored samples are not generated again, the prompts' ids are
+    checked), and the whole result is written back; another run's settings are refused, not mixed."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 10)
+    store = str(tmp_path / "store" / "gen.npz")
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=10,
+               max_new_tokens=5, eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1,
+               stop_after="generate", distill_data=store)
+    # machine A: a run stopped after its first batch (the time budget), stored with its provenance
+    real = distill.greedy_batch
+    calls = []
+
+    def slow_first(*a, **k):
+        calls.append(len(a[1]))
+        if len(calls) == 1:
+            time.sleep(2.0)
+        return real(*a, **k)
+    monkeypatch.setattr(distill, "greedy_batch", slow_first)
+    s1 = train.run(config.TrainConfig(**cfg, work_dir=str(tmp_path / "wa"), time_budget=4.0))
+    assert s1["generation"]["complete"] is False and calls == [4]
+    part, meta = distill.load_distill(store)
+    assert len(part) == 4 and meta["num_samples"] == 4 and meta["command"] is None
+    assert meta["settings"]["max_new_tokens"] == 5 and meta["info"]["complete"] is False
+    assert meta["machine"]["device"] == "cpu" and meta["prompts_file"] == "p.jsonl"
+    with open(os.path.join(s1["generation_dir"], "samples.jsonl")) as f:
+        assert sorted((json.loads(x) for x in f), key=lambda r: r["index"]) == part  # the same records
+    # machine B: a fresh work folder; only the 6 missing prompts are generated
+    calls.clear()
+    s2 = train.run(config.TrainConfig(**cfg, work_dir=str(tmp_path / "wb")))
+    assert s2["generation"]["complete"] is True and s2["generation"]["generated"] == 6 and sum(calls) == 6
+    whole, meta2 = distill.load_distill(store)
+    assert [r["index"] for r in whole] == list(range(10)) and meta2["info"]["complete"] is True
+    assert {r["index"]: r for r in whole}.items() >= {r["index"]: r for r in part}.items()
+    # the same as generating everything in one go
+    monkeypatch.setattr(distill, "greedy_batch", real)
+    s3 = train.run(config.TrainConfig(**{**cfg, "distill_data": None}, work_dir=str(tmp_path / "wc")))
+    ref = sorted(distill.read_samples(os.path.join(s3["generation_dir"], "samples.jsonl")), key=lambda r: r["index"])
+    assert ref == whole
+    # other settings: the stored file is not used, and not overwritten
+    with pytest.raises(ValueError, match="holds samples of other generation settings"):
+        train.run(config.TrainConfig(**{**cfg, "max_new_tokens": 6}, work_dir=str(tmp_path / "wd")))
+    assert distill.load_distill(store)[0] == whole
+
+
 def test_interrupted_training_resumes_exactly(tmp_path, bigram, monkeypatch):
     """Ctrl-C leaves a usable partial head; --resume then ends exactly where an uninterrupted run
     ends (same batches, optimizer, schedule and noise)."""

@@ -34,6 +34,7 @@ class TrainConfig:
     max_new_tokens: int = 128
     max_prompt_tokens: int = 512
     truncate_long_prompts: bool = False
+    distill_data: str | None = None    # a .npz of stored samples: used, continued and written back
     gen_batch_size: int = 16
     seed: int = 0
     dtype: str = "float32"             # the target's
@@ -158,6 +159,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--truncate-long-prompts", action="store_true",
                    help="keep the last --max-prompt-tokens tokens of long prompts instead of skipping them")
     g.add_argument("--gen-batch-size", type=int, default=16, help="prompts generated together")
+    g.add_argument("--distill-data", default=None,
+                   help="a .npz of stored self-distillation samples (token ids; settings and provenance "
+                        "in the .json beside it): samples of the same settings are used, generation "
+                        "continues after them, and the result is written back there")
     g.add_argument("--seed", type=int, default=0, help="prompt sampling, split, init and batch order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype for generation and features")

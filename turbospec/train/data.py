@@ -281,19 +281,115 @@ def read_samples(path: str) -> list[dict]:
 
 def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list, work_dir: str, *,
              data_sha1: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int,
-             truncate: bool, batch_size: int, dtype: str,
-             stop_at: float | None = None) -> tuple[str, list[dict], dict]:
+             truncate: bool, batch_size: int, dtype: str, stop_at: float | None = None,
+             distill_data: str | None = None, provenance: dict | None = None) -> tuple[str, list[dict], dict]:
     """Stage 1. ``encode``: prompt -> token ids (with the chat template); ``eos_token_ids``: the tokens
     that end a response. Returns (the generation folder, its samples sorted by index, info) where info
     says how many samples this call generated (0 when the stored file was re-used).
     ``stop_at`` (a ``time.perf_counter()`` value): no batch starts after it; the samples done so far
-    are returned (info["complete"] False) and a later call resumes the rest."""
+    are returned (info["complete"] False) and a later call resumes the rest.
+    ``distill_data`` (a .npz, see ``save_distill``): samples stored there with the same settings
+    are used (generation continues after them), and the samples afterwards are written back to it
+    with ``provenance``, so a generation continues on another machine instead of restarting."""
     settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
     with stage_lock(gen_dir):
-        return _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
+        if distill_data:
+            seed_generation(distill_data, gen_dir, settings)
+        out = _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
+        if distill_data and (out[2]["generated"] or not os.path.isfile(distill_data)):
+            save_distill(distill_data, out[1], settings, {**(provenance or {}), "info": {
+                k: v for k, v in out[2].items() if k not in ("generated", "reused")}})
+            log(f"generation: {len(out[1])} samples stored in {distill_data}")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-distillation data that travels: one compressed .npz of token ids (uint16 where the
+# vocabulary fits, ~2 bytes a token before compression) and a JSON beside it with the generation
+# settings (which key the generation folder) and the provenance.
+def _distill_json(path: str) -> str:
+    return os.path.splitext(path)[0] + ".json"
+
+
+def save_distill(path: str, samples: list[dict], settings: dict, provenance: dict) -> None:
+    """Write ``samples`` (any subset of a generation, in index order) to ``path`` (.npz) and
+    ``<path without .npz>.json``. Refuses to replace a stored file of other settings."""
+    import numpy as np
+    meta_path = _distill_json(path)
+    if os.path.isfile(meta_path):
+        with open(meta_path) as f:
+            old = json.load(f).get("settings")
+        if old != settings:
+            raise ValueError(f"--distill-data {path!r} holds samples of other generation settings "
+                             f"({_settings_diff(old, settings)}); choose another path")
+    samples = sorted(samples, key=lambda r: r["index"])
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in samples]
+    top = max((max(q) for q in seqs if q), default=0)
+    dt = np.uint16 if top < 1 << 16 else np.uint32
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(q) for q in seqs])
+    arrays = {"tokens": np.fromiter((t for q in seqs for t in q), dtype=dt, count=int(offsets[-1])),
+              "offsets": offsets,
+              "prompt_len": np.array([len(r["prompt_ids"]) for r in samples], dtype=np.int32),
+              "index": np.array([r["index"] for r in samples], dtype=np.int32),
+              "eos": np.array([r["finish"] == "eos" for r in samples], dtype=np.bool_)}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp.npz"
+    np.savez_compressed(tmp, **arrays)
+    os.replace(tmp, path)
+    _write_json(meta_path, {"settings": settings, "num_samples": len(samples),
+                            "prompt_tokens": int(arrays["prompt_len"].sum()),
+                            "response_tokens": int(offsets[-1] - arrays["prompt_len"].sum()),
+                            **provenance})
+
+
+def load_distill(path: str) -> tuple[list[dict], dict]:
+    """(the samples, the JSON beside them) of a file ``save_distill`` wrote."""
+    import numpy as np
+    with open(_distill_json(path)) as f:
+        meta = json.load(f)
+    with np.load(path) as z:
+        tokens, off, plen, index, eos = (z[k] for k in ("tokens", "offsets", "prompt_len", "index", "eos"))
+    out = []
+    for j in range(len(index)):
+        q = tokens[off[j]:off[j + 1]].tolist()
+        p = int(plen[j])
+        out.append({"index": int(index[j]), "prompt_ids": q[:p], "response_ids": q[p:],
+                    "finish": "eos" if eos[j] else "length"})
+    return out, meta
+
+
+def _settings_diff(a: dict | None, b: dict) -> str:
+    a = a or {}
+    keys = sorted(set(a) | set(b), key=str)
+    return ", ".join(f"{k}: stored {a.get(k)!r}, this run {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+
+
+def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
+    """Samples stored in ``path`` with these ``settings`` join the generation folder's (those it
+    lacks); returns how many joined. Another generation's file is named and left alone."""
+    if not os.path.isfile(path):
+        return 0
+    stored, meta = load_distill(path)
+    if meta.get("settings") != settings:
+        log(f"generation: {path} was made with other settings ({_settings_diff(meta.get('settings'), settings)}); "
+            f"not used")
+        return 0
+    os.makedirs(gen_dir, exist_ok=True)
+    samples_path = os.path.join(gen_dir, "samples.jsonl")
+    have = read_samples(samples_path)  # the valid ones (a torn last line is dropped here)
+    known = {r["index"] for r in have}
+    new = [r for r in stored if r["index"] not in known]
+    if new:
+        with open(samples_path + ".tmp", "w") as f:
+            for r in have + new:
+                f.write(json.dumps(r) + "\n")
+        os.replace(samples_path + ".tmp", samples_path)
+        log(f"generation: {len(new)} samples from {path}")
+    return len(new)
 
 
 def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at=None):

@@ -108,6 +108,20 @@ def _machine(device: str) -> dict:
     return m
 
 
+def _commit() -> str | None:
+    """The checkout's commit (with "+" when it has uncommitted changes), or None outside a git tree."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head.stdout.strip() + ("+" if dirty.stdout.strip() else "")) if head.returncode == 0 else None
+
+
 class Trainer:
     """One ``turbospec train`` run. ``run`` goes through the stages: ``load_target``, ``generate``,
     ``collect_features``, ``build`` (head and frozen target parts), ``setup_optimizer``, ``resume``
@@ -181,7 +195,10 @@ class Trainer:
             self.prompts, self.work, data_sha1=self.data_sha1, num_prompts=cfg.num_prompts,
             max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
             truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size, dtype=cfg.dtype,
-            stop_at=self._stage_deadline(GEN_SHARE))
+            stop_at=self._stage_deadline(GEN_SHARE), distill_data=cfg.distill_data,
+            provenance={"prompts_file": os.path.basename(self.data), "model": os.path.basename(str(self.source)),
+                        "command": cfg.command or None, "commit": _commit(), "machine": _machine(cfg.device),
+                        "date": datetime.datetime.now().astimezone().isoformat()})
         self.summary = {"generation": self.gen_info, "generation_dir": self.gen_dir}
 
     def collect_features(self, target) -> None:

@@ -1,0 +1,111 @@
+"""τ (tokens per verify step) of draft heads at fixed tree-node budgets, on the Spec-Bench sample.
+
+τ measured greedily at a fixed budget depends on the head and the prompts only (not on the machine,
+the thread count or the timing), so heads compare here on any CPU: every head runs with
+``adaptive=False`` (no draft-length or tree-depth budget), the same tree shape, greedy, and the
+output of every run is checked against plain decoding token for token.
+
+    python bench/bench_tau.py --head shipped=turbospec/heads_data/smollm2-eagle3 \\
+        --head gpu=/work/train/gpu-eagle3 --nodes 8,16,32 --per-category 4 --max-new-tokens 96
+
+Prints a markdown table (τ per Spec-Bench category and overall, per head and node budget) and
+writes it with the per-prompt figures to --out (JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+
+def main(argv=None) -> int:
+    from turbospec.benchmark import DEFAULT_SPEC_BENCH, load_prompts
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--head", action="append", required=True,
+                   help="NAME=PATH of a head checkpoint (repeat); PATH alone names it by its folder")
+    p.add_argument("--model", default="default", help="target: directory, .gguf or 'default'")
+    p.add_argument("--nodes", default="16", help="comma list of tree-node budgets (num_draft)")
+    p.add_argument("--depth", type=int, default=6, help="EAGLE tree: expansion rounds")
+    p.add_argument("--top-k", type=int, default=4, help="EAGLE tree: children per expanded node")
+    p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
+    p.add_argument("--per-category", type=int, default=4)
+    p.add_argument("--humaneval", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default=None, help="the head's dtype (default: the target's)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default=os.path.join("bench", "out", "tau.json"))
+    args = p.parse_args(argv)
+    nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
+    if not nodes or any(n < 1 for n in nodes):
+        raise SystemExit(f"--nodes {args.nodes!r}: expected a comma list of integers >= 1")
+    heads = []
+    for h in args.head:
+        name, _, path = h.rpartition("=")
+        path = path or h
+        if not os.path.isdir(path):
+            raise SystemExit(f"--head {h!r}: {path!r} is not a head folder")
+        heads.append((name or os.path.basename(os.path.normpath(path)), path))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    import turbospec
+    from turbospec.model.loader import load_tokenizer
+    source = turbospec.default_model_path() if args.model == "default" else args.model
+    target = turbospec.load_model(source, getattr(torch, args.dtype))
+    tok = load_tokenizer(source)
+    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval)
+    plain = turbospec.Engine(target, drafter="none", tokenizer=tok, max_seq_len=2048)
+    ref = [plain.generate(q["text"], max_new_tokens=args.max_new_tokens).token_ids for q in prompts]
+    rows, per_prompt = [], []
+    t0 = time.time()
+    for name, path in heads:
+        for n in nodes:
+            eng = turbospec.Engine(target, drafter="eagle", head=path, num_draft=n, adaptive=False,
+                                   tree={"depth": args.depth, "top_k": args.top_k},
+                                   draft_dtype=args.draft_dtype, tokenizer=tok, max_seq_len=2048)
+            emitted, steps = defaultdict(int), defaultdict(int)
+            for q, want in zip(prompts, ref):
+                g = eng.generate(q["text"], max_new_tokens=args.max_new_tokens)
+                if g.token_ids != want:
+                    raise SystemExit(f"{name} at {n} nodes: output differs from plain decoding on {q['id']}")
+                for cat in (q["category"], "overall"):
+                    emitted[cat] += g.stats["new_tokens"]
+                    steps[cat] += g.stats["verify_steps"]
+                per_prompt.append({"head": name, "nodes": n, "id": q["id"], "tau": g.stats["tau"],
+                                   "accept_per_position": g.stats.get("accept_per_position")})
+            rows.append({"head": name, "path": path, "nodes": n,
+                         "tau": {c: emitted[c] / max(steps[c], 1) for c in emitted}})
+            print(f"{name} @ {n} nodes: τ {rows[-1]['tau']['overall']:.3f}", file=sys.stderr)
+    cats = [c for c in dict.fromkeys(q["category"] for q in prompts)] + ["overall"]
+    lines = ["| head | nodes | " + " | ".join(cats) + " |", "|---|---|" + "---|" * len(cats)]
+    for r in rows:
+        lines.append(f"| {r['head']} | {r['nodes']} | " + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + " |")
+    table = "\n".join(lines)
+    print(table)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        commit = ""
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                   time.gmtime()), "machine": platform.processor() or platform.machine(),
+                   "seconds": round(time.time() - t0, 1), "prompts": len(prompts),
+                   "max_new_tokens": args.max_new_tokens, "depth": args.depth, "top_k": args.top_k,
+                   "rows": rows, "per_prompt": per_prompt, "table": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
