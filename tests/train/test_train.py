@@ -123,6 +123,30 @@ def _manifest(work, method):
     raise AssertionError("no feature folder")
 
 
+@pytest.mark.parametrize("spec", ["final", (0, 1)])
+def test_batched_features_are_the_samples_alone(tmp_path, spec):
+    """Feature extraction in batches (right-padded, similar lengths together, put back in order) gives
+    on CPU the bits of one sample at a time, across 64-token passes, in shards and the eval split."""
+    t = load_model(make_tiny_model("llama", seed=3, vocab_size=VOCAB))
+    rng = random.Random(5)
+    samples = [{"index": i, "prompt_ids": [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))],
+                "response_ids": [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 120))], "finish": "length"}
+               for i in range(13)]
+    got = {}
+    for bs in (1, 4):
+        fd, man = distill.collect_features(t, str(tmp_path / f"gen{bs}"), samples, str(tmp_path / f"w{bs}"), spec,
+                                           eval_samples=2, shard_tokens=300, feature_dtype="float32", batch_size=bs)
+        store = distill.FeatureStore(fd, man)
+        got[bs] = ([store.load(k) for k in range(len(man["shards"]))], store.eval_batches(8),
+                   [sh["end"] for sh in man["shards"]])
+    (s1, e1, ends1), (s4, e4, ends4) = got[1], got[4]
+    assert ends1 == ends4 and ends1[-1] == 11 and len(ends1) > 2
+    for a, b in zip(s1 + e1, s4 + e4):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
 def test_generation_and_features_are_reused(tmp_path):
     target = _save_target(tmp_path / "m")
     data = _write_prompts(tmp_path / "p.jsonl", 6)
@@ -157,7 +181,7 @@ def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
     data = _write_prompts(tmp_path / "p.jsonl", 12)
     cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=12,
                max_new_tokens=6, eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1,
-               stop_after="features")
+               stop_after="features", feature_batch_size=1)
     real = distill.greedy_batch
     calls = []
 

@@ -42,6 +42,7 @@ class TrainConfig:
     eval_samples: int | None = None    # None: 5% of the samples, 1..64
     shard_tokens: int = 65536
     feature_dtype: str = "bfloat16"
+    feature_batch_size: int = 8
     # stage 3
     epochs: int = 1
     lr: float | None = None            # None: DEFAULT_LR[method]
@@ -78,7 +79,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--method {cfg.method!r} is not supported; choose one of {', '.join(METHODS)}")
     ints = dict(num_prompts=(cfg.num_prompts, 0), max_new_tokens=(cfg.max_new_tokens, 1),
                 max_prompt_tokens=(cfg.max_prompt_tokens, 1), gen_batch_size=(cfg.gen_batch_size, 1),
-                shard_tokens=(cfg.shard_tokens, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
+                shard_tokens=(cfg.shard_tokens, 1), feature_batch_size=(cfg.feature_batch_size, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
                 eval_every=(cfg.eval_every, 0), save_every=(cfg.save_every, 0),
                 medusa_heads=(cfg.medusa_heads, 1), medusa_layers=(cfg.medusa_layers, 1),
                 draft_vocab=(cfg.draft_vocab, 1))
@@ -171,6 +172,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="held-out samples for eval (default: 5%% of the samples, 1..64)")
     g.add_argument("--shard-tokens", type=int, default=65536, help="tokens per feature shard (bounds memory)")
     g.add_argument("--feature-dtype", default="bfloat16", choices=list(FEATURE_DTYPES))
+    g.add_argument("--feature-batch-size", type=int, default=8,
+                   help="samples per target forward when extracting features (similar lengths together; "
+                        "on CPU the features are the same bits as one sample at a time)")
     g = p.add_argument_group("stage 3: training")
     g.add_argument("--epochs", type=int, default=1)
     g.add_argument("--lr", type=float, default=None,

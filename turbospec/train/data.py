@@ -482,6 +482,29 @@ def _sample_tensors(target: Transformer, sample: dict, spec, cache, fdtype: torc
             "argmax": logits[0].argmax(-1).to(torch.int32).cpu()}
 
 
+@torch.inference_mode()
+def _batch_tensors(target: Transformer, group: list[dict], spec, fdtype: torch.dtype) -> list[dict]:
+    """``_sample_tensors`` of several samples in one forward: right-padded to the longest (causal
+    attention: a token never sees the padding after it), the LM head and argmax per sample on its
+    own rows. On CPU every token's numbers are those of the sample alone (the kernels reduce in one
+    order per row); on CUDA the GEMMs may round differently with the batch size."""
+    seqs = [s["prompt_ids"] + s["response_ids"] for s in group]
+    n, dev = max(map(len, seqs)), target.device
+    x = torch.zeros(len(seqs), n, dtype=torch.int64)
+    for b, q in enumerate(seqs):
+        x[b, :len(q)] = torch.tensor(q, dtype=torch.int64)
+    pos = torch.arange(n, device=dev)[None].expand(len(seqs), n)
+    normed, feats = target.forward(x.to(dev), pos, target.new_cache(n, len(seqs)), 0, logits="normed",
+                                   features=spec)
+    out = []
+    for b, q in enumerate(seqs):
+        L = len(q)
+        am = torch.cat([target.lm_head(normed[b, s:min(s + 512, L)]).float().argmax(-1) for s in range(0, L, 512)])
+        out.append({"features": feats[b, :L].to(fdtype).cpu(), "ids": torch.tensor(q, dtype=torch.int32),
+                    "argmax": am.to(torch.int32).cpu()})
+    return out
+
+
 def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
     lens = [r["ids"].numel() for r in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
@@ -494,11 +517,13 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
 
 def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
                      eval_samples: int, shard_tokens: int, feature_dtype: str, complete_gen: bool = True,
-                     stop_at: float | None = None) -> tuple[str, dict]:
+                     stop_at: float | None = None, batch_size: int = 1) -> tuple[str, dict]:
     """Stage 2. Returns (the feature folder, its manifest). ``complete_gen`` False: ``samples`` are
     the part of the generation done so far (their indices key the folder). ``stop_at`` (a
     ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
-    has passed; the manifest lists the shards done (not "complete") and a later call resumes."""
+    has passed; the manifest lists the shards done (not "complete") and a later call resumes.
+    ``batch_size``: samples per target forward (``_batch_tensors``), taken by similar length from
+    windows of 4 batches and stored in sample order."""
     spec_key = "final" if spec == "final" else [int(i) for i in spec]
     settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
@@ -506,10 +531,25 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
         settings["subset"] = sha1([s["index"] for s in samples])
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
     with stage_lock(feat_dir):
-        return _collect(target, samples, feat_dir, settings, spec, stop_at)
+        return _collect(target, samples, feat_dir, settings, spec, stop_at, batch_size)
 
 
-def _collect(target, samples, feat_dir, settings, spec, stop_at=None):
+def _tensors_in_order(target, group: list[dict], spec, fdtype, batch_size: int) -> list[dict]:
+    """``_sample_tensors`` of ``group``, in its order, computed ``batch_size`` samples of similar
+    length at a time."""
+    if batch_size <= 1:
+        cache = target.new_cache(max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in group))
+        return [_sample_tensors(target, s, spec, cache, fdtype) for s in group]
+    order = sorted(range(len(group)), key=lambda j: len(group[j]["prompt_ids"]) + len(group[j]["response_ids"]))
+    rows: list[dict | None] = [None] * len(group)
+    for k in range(0, len(order), batch_size):
+        part = order[k:k + batch_size]
+        for j, r in zip(part, _batch_tensors(target, [group[j] for j in part], spec, fdtype)):
+            rows[j] = r
+    return rows
+
+
+def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size=1):
     from tqdm import tqdm
     eval_samples, shard_tokens, feature_dtype = (settings["eval_samples"], settings["shard_tokens"],
                                                  settings["feature_dtype"])
@@ -531,8 +571,6 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None):
         manifest = {"settings": settings, "complete": False, "shards": [], "eval": None,
                     "train_samples": len(train), "eval_samples": len(held), "sumsq": 0.0, "numel": 0,
                     "agree": 0, "agree_n": 0}
-    max_len = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-    cache = target.new_cache(max_len)
     start = manifest["shards"][-1]["end"] if manifest["shards"] else 0
     total_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
     width = target.cfg.hidden_size * (1 if spec == "final" else len(spec))
@@ -559,7 +597,7 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None):
 
     with tqdm(total=total_tokens, unit="tok", desc="features", unit_scale=True, **BAR) as bar:
         if manifest["eval"] is None and held:
-            rows = [_sample_tensors(target, s, spec, cache, fdtype) for s in held]
+            rows = _tensors_in_order(target, held, spec, fdtype, batch_size)
             record(rows, held)
             write("eval.safetensors", rows, held)
             manifest["eval"] = {"file": "eval.safetensors", "lengths": [r["ids"].numel() for r in rows],
@@ -569,16 +607,20 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None):
         bar.update(skip)
         rows, group = [], []
         i = start
+        window: list[dict] = []  # computed ahead: 4 batches of samples at a time (a deadline waits for them)
         while i < len(train):
             s = train[i]
-            rows.append(_sample_tensors(target, s, spec, cache, fdtype))
+            if not window:
+                ahead = 1 if batch_size <= 1 else 4 * batch_size
+                window = _tensors_in_order(target, train[i:i + ahead], spec, fdtype, batch_size)
+            rows.append(window.pop(0))
             group.append(s)
             n = rows[-1]["ids"].numel()
             done_tokens += n
             bar.update(n)
             bar.set_postfix(tok_s=f"{done_tokens / (time.perf_counter() - t0):.0f}")
             i += 1
-            late = stop_at is not None and time.perf_counter() >= stop_at
+            late = stop_at is not None and time.perf_counter() >= stop_at and not window
             if sum(r["ids"].numel() for r in rows) >= shard_tokens or i == len(train) or late:
                 k = len(manifest["shards"])
                 record(rows, group)

@@ -212,7 +212,8 @@ class Trainer:
         self.feat_dir, self.manifest = distill.collect_features(
             target, self.gen_dir, self.samples, self.work, spec, eval_samples=self.n_eval,
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
-            complete_gen=self.gen_info.get("complete", True), stop_at=self._stage_deadline(FEATURES_SHARE))
+            complete_gen=self.gen_info.get("complete", True), stop_at=self._stage_deadline(FEATURES_SHARE),
+            batch_size=cfg.feature_batch_size)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
 
     def _stage_deadline(self, share: float) -> float | None:
@@ -264,7 +265,8 @@ class Trainer:
         hyper.update(lr=self.lr, ttt_steps=self.method.steps, feature_noise_abs=self.method.noise,
                      amp_dtype=str(self.amp), eval_samples=self.manifest["eval_samples"])
         self.hyper = hyper
-        not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every")
+        not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every", "feature_batch_size",
+                     "distill_data")
         train_key = distill.sha1({"feat": os.path.basename(self.feat_dir),
                                   **{k: v for k, v in hyper.items() if k not in not_keyed}})
         self.state_path = os.path.join(self.work, f"train-{cfg.method}-{train_key}.pt")
