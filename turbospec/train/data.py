@@ -295,6 +295,12 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
+    if distill_data and os.path.isfile(_distill_json(distill_data)):
+        with open(_distill_json(distill_data)) as f:
+            stored = json.load(f).get("settings")
+        if stored != settings:  # before generating anything: the result could not be stored there
+            raise ValueError(f"--distill-data {distill_data!r} holds samples of other generation settings "
+                             f"({_settings_diff(stored, settings)}); choose another path")
     with stage_lock(gen_dir):
         if distill_data:
             seed_generation(distill_data, gen_dir, settings)
