@@ -224,6 +224,19 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     ({"model": MODEL, "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": MODEL, "prompt": "w5", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "w5", "logprobs": 2}, "logprobs"),
+    # implemented nowhere yet: refused, never silently ignored
+    ({"model": MODEL, "prompt": "w5", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "w5", "presence_penalty": -1}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "w5", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "w5", "min_p": 0.1}, "min_p"),
+    ({"model": MODEL, "prompt": "w5", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": MODEL, "prompt": "w5", "stop_token_ids": [3]}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "w5", "ignore_eos": True}, "ignore_eos"),
+    ({"model": MODEL, "prompt": "w5", "frequency_penalty": "0"}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "w5", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"model": MODEL, "prompt": "w5", "max_completion_tokens": 5}, "max_completion_tokens"),  # chat's
+    ({"model": MODEL, "prompt": "w5", "temprature": 0}, "temprature"),  # a typo is not ignored either
     ({"model": MODEL, "prompt": "w5", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": "w5", "speculate": "no"}, "speculate"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
@@ -239,6 +252,25 @@ def test_bad_completion_requests(server, body, param):
     assert err["param"] == param
     if param is not None:
         assert param in err["message"]
+
+
+def test_fields_at_their_no_op_values_are_accepted(server, client, engine):
+    """What clients send by default (penalties 0, response_format text, null fields) is not refused."""
+    want = alone(engine, "w5 w6", max_new_tokens=6).text
+    r = httpx.post(server[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": "w5 w6", "max_tokens": 6, "temperature": 0, "frequency_penalty": 0,
+        "presence_penalty": 0.0, "logit_bias": {}, "logprobs": None, "echo": False, "user": "u1", "suffix": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4,
+                                       temperature=0, frequency_penalty=0, response_format={"type": "text"})
+    assert c.choices[0].message.content is not None
+    r = httpx.post(server[0] + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4,
+                                       frequency_penalty=1.0)
 
 
 def test_bad_chat_and_malformed_requests(server, client):

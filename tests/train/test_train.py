@@ -303,6 +303,28 @@ def test_interrupted_training_resumes_exactly(tmp_path, bigram, monkeypatch):
         assert torch.equal(ref[k], got[k]), k
 
 
+class _Payload:
+    """Unpickling this runs code (sets PAYLOAD_RAN): what a tampered state file could carry."""
+    def __reduce__(self):
+        return (exec, ("import builtins; builtins.PAYLOAD_RAN = True",))
+
+
+def test_resume_refuses_state_files_that_run_code(tmp_path, bigram):
+    import builtins
+    import pickle
+    target, data, d = bigram
+    argv = _args("medusa", target, data, tmp_path / "o", tmp_path / "work", "--eval-every", "0")
+    argv[argv.index("--epochs") + 1] = "1"
+    assert cli.main(argv) == 0
+    tr = train.Trainer(config.config_from_args(_parse(argv + ["--resume"])))
+    states = [f for f in os.listdir(tmp_path / "work") if f.startswith("train-") and f.endswith(".pt")]
+    assert len(states) == 1
+    torch.save({"head": _Payload()}, str(tmp_path / "work" / states[0]))
+    with pytest.raises(pickle.UnpicklingError):
+        tr.run()
+    assert not getattr(builtins, "PAYLOAD_RAN", False)
+
+
 def test_resume_continues_training(tmp_path, bigram):
     target, data, d = bigram
     out = tmp_path / "o"

@@ -46,10 +46,40 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     return v
 
 
+# The fields each endpoint implements (a null counts as absent, as OpenAI's API treats it).
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+           "n", "speculate", "user"}
+_FIELDS = {True: _COMMON | {"messages", "max_completion_tokens"},
+           False: _COMMON | {"prompt", "best_of"}}
+# Fields of the OpenAI API (and vLLM's extras) that are accepted only at the value that changes
+# nothing: anything else would be silently ignored, so it is refused, naming the field.
+_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+            "min_p": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,),
+            "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+            "parallel_tool_calls": (True, False), "stop_token_ids": ([],), "store": (False,),
+            "response_format": ({"type": "text"},), "ignore_eos": (False,), "min_tokens": (0,)}
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    """Every field is implemented, or set to its no-op value; else 400 naming it."""
+    for name, v in body.items():
+        if v is None or name in _FIELDS[chat]:
+            continue
+        if name in _NEUTRAL:
+            if any(type(v) is type(ok) and v == ok for ok in _NEUTRAL[name]):
+                continue
+            raise APIError(f"{name} is not supported by this server (got {v!r}); it is refused rather than "
+                           f"ignored", param=name)
+        endpoint = "chat completions" if chat else "completions"
+        raise APIError(f"unknown field {name!r} for {endpoint}; supported: {', '.join(sorted(_FIELDS[chat]))}",
+                       param=name)
+
+
 def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
     """Check an OpenAI completions (``chat=False``) or chat completions body; raises ``APIError``."""
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_fields(body, chat)
     model = body.get("model")
     if model is None:
         raise APIError("model is required", param="model")
@@ -86,9 +116,6 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
     n = body.get("n", 1)
     if n != 1:
         raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
-    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix", "logit_bias"):
-        if body.get(name):
-            raise APIError(f"{name} is not supported by this server", param=name)
     if body.get("best_of") not in (None, 1):
         raise APIError(f"best_of must be 1, got {body.get('best_of')!r}", param="best_of")
     limit = max_seq_len - 1

@@ -280,7 +280,9 @@ class Trainer:
         if not os.path.isfile(self.state_path):
             log(f"train: --resume: no saved state for these settings ({self.state_path}); starting fresh")
             return
-        st = torch.load(self.state_path, map_location=self.dev, weights_only=False)
+        # weights_only: tensors, numbers, strings and containers; a state file that holds anything
+        # else (arbitrary pickled objects) is refused instead of executed
+        st = torch.load(self.state_path, map_location=self.dev, weights_only=True)
         self.head.load_state_dict(st["head"])
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
