@@ -32,6 +32,10 @@ def test_generate_matches_engine(smollm2_dir, smollm2, capsys):
     (["--top-p", "0"], "top_p"),
     (["--top-k", "-2"], "top_k"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--threads", "-1"], "--threads"),
+    (["--threads", "0"], "--threads"),
+    (["--max-seq-len", "1"], "--max-seq-len"),
+    (["--max-seq-len", "100000000"], "max_position_embeddings (8192)"),  # refused before loading
 ])
 def test_generate_bad_input_exits_2(smollm2_dir, capsys, args, needle):
     rc = cli.main(["generate", "hello", "--model", smollm2_dir, *args])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -106,6 +107,28 @@ def _audit(args) -> int:
     return 0 if report.ok else 1
 
 
+def _check_common(args) -> None:
+    """Options every command shares, checked before any model loads: --threads, and --max-seq-len
+    against the model's max_position_embeddings (past it, RoPE positions are out of the trained
+    range, and an absurd value would otherwise surface as a failed multi-GB allocation)."""
+    threads = getattr(args, "threads", None)
+    if threads is not None and (isinstance(threads, bool) or threads < 1):
+        raise ValueError(f"--threads must be >= 1 (or left out for torch's default), got {threads}")
+    max_seq = getattr(args, "max_seq_len", None)
+    if max_seq is None:
+        return
+    if max_seq < 2:
+        raise ValueError(f"--max-seq-len must be >= 2 (prompt + new tokens), got {max_seq}")
+    from .model.loader import default_model_path, load_hf_config, resolve_model_dir
+    source = default_model_path() if args.model == "default" else args.model
+    if not os.path.exists(source):
+        return  # the loader names the missing model
+    limit = getattr(load_hf_config(resolve_model_dir(source)), "max_position_embeddings", None)
+    if limit and max_seq > limit:
+        raise ValueError(f"--max-seq-len {max_seq} is past the model's max_position_embeddings ({limit}); "
+                         f"pass at most {limit}")
+
+
 def served_model_name(model: str) -> str:
     """The name clients pass as ``model``: the default model's name, else the path's last part."""
     import os
@@ -205,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        _check_common(args)
         if args.cmd == "generate":
             return _generate(args)
         if args.cmd == "serve":
