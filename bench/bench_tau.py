@@ -1,4 +1,5 @@
-"""τ (tokens per verify step) of draft heads at fixed tree-node budgets, on the Spec-Bench sample.
+"""τ (tokens per verify step) of draft heads and model-free drafters at fixed tree-node budgets, on
+the Spec-Bench sample.
 
 τ measured greedily at a fixed budget depends on the head and the prompts only (not on the machine,
 the thread count or the timing), so heads compare here on any CPU: every head runs with
@@ -7,6 +8,7 @@ output of every run is checked against plain decoding token for token.
 
     python bench/bench_tau.py --head shipped=turbospec/heads_data/smollm2-eagle3 \\
         --head gpu=/work/train/gpu-eagle3 --nodes 8,16,32 --per-category 4 --max-new-tokens 96
+    python bench/bench_tau.py --drafter ngram --drafter suffix --rounds 2 --nodes 16
 
 Prints a markdown table (τ per Spec-Bench category and overall, per head and node budget) and
 writes it with the per-prompt figures to --out (JSON).
@@ -30,8 +32,13 @@ import torch  # noqa: E402
 def main(argv=None) -> int:
     from turbospec.benchmark import DEFAULT_SPEC_BENCH, load_prompts
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--head", action="append", required=True,
+    p.add_argument("--head", action="append", default=[],
                    help="NAME=PATH of a head checkpoint (repeat); PATH alone names it by its folder")
+    p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix"],
+                   help="a model-free drafter to run too (repeat)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="ask every prompt this many times on the same engine (a repeated workload: the "
+                        "suffix drafter's cache holds the earlier answers); tau is reported per round")
     p.add_argument("--model", default="default", help="target: directory, .gguf or 'default'")
     p.add_argument("--nodes", default="16", help="comma list of tree-node budgets (num_draft)")
     p.add_argument("--depth", type=int, default=6, help="EAGLE tree: expansion rounds")
@@ -48,6 +55,10 @@ def main(argv=None) -> int:
     nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
     if not nodes or any(n < 1 for n in nodes):
         raise SystemExit(f"--nodes {args.nodes!r}: expected a comma list of integers >= 1")
+    if not args.head and not args.drafter:
+        raise SystemExit("nothing to run: pass --head and / or --drafter")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     heads = []
     for h in args.head:
         name, _, path = h.rpartition("=")
@@ -68,28 +79,31 @@ def main(argv=None) -> int:
     ref = [plain.generate(q["text"], max_new_tokens=args.max_new_tokens).token_ids for q in prompts]
     rows, per_prompt = [], []
     t0 = time.time()
-    for name, path in heads:
+    systems = [(name, path, dict(drafter="eagle", head=path, tree={"depth": args.depth, "top_k": args.top_k},
+                                 draft_dtype=args.draft_dtype)) for name, path in heads]
+    systems += [(d, None, dict(drafter=d)) for d in args.drafter]
+    for name, path, opts in systems:
         for n in nodes:
-            eng = turbospec.Engine(target, drafter="eagle", head=path, num_draft=n, adaptive=False,
-                                   tree={"depth": args.depth, "top_k": args.top_k},
-                                   draft_dtype=args.draft_dtype, tokenizer=tok, max_seq_len=2048)
-            emitted, steps = defaultdict(int), defaultdict(int)
-            for q, want in zip(prompts, ref):
-                g = eng.generate(q["text"], max_new_tokens=args.max_new_tokens)
-                if g.token_ids != want:
-                    raise SystemExit(f"{name} at {n} nodes: output differs from plain decoding on {q['id']}")
-                for cat in (q["category"], "overall"):
-                    emitted[cat] += g.stats["new_tokens"]
-                    steps[cat] += g.stats["verify_steps"]
-                per_prompt.append({"head": name, "nodes": n, "id": q["id"], "tau": g.stats["tau"],
-                                   "accept_per_position": g.stats.get("accept_per_position")})
-            rows.append({"head": name, "path": path, "nodes": n,
-                         "tau": {c: emitted[c] / max(steps[c], 1) for c in emitted}})
-            print(f"{name} @ {n} nodes: τ {rows[-1]['tau']['overall']:.3f}", file=sys.stderr)
+            eng = turbospec.Engine(target, num_draft=n, adaptive=False, tokenizer=tok, max_seq_len=2048, **opts)
+            for rnd in range(1, args.rounds + 1):
+                emitted, steps = defaultdict(int), defaultdict(int)
+                for q, want in zip(prompts, ref):
+                    g = eng.generate(q["text"], max_new_tokens=args.max_new_tokens)
+                    if g.token_ids != want:
+                        raise SystemExit(f"{name} at {n} nodes: output differs from plain decoding on {q['id']}")
+                    for cat in (q["category"], "overall"):
+                        emitted[cat] += g.stats["new_tokens"]
+                        steps[cat] += g.stats["verify_steps"]
+                    per_prompt.append({"head": name, "nodes": n, "round": rnd, "id": q["id"], "tau": g.stats["tau"],
+                                       "accept_per_position": g.stats.get("accept_per_position")})
+                rows.append({"head": name, "path": path, "nodes": n, "round": rnd,
+                             "tau": {c: emitted[c] / max(steps[c], 1) for c in emitted}})
+                print(f"{name} @ {n} nodes, round {rnd}: τ {rows[-1]['tau']['overall']:.3f}", file=sys.stderr)
     cats = [c for c in dict.fromkeys(q["category"] for q in prompts)] + ["overall"]
-    lines = ["| head | nodes | " + " | ".join(cats) + " |", "|---|---|" + "---|" * len(cats)]
+    lines = ["| drafter | nodes | round | " + " | ".join(cats) + " |", "|---|---|---|" + "---|" * len(cats)]
     for r in rows:
-        lines.append(f"| {r['head']} | {r['nodes']} | " + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + " |")
+        lines.append(f"| {r['head']} | {r['nodes']} | {r['round']} | "
+                     + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + " |")
     table = "\n".join(lines)
     print(table)
     try:

