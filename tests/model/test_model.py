@@ -245,6 +245,31 @@ def test_unsupported_architecture_saved_dir_raises(tmp_path):
         assert supported in msg
 
 
+def test_sliding_window_is_refused_past_the_window_never_ignored():
+    """A Mistral config with sliding_window 24 (issue 37: its output differed from HF's past the
+    window): an engine, a forward or a generation longer than the window is refused naming it; within
+    the window the model is exact (full attention is the same computation there)."""
+    hf = make_tiny_model("mistral", seed=4, sliding_window=24)
+    target = turbospec.load_model(hf)
+    assert target.cfg.sliding_window == 24
+    with pytest.raises(ValueError, match=r"max_seq_len \(128 tokens\).*sliding_window \(24\)"):
+        turbospec.Engine(target, drafter="none", max_seq_len=128)
+    with pytest.raises(ValueError, match="sliding_window"):
+        target.forward(torch.zeros(1, 25, dtype=torch.int64), torch.arange(25)[None], target.new_cache(32), 0)
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
+    ids = torch.tensor([prompt])
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+                      pad_token_id=0)[0, len(prompt):].tolist()
+    for drafter in ("none", "ngram", "suffix"):
+        g = turbospec.Engine(target, drafter=drafter, max_seq_len=24).generate(prompt, 14)
+        assert g.token_ids == ref, drafter
+    # the configs that carry a window they do not use, and models without one, are unaffected
+    assert ModelConfig.from_hf(make_tiny_model("qwen2", sliding_window=24).config).sliding_window is None
+    assert ModelConfig.from_hf(make_tiny_model("mistral").config).sliding_window is None
+    q = make_tiny_model("qwen2", sliding_window=24, use_sliding_window=True, max_window_layers=0).config
+    assert ModelConfig.from_hf(q).sliding_window == 24
+
+
 def test_unsupported_architecture_in_memory_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))

@@ -45,6 +45,17 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     eos_token_ids: list[int] = field(default_factory=list)
+    # sliding-window attention (Mistral, Qwen2 with use_sliding_window): not implemented, so a
+    # sequence may not outgrow the window (within it, full attention is the same computation)
+    sliding_window: int | None = None
+
+    def check_window(self, length: int, what: str = "the sequence") -> None:
+        """Refuse ``length`` tokens when the model's sliding window is shorter (see ``sliding_window``)."""
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise ValueError(f"{what} ({length} tokens) is longer than this {self.model_type} model's "
+                             f"sliding_window ({self.sliding_window}): sliding-window attention is not "
+                             f"implemented, so turbospec runs such a model only up to its window "
+                             f"(use max_seq_len <= {self.sliding_window})")
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelConfig":
@@ -63,6 +74,11 @@ class ModelConfig:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         eos = getattr(cfg, "eos_token_id", None)
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        window = getattr(cfg, "sliding_window", None)
+        if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use unless use_sliding_window
+        if mt == "llama":
+            window = None
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
@@ -71,7 +87,7 @@ class ModelConfig:
             qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
-            model_type=mt, eos_token_ids=eos)
+            model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None)
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -287,6 +303,7 @@ class Transformer:
         if logits not in LOGITS_MODES:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         bsz, n = input_ids.shape
+        self.cfg.check_window(cache_len + n)
         if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
                              f"{cache.max_seq_len}")
