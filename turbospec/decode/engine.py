@@ -218,7 +218,8 @@ class Engine:
         settings; the arguments here are their defaults) is decoded as a batch, up to ``max_batch``
         at a time with continuous batching, and gives one ``Generation`` per prompt, in order. Each
         equals that request generated alone (greedy: the same tokens; seeded sampling: the same
-        tokens as alone with that seed).
+        tokens as alone with that seed, except with drafter="suffix", whose drafts depend on the
+        requests before and beside it: the same distribution, not the same draws).
 
         Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
         verify_steps, tau (mean tokens emitted per verify step, bonus included),

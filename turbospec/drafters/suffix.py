@@ -17,7 +17,9 @@ length (up to ``nodes_per_match`` nodes per matched token, ``max_tokens`` at mos
 SuffixDecoding (Oliaro et al., 2024): a long match is evidence for a deep, wide tree.
 
 Drafts are point masses (no draft probabilities), verified like prompt lookup's: greedy output is
-the plain output token for token, and sampling stays exact.
+the plain output token for token, and sampling stays exact. With sampling, which tokens a seeded
+request draws depends on the drafts, so on what the cache held when it ran (earlier requests, the
+batch beside it); their distribution does not.
 """
 from __future__ import annotations
 
