@@ -149,9 +149,17 @@ def _serve(args) -> int:
         from .serve.server import create_app, run
     except ImportError as e:
         raise ValueError(f"turbospec serve needs fastapi, uvicorn and prometheus-client ({e})") from None
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key must not be empty")
+    if args.api_key_all and not args.api_key:
+        raise ValueError("--api-key-all needs --api-key")
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[turbospec] warning: serving on {args.host} without --api-key: anyone who can reach this "
+              f"address can use the server", file=sys.stderr)
     engine = _engine(args, max_batch=args.max_batch)
     name = args.served_model_name or served_model_name(args.model)
-    app = create_app(engine, name, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk or None)
+    app = create_app(engine, name, max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk or None,
+                     api_key=args.api_key, protect_all=args.api_key_all)
     print(f"[turbospec] serving {name!r} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, "
           f"drafter {engine.drafter.name if engine.drafter else 'none'})", file=sys.stderr)
     return run(app, args.host, args.port, log_level=args.log_level)
@@ -179,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests that may wait for a slot; beyond that the server answers 429")
     sv.add_argument("--prefill-chunk", type=int, default=64,
                     help="prompt tokens prefilled per step while others decode (chunked prefill; 0: whole prompts)")
+    sv.add_argument("--api-key", default=os.environ.get("TURBOSPEC_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 (default: $TURBOSPEC_API_KEY; none)")
+    sv.add_argument("--api-key-all", action="store_true", help="also require the key on /health and /metrics")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None,

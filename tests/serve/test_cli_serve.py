@@ -20,7 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("argv, word", [(["--max-batch", "0"], "--max-batch"), (["--port", "70000"], "--port"),
                                         (["--max-waiting", "-1"], "--max-waiting"),
-                                        (["--prefill-chunk", "-5"], "--prefill-chunk")])
+                                        (["--prefill-chunk", "-5"], "--prefill-chunk"),
+                                        (["--api-key", ""], "--api-key"), (["--api-key-all"], "--api-key-all")])
 def test_bad_options(argv, word, capsys):
     assert cli.main(["serve", *argv]) == 2
     assert word in capsys.readouterr().err

@@ -51,7 +51,11 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(engine, MODEL, max_waiting=64)
+    yield from _serving(create_app(engine, MODEL, max_waiting=64))
+
+
+def _serving(app):
+    """Runs ``app`` on a free local port; yields (base URL, app) and stops it afterwards."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -273,6 +277,85 @@ def test_fields_at_their_no_op_values_are_accepted(server, client, engine):
                                        frequency_penalty=1.0)
 
 
+def test_oversized_deep_and_huge_bodies_are_client_errors(server):
+    base = server[0]
+    big = {"model": MODEL, "prompt": "w5 " * 1_500_000}  # ~4.5 MB
+    r = httpx.post(base + "/v1/completions", json=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunks():  # no Content-Length: the body is cut off once past the limit
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(100):
+            yield b"w5 " * 20_000
+        yield b'"}'
+    r = httpx.post(base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413, r.text
+    deep = ("[" * 100_000 + "]" * 100_000).encode()
+    r = httpx.post(base + "/v1/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"], r.text
+    huge = b'{"model": "tiny", "prompt": "w5", "max_tokens": ' + b"9" * 5000 + b"}"
+    r = httpx.post(base + "/v1/completions", content=huge, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    assert httpx.get(base + "/health").status_code == 200  # still serving
+
+
+def test_chat_template_refusal_is_a_client_error(server):
+    """A template that raises on these messages (as many do for a wrong role order) is a 400."""
+    base, app = server
+    eng = app.state.served.engine
+    real = eng.tokenizer.chat_template
+    eng.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                   "{{ raise_exception('System role not supported') }}{% endif %}"
+                                   "{{ m['content'] }} {% endfor %}")
+    try:
+        r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": "w5"}, {"role": "user", "content": "w6"}]})
+    finally:
+        eng.tokenizer.chat_template = real
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "System role not supported" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    tok = make_tiny_tokenizer()
+    eng = Engine(make_tiny_model(seed=2), drafter="ngram", tokenizer=tok, max_batch=2, max_seq_len=128)
+    yield from _serving(create_app(eng, MODEL, api_key="s3cret", protect_all=False))
+
+
+def test_api_key(keyed):
+    base = keyed[0]
+    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        r = httpx.post(base + "/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    assert httpx.get(base + "/v1/models").status_code == 401
+    ok = httpx.post(base + "/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(base + "/health").status_code == 200  # not protected unless protect_all
+    assert httpx.get(base + "/metrics").status_code == 200
+    c = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+    assert c.completions.create(model=MODEL, prompt="w5", max_tokens=2).usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_api_key_protects_everything_when_asked():
+    tok = make_tiny_tokenizer()
+    eng = Engine(make_tiny_model(seed=3), drafter="none", tokenizer=tok, max_batch=1, max_seq_len=64)
+    gen = _serving(create_app(eng, MODEL, api_key="k", protect_all=True))
+    base, _ = next(gen)
+    try:
+        assert httpx.get(base + "/health").status_code == 401
+        assert httpx.get(base + "/metrics").status_code == 401
+        assert httpx.get(base + "/health", headers={"Authorization": "Bearer k"}).status_code == 200
+    finally:
+        gen.close()
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(eng, MODEL, api_key="")
+
+
 def test_bad_chat_and_malformed_requests(server, client):
     base = server[0]
     for body in ({"model": MODEL, "messages": []}, {"model": MODEL, "messages": "hi"},
@@ -322,7 +405,9 @@ def test_full_queue_is_refused_not_hung(server, client):
     assert r.usage.completion_tokens == 4
 
 
-def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine):
+def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine, caplog):
+    """The client gets a 500 with an error id, never the exception's text; the log has the text
+    under that id."""
     base, app = server
     batch = app.state.served._sched.batch
     real = batch.step
@@ -331,12 +416,20 @@ def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine)
         raise RuntimeError("simulated kernel failure")
     batch.step = broken
     try:
-        r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt(8), "max_tokens": 8})
-        assert r.status_code == 500 and "simulated kernel failure" in r.json()["error"]["message"]
-        body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 8, "stream": True}
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as s:
-            events = [line for line in s.iter_lines() if line.startswith("data: ")]
-        assert "simulated kernel failure" in json.loads(events[-1][6:])["error"]["message"]
+        with caplog.at_level("ERROR", logger="turbospec.serve"):
+            r = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt(8), "max_tokens": 8})
+            err = r.json()["error"]
+            assert r.status_code == 500 and "simulated kernel failure" not in r.text and "Error" not in r.text
+            assert err["type"] == "server_error" and err["code"] and err["code"] in err["message"]
+            body = {"model": MODEL, "prompt": prompt(8), "max_tokens": 8, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as s:
+                events = [line for line in s.iter_lines() if line.startswith("data: ")]
+            serr = json.loads(events[-1][6:])["error"]
+            assert "simulated kernel failure" not in events[-1] and serr["code"] in serr["message"]
+        logged = [rec for rec in caplog.records if rec.name == "turbospec.serve"]
+        for rid in (err["code"], serr["code"]):
+            rec = next(rec for rec in logged if rid in rec.getMessage())
+            assert "simulated kernel failure" in str(rec.exc_info[1]), rid
     finally:
         batch.step = real
     r = client.completions.create(model=MODEL, prompt=prompt(8), max_tokens=8, temperature=0)

@@ -12,11 +12,15 @@ that disconnects mid-stream cancels its request: its slot is free at the next st
 """
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
+from jinja2 import TemplateError
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -37,9 +41,21 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_chunk: int | None = 64) -> FastAPI:
+log = logging.getLogger("turbospec.serve")
+MAX_BODY_BYTES = 4 << 20  # a request body past this gets 413 (the longest prompt a cache holds is far less)
+
+
+def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_chunk: int | None = 64,
+               api_key: str | None = None, protect_all: bool = False,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's FastAPI app; the engine's worker starts and stops with the app (``prefill_chunk``:
-    see ``AsyncEngine``)."""
+    see ``AsyncEngine``). ``api_key``: the /v1 endpoints answer 401 without ``Authorization: Bearer
+    <api_key>`` (and /health and /metrics too with ``protect_all``). ``max_body_bytes``: larger
+    request bodies get 413 before they are read whole."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be a non-empty string (or None for no key)")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     served = AsyncEngine(engine, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
     metrics = ServerMetrics(served)
     served.on_step = metrics.on_step
@@ -67,7 +83,25 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
 
     @app.exception_handler(Exception)
     async def server_error(request, e: Exception):
-        return _error(APIError(f"internal error: {e!r}", status=500, type="server_error"))
+        # the client gets an id to quote, never the exception's text (paths, internals): that is logged
+        rid = uuid.uuid4().hex[:16]
+        log.error("request %s %s failed (error id %s)", request.method, request.url.path, rid, exc_info=e)
+        return _error(APIError(f"internal error (error id {rid})", status=500, type="server_error", code=rid))
+
+    @app.middleware("http")
+    async def guard(request: HTTPRequest, call_next):
+        path = request.url.path
+        if api_key is not None and (path.startswith("/v1/") or protect_all):
+            auth = request.headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                return _error(APIError("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                       status=401, type="authentication_error", code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return _error(APIError(f"the request body ({length} bytes) is larger than this server's limit "
+                                   f"({max_body_bytes} bytes)", status=413, code="request_too_large"))
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
@@ -94,15 +128,25 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
 
     async def _complete(http: HTTPRequest, chat: bool):
         t0 = time.perf_counter()
-        raw = await http.body()
+        raw = bytearray()
+        async for part in http.stream():  # a body sent without a length is cut off at the limit too
+            raw += part
+            if len(raw) > max_body_bytes:
+                raise APIError(f"the request body is larger than this server's limit ({max_body_bytes} bytes)",
+                               status=413, code="request_too_large")
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except RecursionError:
+            raise APIError("the request body is nested too deeply") from None
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and integers past Python's digit limit
             raise APIError(f"the request body is not valid JSON: {e}") from None
         parsed = protocol.parse(body, chat, model_name, engine.max_seq_len)
         r = parsed.request
         try:
-            ids = engine.encode(r.prompt, chat=chat)
+            try:
+                ids = engine.encode(r.prompt, chat=chat)
+            except TemplateError as e:  # the chat template refused these messages (roles, order...)
+                raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
             if r.max_new_tokens is None:  # as many as the cache holds after the prompt
                 r.max_new_tokens = max(1, engine.max_seq_len - len(ids))
             r.prompt = ids
@@ -153,7 +197,10 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                 metrics.request_seconds.observe(time.perf_counter() - t0)
                 yield "data: [DONE]\n\n"
             except Exception as e:  # the request failed inside the engine: say so in the stream
-                yield _sse(APIError(f"the request failed: {e}", status=500, type="server_error").body())
+                rid = uuid.uuid4().hex[:16]
+                log.error("streamed request %s failed (error id %s)", cid, rid, exc_info=e)
+                yield _sse(APIError(f"the request failed (error id {rid})", status=500, type="server_error",
+                                    code=rid).body())
             finally:  # a client that went away: its request leaves the batch at the next step
                 if not job.done:
                     served.cancel(job)
