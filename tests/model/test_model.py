@@ -436,3 +436,20 @@ def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
         model.forward_static(ids, positions, cache, torch.tensor([7, 0, 37]), packed)
     with pytest.raises(RuntimeError, match="cache_lens must be an int64 CPU tensor"):
         model.forward_static(ids, positions, cache, torch.tensor([7, 0]), packed)
+
+
+@pytest.mark.parametrize("cut", [10, 3000, 50_000_000])
+def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
+    """A GGUF cut short (in its header, or in its tensor data) or overwritten is refused with a
+    ValueError naming the file and what is wrong, before any conversion."""
+    src = turbospec.default_model_path()
+    bad = tmp_path / f"cut{cut}.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(cut))
+    for load in (turbospec.load_model, loader.resolve_model_dir):
+        with pytest.raises(ValueError, match=r"cut%d\.gguf: (not a GGUF|corrupt or truncated|truncated)" % cut):
+            load(str(bad))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 60)
+    with pytest.raises(ValueError, match=r"junk\.gguf: corrupt or truncated GGUF header"):
+        loader.read_gguf_weights(str(junk), None, torch.float32)

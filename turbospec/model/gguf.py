@@ -7,6 +7,7 @@ so that loading a quantized model costs about as much as reading its bytes. Form
 """
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 
@@ -29,7 +30,16 @@ class GGUFTensor:
 
 def read_gguf(path: str) -> tuple[dict, dict[str, GGUFTensor]]:
     """(scalar metadata {key: value} (strings and numbers; arrays skipped), {name: GGUFTensor})."""
+    if os.path.getsize(path) < 24:
+        raise ValueError(f"{path}: not a GGUF file ({os.path.getsize(path)} bytes: shorter than a GGUF header)")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
+    try:
+        return _parse(path, mm)
+    except (struct.error, IndexError, OverflowError, MemoryError) as e:  # the header runs past the file
+        raise ValueError(f"{path}: corrupt or truncated GGUF header ({len(mm)} bytes; {e})") from None
+
+
+def _parse(path: str, mm) -> tuple[dict, dict[str, GGUFTensor]]:
     buf = memoryview(mm)
     if bytes(buf[:4]) != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
@@ -85,6 +95,12 @@ def read_gguf(path: str) -> tuple[dict, dict[str, GGUFTensor]]:
     for name, dims, t, off in infos:
         k = dims[0]
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        if t in _DENSE or t in WEIGHT_FORMATS:
+            nbytes = k * rows * np.dtype(_DENSE[t]).itemsize if t in _DENSE else \
+                rows * (k // WEIGHT_FORMATS[t][1] * WEIGHT_FORMATS[t][2])
+            if start + off + nbytes > len(mm):
+                raise ValueError(f"{path}: truncated: tensor {name!r} ({nbytes} bytes at offset {start + off}) "
+                                 f"runs past the end of the file ({len(mm)} bytes)")
         if t in _DENSE:
             dt = np.dtype(_DENSE[t])
             arr = np.frombuffer(mm, dtype=dt, count=k * rows, offset=start + off)

@@ -64,6 +64,7 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     out = _cache_root() / f"{path.stem}-{key}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
+    read_gguf(str(path))  # a corrupt or truncated file is named here, not deep inside the conversion
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
