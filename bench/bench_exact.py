@@ -80,9 +80,8 @@ def engines(target, tokenizer, systems, max_seq_len: int) -> dict:
 def hf_greedy(src: str, dtype, prompt_ids: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
     """HF ``generate`` greedy on the same prompt token ids (the checkpoint as turbospec resolves it, in ``dtype``)."""
     import torch
-    from transformers import AutoModelForCausalLM
-    from turbospec.model.loader import resolve_model_dir
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(src), dtype=dtype).eval()
+    from turbospec.model.loader import load_hf_model
+    hf = load_hf_model(src, dtype)
     out = []
     for ids in prompt_ids:
         x = torch.tensor([ids])

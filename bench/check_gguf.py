@@ -38,7 +38,6 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
 
     from turbospec.model import loader
     from turbospec.ops import reference
@@ -56,7 +55,7 @@ def main() -> int:
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     (lq, oq), (ld, od) = greedy(q, ids, args.tokens), greedy(d, ids, args.tokens)
     same_logits, same_tokens = torch.equal(lq, ld), oq == od
-    hf = AutoModelForCausalLM.from_pretrained(loader.resolve_model_dir(args.model), dtype=torch.float32).eval()
+    hf = loader.load_hf_model(args.model, torch.float32)
     with torch.no_grad():
         g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens, do_sample=False)
     same_hf = g[0, ids.shape[1]:].tolist() == oq

@@ -53,9 +53,12 @@ def smollm2(smollm2_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_dir):
-    """The same checkpoint as a ``transformers`` model (fp32), the reference for exactness."""
+    """The same checkpoint as a ``transformers`` model (fp32), the reference for exactness: loaded by
+    transformers' own GGUF path (its dequantization, not turbospec's reader)."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    path = turbospec.default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

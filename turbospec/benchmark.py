@@ -104,11 +104,10 @@ class PeakRSS:
 def run(args) -> int:
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     import turbospec
     from .drafters.draft_model import layer_skip_draft
-    from .model.loader import default_model_path, load_tokenizer, resolve_model_dir
+    from .model.loader import default_model_path, load_hf_model, load_tokenizer, resolve_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,8 +120,9 @@ def run(args) -> int:
     if not prompts:
         raise ValueError("no prompts: check --spec-bench / --per-category / --humaneval")
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval() if draft_dir else None
+    # (a GGUF's weights: read from the GGUF, the values transformers' own GGUF loading gives)
+    hf = load_hf_model(source, dtype)
+    hf_draft = load_hf_model(args.draft_model, dtype) if draft_dir else None
     target = turbospec.load_model(source, dtype, weights=args.weights)
     encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)

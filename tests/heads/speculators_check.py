@@ -34,10 +34,13 @@ def main() -> None:
     from speculators.convert.eagle.eagle3_legacy_model import Eagle3Speculator
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    target_dir = loader.resolve_model_dir(turbospec.default_model_path())  # HF layout: config + safetensors
+    # the target in HF layout (config + dense safetensors), as speculators' verifier loads it
+    tmp = tempfile.mkdtemp()
+    target_dir = os.path.join(tmp, "target")
+    loader.load_hf_model(turbospec.default_model_path()).save_pretrained(target_dir)
+    loader.load_tokenizer(turbospec.default_model_path()).save_pretrained(target_dir)
     target_cfg = ModelConfig.from_hf(loader.load_hf_config(target_dir))
     head = load_head(shipped_heads()["eagle3"], target_cfg=target_cfg)
-    tmp = tempfile.mkdtemp()
     exp, conv = os.path.join(tmp, "export"), os.path.join(tmp, "speculators")
     os.makedirs(exp)
     export_head(head, exp, "eagle3", target_cfg=target_cfg)

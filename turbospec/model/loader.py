@@ -43,8 +43,11 @@ def _cache_root() -> Path:
 
 
 def resolve_model_dir(source: str | os.PathLike) -> str:
-    """A directory with config.json, weights and tokenizer for ``source`` (a directory or a GGUF
-    file; a GGUF is dequantised once and cached under $TURBOSPEC_CACHE or ~/.cache/turbospec)."""
+    """A directory with config.json and the tokenizer for ``source`` (a directory, returned as it is,
+    or a GGUF file). For a GGUF, the config and tokenizer are converted once from its metadata
+    (transformers' GGUF mapping) into $TURBOSPEC_CACHE or ~/.cache/turbospec, next to a link to the
+    GGUF itself: the weights stay in the GGUF as stored (no dequantized copy on disk or in memory),
+    and ``load_model`` / ``load_hf_model`` read them from there."""
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(source)!r} does not exist (expected a directory with "
@@ -61,24 +64,31 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
         raise ValueError(f"model path {str(path)!r}: expected a directory or a .gguf file")
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = _cache_root() / f"{path.stem}-{key}"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+    out = _cache_root() / f"{path.stem}-{key}-meta"
+    link = out / GGUF_LINK
+    if (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, path):
         return str(out)
     read_gguf(str(path))  # a corrupt or truncated file is named here, not deep inside the conversion
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    from transformers import AutoConfig, AutoTokenizer
+    cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    model.save_pretrained(str(tmp))
+    shutil.rmtree(tmp, ignore_errors=True)
+    cfg.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    if out.exists():  # another process converted it meanwhile
-        shutil.rmtree(tmp)
-    else:
+    os.symlink(path.resolve(), tmp / GGUF_LINK)
+    if out.exists():  # another process converted it meanwhile, or a stale entry: keep one
+        shutil.rmtree(out, ignore_errors=True)
+    try:
         os.replace(tmp, out)
+    except OSError:  # another process put its copy there first
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+GGUF_LINK = "model.gguf"  # in a converted GGUF's directory: a link to the GGUF (the weights)
 
 
 def load_hf_config(model_dir: str):
@@ -208,9 +218,10 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
 
 
 def _weights_are_gguf(model_dir: str, gguf_file: str | None) -> bool:
-    """The GGUF is the only copy of the weights: it sits in the model directory itself (no dense
-    checkpoint beside it; a bare GGUF resolves to a converted directory elsewhere)."""
-    return gguf_file is not None and Path(model_dir) == Path(gguf_file).parent
+    """The GGUF is the only copy of the weights: the model directory has no dense checkpoint (a
+    converted GGUF's directory holds only its config, tokenizer and a link to the GGUF)."""
+    d = Path(model_dir)
+    return gguf_file is not None and not (any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")))
 
 
 def load_hf_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
