@@ -186,6 +186,32 @@ def slow_steps(app, seconds: float):
     return hook
 
 
+def test_disconnect_of_a_non_streamed_request_frees_the_slot(server, client, engine):
+    """A non-streamed request whose client gives up leaves the batch within steps, not after its
+    max_tokens."""
+    base, app = server
+    hook = slow_steps(app, 0.02)
+    try:
+        before = metrics(base)
+        aborted = before.get("turbospec_requests_finished_total", {}).get("abort", 0)
+        body = {"model": MODEL, "prompt": prompt(6), "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=0.3)
+        for _ in range(300):
+            m = metrics(base)
+            if m.get("turbospec_requests_finished_total", {}).get("abort", 0) > aborted:
+                break
+            time.sleep(0.01)
+        assert m["turbospec_requests_finished_total"]["abort"] == aborted + 1
+        assert m["turbospec_requests_running"] == 0
+        # 200 tokens at 20 ms a step would take seconds: it left long before
+        assert m["turbospec_generation_tokens_total"] - before["turbospec_generation_tokens_total"] < 100
+    finally:
+        app.state.served.on_step = hook
+    r = client.completions.create(model=MODEL, prompt=prompt(6), max_tokens=8, temperature=0)
+    assert r.choices[0].text == alone(engine, prompt(6), max_new_tokens=8).text
+
+
 def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     base, app = server
     hook = slow_steps(app, 0.02)

@@ -88,20 +88,35 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
         log.error("request %s %s failed (error id %s)", request.method, request.url.path, rid, exc_info=e)
         return _error(APIError(f"internal error (error id {rid})", status=500, type="server_error", code=rid))
 
-    @app.middleware("http")
-    async def guard(request: HTTPRequest, call_next):
-        path = request.url.path
-        if api_key is not None and (path.startswith("/v1/") or protect_all):
-            auth = request.headers.get("authorization", "")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return _error(APIError("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       status=401, type="authentication_error", code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return _error(APIError(f"the request body ({length} bytes) is larger than this server's limit "
-                                   f"({max_body_bytes} bytes)", status=413, code="request_too_large"))
-        return await call_next(request)
+    async def guard(scope, receive, send, inner):
+        """API key and body-size checks as plain ASGI (a BaseHTTPMiddleware would hide a client's
+        disconnect from the endpoints)."""
+        if scope["type"] == "http":
+            path = scope.get("path", "")
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+            error = None
+            if api_key is not None and (path.startswith("/v1/") or protect_all):
+                auth = headers.get("authorization", "")
+                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(given.encode(), api_key.encode()):
+                    error = APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
+                                     type="authentication_error", code="invalid_api_key")
+            length = headers.get("content-length")
+            if error is None and length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+                error = APIError(f"the request body ({length} bytes) is larger than this server's limit "
+                                 f"({max_body_bytes} bytes)", status=413, code="request_too_large")
+            if error is not None:
+                return await _error(error)(scope, receive, send)
+        return await inner(scope, receive, send)
+
+    class _Guard:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            return await guard(scope, receive, send, self.inner)
+
+    app.add_middleware(_Guard)
 
     @app.get("/health")
     async def health():
@@ -166,9 +181,13 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                         metrics.ttft_seconds.observe(time.perf_counter() - t0)
                     parts.append(d.text)
                     gen = d.generation or gen
+                    if gen is None and await http.is_disconnected():
+                        break  # nobody will read the answer: free the slot now, not at max_tokens
             finally:
                 if not job.done:
                     served.cancel(job)
+            if gen is None and await http.is_disconnected():
+                return Response(status_code=499)  # (the client is gone; nothing reads this)
             if gen is None:
                 raise APIError("the request was cancelled", status=500, type="server_error")
             metrics.request_seconds.observe(time.perf_counter() - t0)
