@@ -329,18 +329,43 @@ def test_oversized_deep_and_huge_bodies_are_client_errors(server):
 def test_chat_template_refusal_is_a_client_error(server):
     """A template that raises on these messages (as many do for a wrong role order) is a 400."""
     base, app = server
-    eng = app.state.served.engine
-    real = eng.tokenizer.chat_template
-    eng.tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+    tok = app.state.tokenizer  # the server's copy, which tokenizes requests
+    real = tok.chat_template
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                                    "{{ raise_exception('System role not supported') }}{% endif %}"
                                    "{{ m['content'] }} {% endfor %}")
     try:
         r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
             {"role": "system", "content": "w5"}, {"role": "user", "content": "w6"}]})
     finally:
-        eng.tokenizer.chat_template = real
+        tok.chat_template = real
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert "System role not supported" in r.json()["error"]["message"]
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server):
+    """While a ~3.6 MB prompt is tokenized (seconds), /health answers at once."""
+    base = server[0]
+    body = {"model": MODEL, "prompt": "w5 w6 " * 600_000, "max_tokens": 1}
+    done = {}
+
+    def post():
+        t = time.perf_counter()
+        done["r"] = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        done["s"] = time.perf_counter() - t
+    th = threading.Thread(target=post)
+    th.start()
+    time.sleep(0.3)  # the body is in, tokenizing
+    worst = 0.0
+    while th.is_alive():
+        t = time.perf_counter()
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t)
+        time.sleep(0.05)
+    th.join()
+    assert done["r"].status_code == 400 and done["r"].json()["error"]["code"] == "context_length_exceeded"
+    assert done["s"] > 1.0, "tokenizing took too little time for this test to tell anything"
+    assert worst < 0.5, worst
 
 
 @pytest.fixture(scope="module")

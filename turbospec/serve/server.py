@@ -12,11 +12,14 @@ that disconnects mid-stream cancels its request: its slot is free at the next st
 """
 from __future__ import annotations
 
+import asyncio
+import copy
 import hmac
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -26,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from ..decode import text
 from ..decode.engine import Engine
 from . import protocol
 from .async_engine import AsyncEngine, QueueFullError
@@ -58,6 +62,11 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     served = AsyncEngine(engine, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
     metrics = ServerMetrics(served)
+    # Prompts are tokenized off the event loop (a long one takes seconds: /health and the streams
+    # must not wait for it), one at a time, with the server's own copy of the tokenizer (the engine's
+    # worker detokenizes with the original; a fast tokenizer is not to be shared across threads).
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turbospec-tokenize")
     served.on_step = metrics.on_step
 
     @asynccontextmanager
@@ -65,9 +74,11 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
         served.start()  # a worker thread, unless run() already started it to step on its own thread
         yield
         served.close()
+        tokenize.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="turbospec", lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.model_name = served, metrics, model_name
+    app.state.tokenizer = tokenizer
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -159,7 +170,8 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
         r = parsed.request
         try:
             try:
-                ids = engine.encode(r.prompt, chat=chat)
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    tokenize, text.encode, tokenizer, engine.target.cfg.vocab_size, r.prompt, chat)
             except TemplateError as e:  # the chat template refused these messages (roles, order...)
                 raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
             if r.max_new_tokens is None:  # as many as the cache holds after the prompt
