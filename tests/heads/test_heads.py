@@ -245,8 +245,16 @@ def test_mismatched_head_refused(cyc, tmp_path):
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "config.json").write_text('{"turbospec_head": {"method": "eagle"}}')
     (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ValueError, match=r"corrupt.config\.json: invalid turbospec head config"):
         Engine(target, drafter="eagle", head=str(tmp_path / "corrupt"))
+    # a valid config beside weights that are junk, or cut short: ValueError naming the weights file
+    good = tmp_path / "good"
+    save_head(build_head(HeadConfig.for_target("eagle", target.cfg)), str(good))
+    whole = (good / "model.safetensors").read_bytes()
+    for junk in (b"not a safetensors file", whole[:100], whole[: len(whole) // 2]):
+        (good / "model.safetensors").write_bytes(junk)
+        with pytest.raises(ValueError, match=r"model\.safetensors: cannot read this safetensors weights file"):
+            Engine(target, drafter="eagle", head=str(good))
 
 
 # ------------------------------------------------------------------------------------------------
