@@ -16,15 +16,19 @@ def test_generate_prints_completion_and_stats(smollm2_dir, capsys):
     assert "tok/s" in err and "tau" in err and "verify steps" in err
 
 
-def test_generate_matches_engine(smollm2_dir, smollm2, capsys):
+@pytest.mark.parametrize("model", ["converted_dir", "gguf", "default"])
+def test_generate_matches_engine(smollm2_dir, smollm2, capsys, model):
+    """What users pass: the default model's .gguf path, "default" (the option's default) and the
+    converted directory all give the engine's output."""
     import turbospec
     target, tok = smollm2
     ref = turbospec.Engine(target, drafter="none", tokenizer=tok).generate("Name three colours.",
                                                                             max_new_tokens=20)
-    assert cli.main(["generate", "Name three colours.", "--model", smollm2_dir, "--drafter", "ngram",
-                     "--max-new-tokens", "20", "--threads", "1"]) == 0
+    path = {"converted_dir": smollm2_dir, "gguf": turbospec.default_model_path(), "default": None}[model]
+    argv = ["generate", "Name three colours.", "--drafter", "ngram", "--max-new-tokens", "20", "--threads", "1"]
+    assert cli.main(argv + ([] if path is None else ["--model", path])) == 0
     out, _ = capsys.readouterr()
-    assert out.rstrip("\n") == ref.text
+    assert out.rstrip(chr(10)) == ref.text
 
 
 @pytest.mark.parametrize("args, needle", [
