@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -142,6 +143,22 @@ def engine(target, method, head, vocab=None, **kw):
 
 KERNELS = ops.kernels_available()
 
+
+
+SHARED_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                           "shared", "data")
+
+
+def shared_data(name: str) -> str | None:
+    """``../shared/data/<name>`` beside the checkout, or None where it is missing; CI sets
+    TURBOSPEC_REQUIRE_SHARED=1 (it has the folder), and there a missing file fails the test instead
+    of letting it skip or fall back."""
+    path = os.path.join(SHARED_DATA, name)
+    if os.path.isfile(path):
+        return path
+    if os.environ.get("TURBOSPEC_REQUIRE_SHARED") == "1":
+        pytest.fail(f"{path} is missing, and TURBOSPEC_REQUIRE_SHARED=1 (CI) says it must be there")
+    return None
 
 
 def need_kernels(device: str) -> torch.device:

@@ -11,6 +11,7 @@ import torch
 
 import turbospec
 from turbospec.model import loader
+from helpers import shared_data
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,9 +91,9 @@ def test_bench_gpu_real_weights_on_spec_bench(carried, tmp_path):
     turbospec's greedy tokens equal HF generate's on every prompt, and the report says real weights."""
     import subprocess
     import sys
-    spec_bench = os.path.join(ROOT, "..", "shared", "data", "specbench_dev.jsonl")
-    if not os.path.isfile(spec_bench):
-        pytest.skip(f"no Spec-Bench sample at {spec_bench}")
+    spec_bench = shared_data("specbench_dev.jsonl")
+    if spec_bench is None:
+        pytest.skip("no Spec-Bench sample in ../shared/data")
     out = tmp_path / "real.md"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_gpu.py"), "--device", "cpu", "--models", "smollm2_135m",
            "--sections", "e2e", "--real-model", str(carried[1] / "model"), "--spec-bench", spec_bench,

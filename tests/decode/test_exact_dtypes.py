@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from turbospec.drafters.draft_model import layer_skip_draft
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.model import loader
 
-from helpers import make_head, make_tiny_model
+from helpers import make_head, make_tiny_model, shared_data
 
 V = 256
 REPEAT_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]
@@ -81,7 +80,6 @@ def test_head_trees_equal_plain(weights, dtype, activations, method):
 
 
 # ---- the default model (SmolLM2-135M-Instruct, GGUF Q4_1 blocks) with bfloat16 activations ----------
-SPECBENCH = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "specbench_dev.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +97,9 @@ def smol_bf16_plain(smol_bf16):
 
 
 def _prompts() -> list[str]:
-    if os.path.isfile(SPECBENCH):  # a summarization and a translation prompt: drafts get accepted
-        rows = [json.loads(line) for line in open(SPECBENCH)]
+    spec = shared_data("specbench_dev.jsonl")
+    if spec is not None:  # a summarization and a translation prompt: drafts get accepted
+        rows = [json.loads(line) for line in open(spec)]
         pick = [next(r for r in rows if r["category"] == c) for c in ("summarization", "translation")]
         return [r["turns"][0] for r in pick]
     return ["Translate to French: The weather is nice today and we are going to the beach, then to the market.",
