@@ -12,6 +12,7 @@ import turbospec
 from turbospec import Draft, Drafter, Engine, NonFiniteLogitsError
 from turbospec.drafters.draft_model import layer_skip_draft
 from turbospec.drafters.ngram import NgramDrafter
+from turbospec.decode.batch import Request
 
 from helpers import make_tiny_model, make_tiny_tokenizer
 
@@ -275,6 +276,30 @@ def test_eos_stops_generation(tiny, drafter):
     assert g.finish_reason == "eos"
     assert g.token_ids == ref[: j + 1]  # the EOS token is the last one returned
     assert g.stats["new_tokens"] == j + 1 and g.stats["finish_reason"] == "eos"
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "oracle-tree"])
+def test_stop_token_ids_end_like_eos(tiny, drafter):
+    """stop_token_ids end a generation at the first of them (kept as its last token, finish "eos"),
+    with every drafter as without, alone and batched; bad ids are refused naming them."""
+    _, target, ref = tiny
+    j = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
+    kw = dict(drafter=OracleDrafter(len(REPEAT_PROMPT), ref, tree=True)) if drafter == "oracle-tree" else \
+        dict(drafter=drafter)
+    eng = Engine(target, num_draft=8, adaptive=False, max_seq_len=128, **kw)
+    g = eng.generate(REPEAT_PROMPT, N_NEW, stop_token_ids=[ref[j], 255 if ref[j] != 255 else 254])
+    assert g.token_ids == ref[: j + 1] and g.finish_reason == "eos"
+    assert eng.generate(REPEAT_PROMPT, N_NEW).token_ids == ref  # per request: the next one runs on
+    if drafter != "oracle-tree":  # (the oracle holds one request's state)
+        b = Engine(target, num_draft=8, adaptive=False, max_seq_len=128, max_batch=2, **kw)
+        outs = b.generate([REPEAT_PROMPT, Request(REPEAT_PROMPT, stop_token_ids=None)], N_NEW,
+                          stop_token_ids=[ref[j]])
+        assert outs[0].token_ids == ref[: j + 1] and outs[1].token_ids == ref[: j + 1]
+        outs = b.generate([Request(REPEAT_PROMPT, stop_token_ids=[ref[j]]), REPEAT_PROMPT], N_NEW)
+        assert outs[0].token_ids == ref[: j + 1] and outs[1].token_ids == ref
+    for bad in ([V], [-1], "5", [1.5]):
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            eng.generate(REPEAT_PROMPT, 4, stop_token_ids=bad)
 
 
 def test_eos_from_tokenizer_is_honoured(tiny):

@@ -261,7 +261,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     ({"model": MODEL, "prompt": "w5", "min_p": 0.1}, "min_p"),
     ({"model": MODEL, "prompt": "w5", "logit_bias": {"5": 10}}, "logit_bias"),
     ({"model": MODEL, "prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"model": MODEL, "prompt": "w5", "stop_token_ids": [3]}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "w5", "stop_token_ids": "3"}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "w5", "stop_token_ids": [3, -1]}, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "w5", "stop_token_ids": [999]}, None),  # outside the vocabulary
     ({"model": MODEL, "prompt": "w5", "ignore_eos": True}, "ignore_eos"),
     ({"model": MODEL, "prompt": "w5", "frequency_penalty": "0"}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "w5", "guided_json": {"type": "object"}}, "guided_json"),
@@ -282,6 +284,25 @@ def test_bad_completion_requests(server, body, param):
     assert err["param"] == param
     if param is not None:
         assert param in err["message"]
+
+
+def test_stop_token_ids(server, client, engine):
+    """vLLM's stop_token_ids: the request ends at the first of them (kept, as EOS is), the same as
+    the engine alone without drafts."""
+    full = alone(engine, prompt(3), max_new_tokens=24)
+    j = next(i for i in range(3, len(full.token_ids)) if full.token_ids[i] not in full.token_ids[:i])
+    stop_id = full.token_ids[j]
+    plain = Engine(engine.target, drafter="none", tokenizer=engine.tokenizer, max_seq_len=256)
+    want = plain.generate(prompt(3), max_new_tokens=24, chat=False, stop_token_ids=[stop_id])
+    assert want.token_ids == full.token_ids[: j + 1] and want.finish_reason == "eos"
+    r = client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=24, temperature=0,
+                                  extra_body={"stop_token_ids": [stop_id]})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == j + 1
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt(3), max_tokens=24, temperature=0,
+                                            stream=True, extra_body={"stop_token_ids": [stop_id]}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_fields_at_their_no_op_values_are_accepted(server, client, engine):

@@ -223,6 +223,7 @@ class Request:
     stop: object = None
     seed: int | None = None
     speculate: bool = True  # False: plain decoding for this request (no drafts)
+    stop_token_ids: object = None  # token ids that end the request as EOS does (kept as its last token)
 
 
 @dataclass

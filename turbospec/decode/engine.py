@@ -172,9 +172,10 @@ class Engine:
         ``chat=False``; a list of {"role", "content"} dicts is a conversation; ids pass through."""
         return text.encode(self.tokenizer, self.target.cfg.vocab_size, prompt, chat)
 
-    def _request(self, prompt, chat, max_new_tokens, temperature, top_k, top_p, stop):
+    def _request(self, prompt, chat, max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids=None):
         params = SamplingParams(temperature, top_k, top_p)
         stop = text.stop_strings(stop, self.tokenizer)
+        stop_ids = self._check_stop_token_ids(stop_token_ids)
         ids = self.encode(prompt, chat)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -183,14 +184,25 @@ class Engine:
                              f"{len(ids) + max_new_tokens} exceeds the KV cache (max_seq_len "
                              f"{self.max_seq_len}); shorten the prompt, lower max_new_tokens or build "
                              f"the Engine with a larger max_seq_len")
-        return ids, params, stop
+        return ids, params, (stop, stop_ids)
 
-    def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
+    def _check_stop_token_ids(self, stop_token_ids) -> frozenset[int]:
+        """Extra token ids that end a request as EOS does (kept as its last token): a list of ids
+        inside the vocabulary."""
+        if stop_token_ids is None:
+            return frozenset()
+        vocab = self.target.cfg.vocab_size
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, (list, tuple, set, frozenset)) \
+                or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {stop_token_ids!r}")
+        return frozenset(stop_token_ids)
+
+    def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
              seed: int | None, stats: dict) -> Iterator[list[int]]:
         seq = self._sequence(ids, max_new_tokens, params, stop, seed, stats, self.drafter, carry_over=True)
         return loop.run(self.verifier, seq)
 
-    def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: list[str],
+    def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
                   seed: int | None, stats: dict, drafter: Drafter | None, carry_over: bool = False) -> loop.Sequence:
         """A request's decoding state: its own generator (seeded or random) and draft budget."""
         generator = None
@@ -204,13 +216,15 @@ class Engine:
         if carry_over and budget.timed:  # what the last generation measured (the machine's costs)
             budget.carry_over(self._last_budget)
             self._last_budget = budget
+        stop, stop_ids = stop  # (stop strings, stop token ids)
         matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
+        ends = self.eos_token_ids | stop_ids if stop_ids else self.eos_token_ids
         return loop.Sequence(ids, max_new_tokens, params, drafter, budget, self.num_draft,
-                             self.target.cfg.vocab_size, self.eos_token_ids, matcher, generator, stats)
+                             self.target.cfg.vocab_size, ends, matcher, generator, stats)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None
-                 ) -> Generation | list[Generation]:
+                 top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
+                 stop_token_ids=None) -> Generation | list[Generation]:
         """Generate a completion. ``prompt``: text (chat template applied unless chat=False),
         a list of messages, or token ids. Greedy when temperature == 0.
 
@@ -221,14 +235,18 @@ class Engine:
         tokens as alone with that seed, except with drafter="suffix", whose drafts depend on the
         requests before and beside it: the same distribution, not the same draws).
 
+        ``stop_token_ids``: token ids that end the completion as EOS does (the token is its last one,
+        finish_reason "eos"), with speculation as without.
+
         Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
         verify_steps, tau (mean tokens emitted per verify step, bonus included),
         accept_per_position, tokens_per_s, draft_s / verify_s / prefill_s, finish_reason.
         """
         if _is_batch(prompt):
             return self._generate_batch(list(prompt), Request(None, max_new_tokens, temperature, top_k, top_p, stop,
-                                                              seed), chat)
-        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop)
+                                                              seed, stop_token_ids=stop_token_ids), chat)
+        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
+                                          stop_token_ids)
         stats: dict = {}
         out: list[int] = []
         for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
@@ -260,7 +278,8 @@ class Engine:
         draft budget); fields left None take ``defaults``' (then ``generate``'s defaults). Raises
         ValueError naming the bad field."""
         defaults = defaults or Request(None)
-        base = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None)
+        base = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None,
+                    stop_token_ids=None)
         pick = {}
         for f, v in base.items():
             for source in (request, defaults):
@@ -269,7 +288,7 @@ class Engine:
                     break
             pick[f] = v
         ids, params, stop = self._request(request.prompt, chat, pick["max_new_tokens"], pick["temperature"],
-                                          pick["top_k"], pick["top_p"], pick["stop"])
+                                          pick["top_k"], pick["top_p"], pick["stop"], pick["stop_token_ids"])
         speculate = bool(request.speculate) and self.drafter is not None
         # the drafter is the slot's, set when the request takes a slot (Scheduler)
         seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], {},
@@ -301,15 +320,16 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
-               stats: dict | None = None) -> Iterator[str]:
+               stats: dict | None = None, stop_token_ids=None) -> Iterator[str]:
         """Yield the completion's text as tokens are accepted (needs a tokenizer). Pass a dict as
         ``stats`` to receive the statistics when the stream ends."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use generate() with token ids instead")
-        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop)
+        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
+                                          stop_token_ids)
         stats = {} if stats is None else stats
         out: list[int] = []
-        shown = text.TextStream(self.tokenizer, stop)
+        shown = text.TextStream(self.tokenizer, stop[0])
         for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
             out.extend(new)
             delta = shown.push(out, stats.get("stop_text_end"))

@@ -48,7 +48,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 
 # The fields each endpoint implements (a null counts as absent, as OpenAI's API treats it).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "n", "speculate", "user"}
+           "n", "speculate", "user", "stop_token_ids"}
 _FIELDS = {True: _COMMON | {"messages", "max_completion_tokens"},
            False: _COMMON | {"prompt", "best_of"}}
 # Fields of the OpenAI API (and vLLM's extras) that are accepted only at the value that changes
@@ -56,7 +56,7 @@ _FIELDS = {True: _COMMON | {"messages", "max_completion_tokens"},
 _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
             "min_p": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,),
             "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (True, False), "stop_token_ids": ([],), "store": (False,),
+            "parallel_tool_calls": (True, False), "store": (False,),
             "response_format": ({"type": "text"},), "ignore_eos": (False,), "min_tokens": (0,)}
 
 
@@ -147,7 +147,12 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
     speculate = body.get("speculate", True)
     if not isinstance(speculate, bool):
         raise APIError(f"speculate must be true or false, got {speculate!r}", param="speculate")
-    request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not (isinstance(stop_ids, list) and len(stop_ids) <= 64 and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
+        raise APIError(f"stop_token_ids must be a list of up to 64 token ids, got {stop_ids!r}", param="stop_token_ids")
+    request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate,
+                      stop_token_ids=stop_ids or None)
     return Parsed(request, chat, stream, bool(options.get("include_usage")), model)
 
 
