@@ -36,7 +36,9 @@ from ..ops.sampling import SamplingParams
 class SuffixCache:
     """Sequences and their n-gram index, shared by an engine's suffix drafters (one thread)."""
 
-    def __init__(self, max_tokens: int = 1 << 20, max_ngram: int = 8, min_ngram: int = 2):
+    # At most ~1.8 KB of index a token (measured on random tokens; text that repeats shares n-grams):
+    # the default bound of 131,072 tokens is ~240 MB at worst. ``cache_tokens`` in ``tree=`` sets it.
+    def __init__(self, max_tokens: int = 1 << 17, max_ngram: int = 8, min_ngram: int = 2):
         for name, v, lo in (("max_tokens", max_tokens, 1), ("min_ngram", min_ngram, 1), ("max_ngram", max_ngram, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"suffix {name} must be an integer >= {lo}, got {v!r}")
