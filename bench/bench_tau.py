@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -114,11 +113,8 @@ def main(argv=None) -> int:
                      + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + f" | {r['tok_s']:.1f} |")
     table = "\n".join(lines)
     print(table)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
+    from turbospec.train.trainer import checkout_commit
+    commit = checkout_commit() or ""
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",

@@ -105,8 +105,7 @@ class SuffixCache:
                 if seq is None:
                     continue
                 conts.append(seq[e:e + depth])
-                if sid != next(reversed(self.seqs)):
-                    self.seqs.move_to_end(sid)  # used
+                self.seqs.move_to_end(sid)  # used
                 if len(conts) >= max_occurrences:
                     break
             if conts:

@@ -96,19 +96,13 @@ def _parse(path: str, mm) -> tuple[dict, dict[str, GGUFTensor]]:
         k = dims[0]
         rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
         if t in _DENSE or t in WEIGHT_FORMATS:
-            nbytes = k * rows * np.dtype(_DENSE[t]).itemsize if t in _DENSE else \
-                rows * (k // WEIGHT_FORMATS[t][1] * WEIGHT_FORMATS[t][2])
-            if start + off + nbytes > len(mm):
-                raise ValueError(f"{path}: truncated: tensor {name!r} ({nbytes} bytes at offset {start + off}) "
-                                 f"runs past the end of the file ({len(mm)} bytes)")
-        if t in _DENSE:
-            dt = np.dtype(_DENSE[t])
-            arr = np.frombuffer(mm, dtype=dt, count=k * rows, offset=start + off)
-            arr = arr.reshape(rows, k) if len(dims) > 1 else arr
-        elif t in WEIGHT_FORMATS:
-            _, block, nbytes = WEIGHT_FORMATS[t]
-            row_bytes = k // block * nbytes
-            arr = np.frombuffer(mm, dtype=np.uint8, count=rows * row_bytes, offset=start + off).reshape(rows, row_bytes)
+            dt = np.dtype(_DENSE[t]) if t in _DENSE else np.dtype(np.uint8)
+            row_items = k if t in _DENSE else k // WEIGHT_FORMATS[t][1] * WEIGHT_FORMATS[t][2]
+            if start + off + rows * row_items * dt.itemsize > len(mm):
+                raise ValueError(f"{path}: truncated: tensor {name!r} ({rows * row_items * dt.itemsize} bytes at "
+                                 f"offset {start + off}) runs past the end of the file ({len(mm)} bytes)")
+            arr = np.frombuffer(mm, dtype=dt, count=rows * row_items, offset=start + off)
+            arr = arr.reshape(rows, row_items) if len(dims) > 1 or t not in _DENSE else arr
         else:
             arr = None  # a format turbospec has no kernel for: the caller dequantizes it with gguf
         tensors[name] = GGUFTensor(name, t, dims, arr)

@@ -217,11 +217,15 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
     return out
 
 
+def _has_dense_weights(model_dir) -> bool:
+    d = Path(model_dir)
+    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin"))
+
+
 def _weights_are_gguf(model_dir: str, gguf_file: str | None) -> bool:
     """The GGUF is the only copy of the weights: the model directory has no dense checkpoint (a
     converted GGUF's directory holds only its config, tokenizer and a link to the GGUF)."""
-    d = Path(model_dir)
-    return gguf_file is not None and not (any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin")))
+    return gguf_file is not None and not _has_dense_weights(model_dir)
 
 
 def load_hf_model(source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -336,8 +340,7 @@ def gguf_path(source) -> str | None:
         return str(path)
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
-        dense = any(path.glob("*.safetensors")) or any(path.glob("pytorch_model*.bin"))
-        if len(ggufs) == 1 and not ((path / "config.json").is_file() and dense):
+        if len(ggufs) == 1 and not ((path / "config.json").is_file() and _has_dense_weights(path)):
             return str(ggufs[0])
     return None
 

@@ -298,12 +298,8 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
-    if distill_data and os.path.isfile(_distill_json(distill_data)):
-        with open(_distill_json(distill_data)) as f:
-            stored = json.load(f).get("settings")
-        if stored != settings:  # before generating anything: the result could not be stored there
-            raise ValueError(f"--distill-data {distill_data!r} holds samples of other generation settings "
-                             f"({_settings_diff(stored, settings)}); choose another path")
+    if distill_data:  # before generating anything: the result could not be stored there
+        _check_distill_settings(distill_data, settings)
     with stage_lock(gen_dir):
         if distill_data:
             seed_generation(distill_data, gen_dir, settings)
@@ -323,17 +319,22 @@ def _distill_json(path: str) -> str:
     return os.path.splitext(path)[0] + ".json"
 
 
+def _check_distill_settings(path: str, settings: dict) -> None:
+    """Refuses a stored file (when there is one) made with other generation settings."""
+    if os.path.isfile(_distill_json(path)):
+        with open(_distill_json(path)) as f:
+            stored = json.load(f).get("settings")
+        if stored != settings:
+            raise ValueError(f"--distill-data {path!r} holds samples of other generation settings "
+                             f"({_settings_diff(stored, settings)}); choose another path")
+
+
 def save_distill(path: str, samples: list[dict], settings: dict, provenance: dict) -> None:
     """Write ``samples`` (any subset of a generation, in index order) to ``path`` (.npz) and
     ``<path without .npz>.json``. Refuses to replace a stored file of other settings."""
     import numpy as np
+    _check_distill_settings(path, settings)
     meta_path = _distill_json(path)
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            old = json.load(f).get("settings")
-        if old != settings:
-            raise ValueError(f"--distill-data {path!r} holds samples of other generation settings "
-                             f"({_settings_diff(old, settings)}); choose another path")
     samples = sorted(samples, key=lambda r: r["index"])
     seqs = [r["prompt_ids"] + r["response_ids"] for r in samples]
     top = max((max(q) for q in seqs if q), default=0)
@@ -379,14 +380,11 @@ def _settings_diff(a: dict | None, b: dict) -> str:
 
 def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
     """Samples stored in ``path`` with these ``settings`` join the generation folder's (those it
-    lacks); returns how many joined. Another generation's file is named and left alone."""
+    lacks); returns how many joined. Another generation's file is refused (ValueError naming it)."""
     if not os.path.isfile(path):
         return 0
-    stored, meta = load_distill(path)
-    if meta.get("settings") != settings:
-        log(f"generation: {path} was made with other settings ({_settings_diff(meta.get('settings'), settings)}); "
-            f"not used")
-        return 0
+    _check_distill_settings(path, settings)
+    stored, _ = load_distill(path)
     os.makedirs(gen_dir, exist_ok=True)
     samples_path = os.path.join(gen_dir, "samples.jsonl")
     have = read_samples(samples_path)  # the valid ones (a torn last line is dropped here)
@@ -640,21 +638,24 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
                 _write_json(man_path, manifest)
                 rows, group = [], []
                 if late and i < len(train):
-                    manifest["seconds"] = round(time.perf_counter() - t0, 1)
-                    manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
-                    manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
+                    _summarize(manifest, t0)
                     _write_json(man_path, manifest)
                     log(f"features: stopped at the time limit after {i} of {len(train)} train samples "
                         f"({done_tokens} tokens in {manifest['seconds']} s); a later run resumes")
                     return feat_dir, manifest
     manifest["complete"] = True
-    manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
-    manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
-    manifest["seconds"] = round(time.perf_counter() - t0, 1)
+    _summarize(manifest, t0)
     _write_json(man_path, manifest)
     log(f"features: done in {manifest['seconds']} s; the target's argmax equals the generated token at "
          f"{100 * manifest['argmax_agreement']:.2f}% of response positions -> {feat_dir}")
     return feat_dir, manifest
+
+
+def _summarize(manifest: dict, t0: float) -> None:
+    """The manifest's figures over the shards written so far: feature RMS, argmax agreement, time."""
+    manifest["feature_rms"] = (manifest["sumsq"] / max(manifest["numel"], 1)) ** 0.5
+    manifest["argmax_agreement"] = manifest["agree"] / max(manifest["agree_n"], 1)
+    manifest["seconds"] = round(time.perf_counter() - t0, 1)
 
 
 class FeatureStore:

@@ -108,7 +108,7 @@ def _machine(device: str) -> dict:
     return m
 
 
-def _commit() -> str | None:
+def checkout_commit() -> str | None:
     """The checkout's commit (with "+" when it has uncommitted changes), or None outside a git tree."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,7 +197,7 @@ class Trainer:
             truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size, dtype=cfg.dtype,
             stop_at=self._stage_deadline(GEN_SHARE), distill_data=cfg.distill_data,
             provenance={"prompts_file": os.path.basename(self.data), "model": os.path.basename(str(self.source)),
-                        "command": cfg.command or None, "commit": _commit(), "machine": _machine(cfg.device),
+                        "command": cfg.command or None, "commit": checkout_commit(), "machine": _machine(cfg.device),
                         "date": datetime.datetime.now().astimezone().isoformat()})
         self.summary = {"generation": self.gen_info, "generation_dir": self.gen_dir}
 
