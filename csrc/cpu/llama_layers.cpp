@@ -82,7 +82,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef counts,
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
-                                   at::IntArrayRef capture, int64_t activations) {
+                                   at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
@@ -107,6 +107,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                 " norms must have ", hid, " elements");
     TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
                 " elements, got ", biases[l].numel());
+    TORCH_CHECK(qk_norms.empty() || (qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d),
+                "llama_layers: layer ", l, " q / k norms must have ", d, " elements");
     for (const at::Tensor& c : {k_cache[l], v_cache[l]})
       TORCH_CHECK(c.dim() == 4 && c.size(0) == B && c.size(1) == Hkv && c.size(2) >= max_len + n && c.size(3) == d,
                   "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", max_len + n, ", ", d,
@@ -153,6 +155,14 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     const float* bias = biases.empty() ? nullptr : as_floats<T>(biases[l], bias_buf);
     lin(l, 0, hp, hid, bias, qkvp);
     round_all<T>(qkvp, R * nqkv);
+    if (!qk_norms.empty()) {  // each q head and each k head RMS-normed over d, in place (model.py: _qk_norm)
+      const at::Tensor qw = qk_norms[2 * l].contiguous(), kw = qk_norms[2 * l + 1].contiguous();
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = qkvp + r * nqkv;
+        rms_norm_rows(row, d, qw.data_ptr<T>(), H, d, eps, row, d);
+        rms_norm_rows(row + H * d, d, kw.data_ptr<T>(), Hkv, d, eps, row + H * d, d);
+      }
+    }
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
     // T); k and v into the cache
     for (int64_t r = 0; r < R; ++r) {
@@ -220,7 +230,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::IntArrayRef formats, at::IntArrayRef counts, at::TensorList biases,
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
-                                     at::IntArrayRef capture, int64_t activations,
+                                     at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
                                      const std::optional<at::Tensor>& cache_lens) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
@@ -234,6 +244,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
               formats.size(), ") differ in length");
   TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == num_layers, "llama_layers: biases must be "
               "empty or one qkv bias per layer, got ", biases.size());
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * num_layers, "llama_layers: qk_norms "
+              "must be empty or two per layer (q_norm, k_norm), got ", qk_norms.size());
   int64_t total_segments = 0;
   for (int64_t c : counts) {
     TORCH_CHECK(c >= 1, "llama_layers: every linear needs at least one weight segment, got ", c);
@@ -270,11 +282,12 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   // The raw loop: float32 / bfloat16 / float16 models (every input of the model's dtype), float32 caches.
   const at::Tensor rope[] = {cos, sin_signed};
   if (is_float_dtype(dtype) && all_dtype(rope, dtype) && all_dtype(norms, dtype) && all_dtype(biases, dtype) &&
+      all_dtype(qk_norms, dtype) &&
       raw_caches(k_cache) && raw_caches(v_cache) && d % 2 == 0) {
     auto run = [&](auto tag) {
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
-                           v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations);
+                           v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -294,6 +307,10 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     if (!biases.empty()) bias = biases[l];
     at::Tensor h = rms_norm(x, norms[2 * l], eps);
     at::Tensor qkv = next_linear(l, 0, h, bias).view({B, n, num_heads + 2 * num_kv_heads, d});
+    if (!qk_norms.empty())  // model.py: _qk_norm
+      qkv = at::cat({rms_norm(qkv.narrow(2, 0, num_heads).contiguous(), qk_norms[2 * l], eps),
+                     rms_norm(qkv.narrow(2, num_heads, num_kv_heads).contiguous(), qk_norms[2 * l + 1], eps),
+                     qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads)}, 2);
     at::Tensor qk = qkv.narrow(2, 0, num_heads + num_kv_heads);
     qk = qk * cos + at::roll(qk, {d / 2}, {-1}) * sin_signed;
     const at::Tensor& kc = k_cache[l];

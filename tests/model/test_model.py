@@ -30,6 +30,8 @@ CONFIGS = {
     "qwen2-bias": ("qwen2", {}),
     "qwen2-bias-3layers-tied": ("qwen2", dict(num_hidden_layers=3, tie_word_embeddings=True)),
     "mistral": ("mistral", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-tied-3layers": ("qwen3", dict(tie_word_embeddings=True, num_hidden_layers=3)),
 }
 
 
@@ -62,6 +64,8 @@ def test_forward_matches_transformers(name):
     cfg = model.cfg
     assert cfg.model_type == kind
     assert cfg.qkv_bias == (kind == "qwen2")
+    assert cfg.qk_norm == (kind == "qwen3")
+    assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
     assert cfg.num_kv_heads == hf.config.num_key_value_heads
     if "rope_parameters" in overrides:
         assert cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == \
@@ -273,7 +277,7 @@ def test_sliding_window_is_refused_past_the_window_never_ignored():
 def test_unsupported_architecture_in_memory_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*llama, mistral, qwen2, qwen3"):
         turbospec.load_model(model)
     with pytest.raises(ValueError, match="gpt2"):
         turbospec.Engine(model, drafter="none")
@@ -287,6 +291,19 @@ def test_unsupported_activation_and_rope_type_raise():
                                 num_attention_heads=2),
                          "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
     with pytest.raises(ValueError, match="'dynamic'"):
+        ModelConfig.from_hf(cfg)
+
+
+
+@pytest.mark.parametrize("kind,flag", [("llama", "attention_bias"), ("qwen3", "attention_bias"),
+                                       ("mistral", "attention_bias"), ("llama", "mlp_bias")])
+def test_unimplemented_biases_refused(kind, flag):
+    """attention_bias puts a bias on o_proj too (and mlp_bias on the MLP): not implemented, so such a
+    model is refused instead of run without them (it would load and give other logits than HF)."""
+    cfg = make_tiny_model(kind, **{flag: True}).config
+    if not getattr(cfg, flag, False):
+        pytest.skip(f"this transformers' {kind} config has no {flag}")
+    with pytest.raises(ValueError, match=f"{flag}=True .*not implemented"):
         ModelConfig.from_hf(cfg)
 
 
@@ -358,7 +375,7 @@ def test_default_model_loads(smollm2_dir, smollm2):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
@@ -400,7 +417,7 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs

@@ -143,7 +143,7 @@ def test_weights_argument_is_checked():
         loader.load_model(hf, weights="q3")
 
 
-@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2")])
+@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
 def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
     """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
     permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
@@ -180,6 +180,9 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
         wr.add_tensor(f"blk.0.{g}.weight", q8(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         if kind == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
             wr.add_tensor(f"blk.0.{g}.bias", sd[p + h + ".bias"])
+    if kind == "qwen3":  # llama.cpp's names for Qwen3's per-head q / k norms
+        wr.add_tensor("blk.0.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+        wr.add_tensor("blk.0.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
@@ -195,6 +198,16 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "qwen2":
         want = torch.cat([torch.from_numpy(sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
         assert torch.equal(got["layers.0.qkv_bias"], want)
+    if kind == "qwen3":
+        for x in "qk":
+            assert torch.equal(got[f"layers.0.{x}_norm"], torch.from_numpy(sd[p + f"self_attn.{x}_norm.weight"]))
+        # and the model built from the GGUF's tensors computes what HF computes on the Q8_0 weights
+        model = Transformer(cfg, got)
+        ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+        ref.load_state_dict(loader.hf_state_dict(got, cfg), strict=False)
+        ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+        out = model.forward(ids, torch.arange(6)[None], model.new_cache(8), 0)
+        torch.testing.assert_close(out, ref(ids).logits.float(), atol=1e-4, rtol=1e-4)
 
 
 def test_grouped_layout_follows_isa_and_activations():

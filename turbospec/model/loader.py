@@ -114,7 +114,7 @@ def _read_state_dict(model_dir: str) -> dict[str, Tensor]:
 
 
 def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
-    """HF Llama/Mistral/Qwen2 names -> turbospec names; q/k/v and gate/up become lists of parts
+    """HF Llama/Mistral/Qwen2/Qwen3 names -> turbospec names; q/k/v and gate/up become lists of parts
     (``model.Linear`` fuses them)."""
     def get(name: str) -> Tensor:
         for k in (name, "model." + name):
@@ -135,6 +135,8 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
         out[p + "down"] = get(p + "mlp.down_proj.weight")
         out[p + "attn_norm"] = get(p + "input_layernorm.weight")
         out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        if cfg.qk_norm:
+            out[p + "q_norm"], out[p + "k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
     return out
 
 
@@ -188,11 +190,14 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = torch.cat([load(b + n + ".bias").float() for n in _GGUF_PARTS["qkv"]])
+        if cfg.qk_norm:
+            out[f"layers.{i}.q_norm"], out[f"layers.{i}.k_norm"] = load(b + "attn_q_norm.weight"), \
+                load(b + "attn_k_norm.weight")
     return out
 
 
 def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """turbospec names -> HF Llama / Qwen2 names, every weight dense in ``dtype`` (blocks dequantized):
+    """turbospec names -> HF Llama / Qwen2 / Qwen3 names, every weight dense in ``dtype`` (blocks dequantized):
     the inverse of ``convert_hf_state_dict``."""
     def dense(w) -> Tensor:
         return w.dequantize(dtype) if isinstance(w, QuantWeight) else w.to(dtype)
@@ -214,6 +219,9 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
         out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
         out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
         out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
+        if cfg.qk_norm:
+            out[h + "self_attn.q_norm.weight"] = dense(raw[p + "q_norm"])
+            out[h + "self_attn.k_norm.weight"] = dense(raw[p + "k_norm"])
     return out
 
 

@@ -25,7 +25,7 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -48,6 +48,8 @@ class ModelConfig:
     # sliding-window attention (Mistral, Qwen2 with use_sliding_window): not implemented, so a
     # sequence may not outgrow the window (within it, full attention is the same computation)
     sliding_window: int | None = None
+    # Qwen3: an RMS norm over each q and k head (weights [head_dim]) before the rotary embedding
+    qk_norm: bool = False
 
     def check_window(self, length: int, what: str = "the sequence") -> None:
         """Refuse ``length`` tokens when the model's sliding window is shorter (see ``sliding_window``)."""
@@ -64,9 +66,16 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, SmolLM2)")
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+        # Llama / Mistral / Qwen3's attention_bias puts biases on q, k, v *and* o; mlp_bias on the MLP's
+        # three projections: neither is implemented (Qwen2's q/k/v biases are)
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(cfg, flag, False):
+                raise ValueError(f"{flag}=True ({mt}) is not supported: biases on the "
+                                 f"{'attention' if flag == 'attention_bias' else 'MLP'} projections are not "
+                                 f"implemented; only Qwen2's q/k/v biases are")
         theta, scaling = rope_parameters({"rope_parameters": getattr(cfg, "rope_parameters", None),
                                           "rope_scaling": getattr(cfg, "rope_scaling", None),
                                           "rope_theta": getattr(cfg, "rope_theta", None)})
@@ -75,8 +84,8 @@ class ModelConfig:
         eos = getattr(cfg, "eos_token_id", None)
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window = getattr(cfg, "sliding_window", None)
-        if mt == "qwen2" and not getattr(cfg, "use_sliding_window", False):
-            window = None  # Qwen2 configs carry a window they do not use unless use_sliding_window
+        if mt in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+            window = None  # Qwen2/3 configs carry a window they do not use unless use_sliding_window
         if mt == "llama":
             window = None
         return cls(
@@ -84,10 +93,11 @@ class ModelConfig:
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
             num_heads=n_heads, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
             head_dim=head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
-            qkv_bias=mt == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+            qkv_bias=mt == "qwen2",
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
-            model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None)
+            model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
+            qk_norm=mt == "qwen3")
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -191,6 +201,7 @@ class Layer:
         self.gate_up = Linear(w["gate_up"])
         self.down = Linear(w["down"])
         self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")  # per-head q / k norms (Qwen3)
 
     def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -317,11 +328,11 @@ class Transformer:
         capture = self._capture_layers(features)
         x = self.embed[input_ids]
         if self.use_cpp_layers and self._flat is not None:
-            norms, weights, formats, counts, biases = self._flat
+            norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                ACTIVATION_MODES[self.activations])
+                qk_norms, ACTIVATION_MODES[self.activations])
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -396,7 +407,7 @@ class Transformer:
         captured: list = [None] * len(capture)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d)
+            qkv = self._qk_norm(layer, layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d))
             qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], cos, sin)  # q and k heads in one pass
             attn = attend(li, qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:], qkv[:, :, cfg.num_heads + h_kv:])
             x = x + layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size))
@@ -408,6 +419,15 @@ class Transformer:
                 if c == li:
                     captured[j] = x
         return x, captured
+
+    def _qk_norm(self, layer: Layer, qkv: Tensor) -> Tensor:
+        """Qwen3's RMS norm of each q head and each k head (over head_dim) of ``qkv`` [B, n, H + 2 H_kv, D],
+        before the rotary embedding; v is left as it is. Without per-head norms: ``qkv`` itself."""
+        if layer.q_norm is None:
+            return qkv
+        h, h_kv, eps = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps
+        return torch.cat((rms_norm(qkv[:, :, :h].contiguous(), layer.q_norm, eps),
+                          rms_norm(qkv[:, :, h:h + h_kv].contiguous(), layer.k_norm, eps), qkv[:, :, h + h_kv:]), dim=2)
 
     def _fused_static(self, cache: KVCache) -> bool:
         """Whether the static path runs ``_decoder_fused``: on CUDA with the fused kernels built and a
@@ -433,7 +453,7 @@ class Transformer:
         for li, layer in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, pending, layer.attn_norm, eps)
             qkv = layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            attn = attend_qkv(li, qkv)
+            attn = attend_qkv(li, self._qk_norm(layer, qkv))
             x, h = ops.add_rms_norm(x, layer.o(attn.reshape(bsz, n, self.q_size)), layer.mlp_norm, eps)
             pending = layer.down(ops.silu_mul(layer.gate_up(h)))
             if li in capture:
@@ -472,11 +492,11 @@ class Transformer:
         cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
         capture = self._capture_layers(features)
         if self.use_cpp_layers and self._flat is not None:  # CPU: the C++ loop, per-row prefix lengths
-            norms, weights, formats, counts, biases = self._flat
+            norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                ACTIVATION_MODES[self.activations], cache_len)
+                qk_norms, ACTIVATION_MODES[self.activations], cache_len)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -519,13 +539,15 @@ class Transformer:
 
     def flatten_layers(self) -> None:
         """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
-        counts, qkv biases), or None when it cannot run (not on CPU, no C++ kernel)."""
+        counts, qkv biases, per-head q / k norms), or None when it cannot run (not on CPU, no C++ kernel)."""
         self._flat = None
         if not (self.device.type == "cpu" and ops.has_op("llama_layers")):
             return
-        norms, weights, formats, counts, biases = [], [], [], [], []
+        norms, weights, formats, counts, biases, qk_norms = [], [], [], [], [], []
         for layer in self.layers:
             norms += [layer.attn_norm, layer.mlp_norm]
+            if self.cfg.qk_norm:
+                qk_norms += [layer.q_norm, layer.k_norm]
             for lin in layer.linears():
                 if not lin.kernel:
                     return
@@ -534,4 +556,4 @@ class Transformer:
                 counts.append(len(lin.weights))
             if self.cfg.qkv_bias:
                 biases.append(layer.qkv.bias)
-        self._flat = (norms, weights, formats, counts, biases)
+        self._flat = (norms, weights, formats, counts, biases, qk_norms)
