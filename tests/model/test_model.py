@@ -32,6 +32,8 @@ CONFIGS = {
     "mistral": ("mistral", {}),
     "qwen3": ("qwen3", {}),
     "qwen3-tied-3layers": ("qwen3", dict(tie_word_embeddings=True, num_hidden_layers=3)),
+    "phi3": ("phi3", {}),
+    "phi3-mha-tied": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
 }
 
 
@@ -293,6 +295,14 @@ def test_unsupported_activation_and_rope_type_raise():
     with pytest.raises(ValueError, match="'dynamic'"):
         ModelConfig.from_hf(cfg)
 
+
+
+def test_partial_rotary_refused():
+    """Phi-4-mini's partial_rotary_factor 0.75 (rotary over part of each head) is not implemented."""
+    cfg = make_tiny_model("phi3", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                   "partial_rotary_factor": 0.5}).config
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5 .phi3. is not supported"):
+        ModelConfig.from_hf(cfg)
 
 
 @pytest.mark.parametrize("kind,flag", [("llama", "attention_bias"), ("qwen3", "attention_bias"),

@@ -143,7 +143,7 @@ def test_weights_argument_is_checked():
         loader.load_model(hf, weights="q3")
 
 
-@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")])
+@pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("phi3", "phi3")])
 def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
     """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
     permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
@@ -170,10 +170,13 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     for g, h in names.items():
         wr.add_tensor(f"blk.0.{g}.weight", sd[p + h + ".weight"])
-    for g, h, heads in (("attn_q", "self_attn.q_proj", cfg.num_heads), ("attn_k", "self_attn.k_proj", cfg.num_kv_heads),
-                        ("attn_v", "self_attn.v_proj", None), ("attn_output", "self_attn.o_proj", None),
-                        ("ffn_gate", "mlp.gate_proj", None), ("ffn_up", "mlp.up_proj", None),
-                        ("ffn_down", "mlp.down_proj", None)):
+    linears = (("attn_q", "self_attn.q_proj", cfg.num_heads), ("attn_k", "self_attn.k_proj", cfg.num_kv_heads),
+               ("attn_v", "self_attn.v_proj", None), ("attn_output", "self_attn.o_proj", None),
+               ("ffn_gate", "mlp.gate_proj", None), ("ffn_up", "mlp.up_proj", None), ("ffn_down", "mlp.down_proj", None))
+    if kind == "phi3":  # llama.cpp's Phi-3 layout: attn_qkv, and ffn_up holding gate and up
+        linears = (("attn_qkv", "self_attn.qkv_proj", None), ("attn_output", "self_attn.o_proj", None),
+                   ("ffn_up", "mlp.gate_up_proj", None), ("ffn_down", "mlp.down_proj", None))
+    for g, h, heads in linears:
         w = sd[p + h + ".weight"]
         if heads is not None and arch == "llama":
             w = permute(w, heads)
@@ -189,8 +192,9 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     wr.close()
 
     got = loader.read_gguf_weights(path, cfg, torch.float32)
-    q, k, v = got["layers.0.qkv"]
-    for part, h in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+    parts = (("qkv_proj",) if kind == "phi3" else ("q_proj", "k_proj", "v_proj"))
+    assert len(got["layers.0.qkv"]) == len(parts)
+    for part, h in zip(got["layers.0.qkv"], parts):
         assert isinstance(part, QuantWeight) and part.fmt == 8
         assert np.array_equal(part.data.numpy(), q8(sd[p + f"self_attn.{h}.weight"]))  # HF order, blocks intact
     assert np.array_equal(got["lm_head"].data.numpy(), q8(sd["lm_head.weight"]))
@@ -201,6 +205,7 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "qwen3":
         for x in "qk":
             assert torch.equal(got[f"layers.0.{x}_norm"], torch.from_numpy(sd[p + f"self_attn.{x}_norm.weight"]))
+    if kind in ("qwen3", "phi3"):
         # and the model built from the GGUF's tensors computes what HF computes on the Q8_0 weights
         model = Transformer(cfg, got)
         ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)

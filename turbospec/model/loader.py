@@ -127,11 +127,16 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
         out["lm_head"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
-        out[p + "qkv"] = [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
+        # Phi-3 stores q/k/v and gate/up fused (qkv_proj, gate_up_proj: the same rows in the same order)
+        fused = any(k in sd for k in (p + "self_attn.qkv_proj.weight", "model." + p + "self_attn.qkv_proj.weight"))
+        out[p + "qkv"] = [get(p + "self_attn.qkv_proj.weight")] if fused else \
+            [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
         if cfg.qkv_bias:
             out[p + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         out[p + "o"] = get(p + "self_attn.o_proj.weight")
-        out[p + "gate_up"] = [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+        fused = any(k in sd for k in (p + "mlp.gate_up_proj.weight", "model." + p + "mlp.gate_up_proj.weight"))
+        out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
+            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
         out[p + "down"] = get(p + "mlp.down_proj.weight")
         out[p + "attn_norm"] = get(p + "input_layernorm.weight")
         out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
@@ -186,8 +191,14 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         for src, dst in _GGUF_LAYER.items():
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
         heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
-        out[f"layers.{i}.qkv"] = [load(b + n + ".weight", h) for n, h in zip(_GGUF_PARTS["qkv"], heads)]
-        out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
+        if b + "attn_qkv.weight" in tensors:  # Phi-3: q/k/v in one tensor (no permutation: NeoX rotary)
+            out[f"layers.{i}.qkv"] = [load(b + "attn_qkv.weight")]
+        else:
+            out[f"layers.{i}.qkv"] = [load(b + n + ".weight", h) for n, h in zip(_GGUF_PARTS["qkv"], heads)]
+        if b + "ffn_gate.weight" in tensors:
+            out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
+        else:  # Phi-3: ffn_up holds gate and up (2 x intermediate rows)
+            out[f"layers.{i}.gate_up"] = [load(b + "ffn_up.weight")]
         if cfg.qkv_bias:
             out[f"layers.{i}.qkv_bias"] = torch.cat([load(b + n + ".bias").float() for n in _GGUF_PARTS["qkv"]])
         if cfg.qk_norm:
@@ -208,14 +219,20 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
     sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     for i in range(cfg.num_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
-        for x, w in zip("qkv", raw[p + "qkv"]):
-            out[h + f"self_attn.{x}_proj.weight"] = dense(w)
+        if cfg.model_type == "phi3":  # fused in Phi-3's checkpoints
+            out[h + "self_attn.qkv_proj.weight"] = torch.cat([dense(w) for w in raw[p + "qkv"]])
+        else:
+            for x, w in zip("qkv", _split(raw[p + "qkv"], sizes)):
+                out[h + f"self_attn.{x}_proj.weight"] = dense(w)
         if cfg.qkv_bias:
             for x, b in zip("qkv", raw[p + "qkv_bias"].split(sizes)):
                 out[h + f"self_attn.{x}_proj.bias"] = b.to(dtype)
         out[h + "self_attn.o_proj.weight"] = dense(raw[p + "o"])
-        gate, up = raw[p + "gate_up"]
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
+        if cfg.model_type == "phi3":
+            out[h + "mlp.gate_up_proj.weight"] = torch.cat([dense(w) for w in raw[p + "gate_up"]])
+        else:
+            gate, up = _split(raw[p + "gate_up"], (cfg.intermediate_size,) * 2)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
         out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
         out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
         out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
@@ -223,6 +240,15 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
             out[h + "self_attn.q_norm.weight"] = dense(raw[p + "q_norm"])
             out[h + "self_attn.k_norm.weight"] = dense(raw[p + "k_norm"])
     return out
+
+
+def _split(parts: list, sizes) -> list:
+    """A fused linear's parts -> one weight per size (rows): as stored when the parts are those, else the
+    parts' dense rows concatenated and split (a fused checkpoint's tensor read for split names)."""
+    if len(parts) == len(sizes):
+        return parts
+    whole = torch.cat([w.dequantize(torch.float32) if isinstance(w, QuantWeight) else w for w in parts])
+    return list(whole.split(list(sizes)))
 
 
 def _has_dense_weights(model_dir) -> bool:

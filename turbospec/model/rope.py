@@ -18,6 +18,7 @@ def rope_parameters(raw: dict) -> tuple[float, dict | None]:
     if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
     params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # checked by ModelConfig.from_hf (1.0 only)
     return float(theta), (None if rope_type == "default" else {**params, "rope_type": rope_type})
 
 

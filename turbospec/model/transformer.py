@@ -25,7 +25,7 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass
@@ -66,7 +66,7 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2)")
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, SmolLM2)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
         # Llama / Mistral / Qwen3's attention_bias puts biases on q, k, v *and* o; mlp_bias on the MLP's
@@ -76,6 +76,12 @@ class ModelConfig:
                 raise ValueError(f"{flag}=True ({mt}) is not supported: biases on the "
                                  f"{'attention' if flag == 'attention_bias' else 'MLP'} projections are not "
                                  f"implemented; only Qwen2's q/k/v biases are")
+        partial = [v for v in (getattr(cfg, "partial_rotary_factor", None),
+                                (getattr(cfg, "rope_parameters", None) or {}).get("partial_rotary_factor"))
+                   if v is not None]
+        if any(float(v) != 1.0 for v in partial):
+            raise ValueError(f"partial_rotary_factor {partial[0]} ({mt}) is not supported: the rotary embedding "
+                             f"covers the whole head (partial_rotary_factor 1.0) only")
         theta, scaling = rope_parameters({"rope_parameters": getattr(cfg, "rope_parameters", None),
                                           "rope_scaling": getattr(cfg, "rope_scaling", None),
                                           "rope_theta": getattr(cfg, "rope_theta", None)})
