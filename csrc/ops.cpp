@@ -52,11 +52,14 @@ TORCH_LIBRARY(turbospec, m) {
   // activations: as for linear. cache_lens: int64 [B], per-row prefix lengths (a batch of requests
   // at different positions: row b writes at [cache_lens[b], cache_lens[b] + n) and attends
   // [0, cache_lens[b])); when given, cache_len is ignored. qk_norms: empty, or per layer (q_norm,
-  // k_norm), each [D]: every q and k head is RMS-normed over D before the rotary embedding (Qwen3).
+  // k_norm) RMS-normalising q and k before the rotary embedding: each [D] (over every head: Qwen3) or
+  // [H * D] and [H_kv * D] (over all of a token's q / k: OLMo 2). post_norm (OLMo 2): a layer is
+  // x + norm(attn(x)), x + norm(mlp(x)) with the two norms, instead of x + attn(norm(x)), ...
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None) -> Tensor[]");
+        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, bool post_norm=False) "
+        "-> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

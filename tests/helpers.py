@@ -39,7 +39,8 @@ TINY_DEFAULTS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = True, **overrides):
     """A tiny random ``transformers`` causal LM (eval mode, fp32).
 
-    kind: "llama", "qwen2" (q/k/v biases), "mistral", "qwen3" (per-head q/k norms, head_dim 32) or "phi3" (q/k/v and gate/up fused in the checkpoint). ``overrides`` go to the config (e.g.
+    kind: "llama", "qwen2" (q/k/v biases), "mistral", "qwen3" (per-head q/k norms, head_dim 32) "phi3" (q/k/v and gate/up fused in the checkpoint) or "olmo2" (post-norm
+    layers, q/k norms over the whole projection). ``overrides`` go to the config (e.g.
     ``num_hidden_layers=3``, ``rope_parameters={...}``, ``eos_token_id=7``). Norm weights and
     biases (HF initialises them to 1 / 0) are randomised too, so that they are really tested."""
     import transformers
@@ -47,7 +48,8 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}
+               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+               "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}
     cfg_cls, model_cls = classes[kind]
     kw = {**TINY_DEFAULTS, **overrides}
     if kind == "mistral":

@@ -82,7 +82,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    at::TensorList weights, at::IntArrayRef formats, at::IntArrayRef counts,
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
-                                   at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms) {
+                                   at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms,
+                                   bool post_norm) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
@@ -107,8 +108,10 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                 " norms must have ", hid, " elements");
     TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
                 " elements, got ", biases[l].numel());
-    TORCH_CHECK(qk_norms.empty() || (qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d),
-                "llama_layers: layer ", l, " q / k norms must have ", d, " elements");
+    TORCH_CHECK(qk_norms.empty() || (qk_norms[2 * l].numel() == d && qk_norms[2 * l + 1].numel() == d) ||
+                    (qk_norms[2 * l].numel() == H * d && qk_norms[2 * l + 1].numel() == Hkv * d),
+                "llama_layers: layer ", l, " q / k norms must have ", d, " elements each (per head) or ", H * d,
+                " and ", Hkv * d, " (over all heads)");
     for (const at::Tensor& c : {k_cache[l], v_cache[l]})
       TORCH_CHECK(c.dim() == 4 && c.size(0) == B && c.size(1) == Hkv && c.size(2) >= max_len + n && c.size(3) == d,
                   "llama_layers: layer ", l, " caches must be [", B, ", ", Hkv, ", S >= ", max_len + n, ", ", d,
@@ -144,6 +147,15 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   auto norm = [&](const at::Tensor& w) {
     rms_norm_rows(xp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, hp, hid);
   };
+  // the input of a sublayer: norm(x) (pre-norm) or x itself (post-norm: the output is normed instead)
+  auto sublayer_input = [&](const at::Tensor& w) {
+    if (post_norm) std::copy(xp, xp + R * hid, hp);
+    else norm(w);
+  };
+  auto add_output = [&](const at::Tensor& w) {  // x += y, or x += norm(y) (post-norm)
+    if (post_norm) rms_norm_rows(yp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, yp, hid);
+    add_into(xp, yp, R * hid);
+  };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& kc = k_cache[l];
     const at::Tensor& vc = v_cache[l];
@@ -151,16 +163,21 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     float* vp = vc.data_ptr<float>();
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
-    norm(norms[2 * l]);
+    sublayer_input(norms[2 * l]);
     const float* bias = biases.empty() ? nullptr : as_floats<T>(biases[l], bias_buf);
     lin(l, 0, hp, hid, bias, qkvp);
     round_all<T>(qkvp, R * nqkv);
     if (!qk_norms.empty()) {  // each q head and each k head RMS-normed over d, in place (model.py: _qk_norm)
       const at::Tensor qw = qk_norms[2 * l].contiguous(), kw = qk_norms[2 * l + 1].contiguous();
-      for (int64_t r = 0; r < R; ++r) {
-        float* row = qkvp + r * nqkv;
-        rms_norm_rows(row, d, qw.data_ptr<T>(), H, d, eps, row, d);
-        rms_norm_rows(row + H * d, d, kw.data_ptr<T>(), Hkv, d, eps, row + H * d, d);
+      if (qw.numel() == d) {  // over each head
+        for (int64_t r = 0; r < R; ++r) {
+          float* row = qkvp + r * nqkv;
+          rms_norm_rows(row, d, qw.data_ptr<T>(), H, d, eps, row, d);
+          rms_norm_rows(row + H * d, d, kw.data_ptr<T>(), Hkv, d, eps, row + H * d, d);
+        }
+      } else {  // over all of a token's q, and all of its k
+        rms_norm_rows(qkvp, nqkv, qw.data_ptr<T>(), R, H * d, eps, qkvp, nqkv);
+        rms_norm_rows(qkvp + H * d, nqkv, kw.data_ptr<T>(), R, Hkv * d, eps, qkvp + H * d, nqkv);
       }
     }
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
@@ -187,8 +204,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
     round_all<T>(yp, R * hid);
-    add_into(xp, yp, R * hid);
-    norm(norms[2 * l + 1]);
+    add_output(norms[2 * l]);
+    sublayer_input(norms[2 * l + 1]);
     const int64_t width = gu_width[l], I = width / 2;
     if (!gu.defined() || gu.size(-1) != width) {
       gu = at::empty({B, n, width}, fopts);
@@ -217,7 +234,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     }
     lin(l, 3, ap, I, nullptr, yp);
     round_all<T>(yp, R * hid);
-    add_into(xp, yp, R * hid);
+    add_output(norms[2 * l + 1]);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = to_model(x);
   }
@@ -231,7 +248,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                                      at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
-                                     const std::optional<at::Tensor>& cache_lens) {
+                                     const std::optional<at::Tensor>& cache_lens, bool post_norm) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -287,7 +304,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     auto run = [&](auto tag) {
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
-                           v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms);
+                           v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms,
+                           post_norm);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -305,12 +323,19 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   for (int64_t l = 0; l < num_layers; ++l) {
     std::optional<at::Tensor> bias;
     if (!biases.empty()) bias = biases[l];
-    at::Tensor h = rms_norm(x, norms[2 * l], eps);
+    at::Tensor h = post_norm ? x : rms_norm(x, norms[2 * l], eps);
     at::Tensor qkv = next_linear(l, 0, h, bias).view({B, n, num_heads + 2 * num_kv_heads, d});
-    if (!qk_norms.empty())  // model.py: _qk_norm
-      qkv = at::cat({rms_norm(qkv.narrow(2, 0, num_heads).contiguous(), qk_norms[2 * l], eps),
-                     rms_norm(qkv.narrow(2, num_heads, num_kv_heads).contiguous(), qk_norms[2 * l + 1], eps),
-                     qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads)}, 2);
+    if (!qk_norms.empty()) {  // model.py: _qk_norm
+      at::Tensor q = qkv.narrow(2, 0, num_heads).contiguous(), k = qkv.narrow(2, num_heads, num_kv_heads).contiguous();
+      if (qk_norms[2 * l].numel() == d) {
+        q = rms_norm(q, qk_norms[2 * l], eps);
+        k = rms_norm(k, qk_norms[2 * l + 1], eps);
+      } else {
+        q = rms_norm(q.flatten(2), qk_norms[2 * l], eps).view(q.sizes());
+        k = rms_norm(k.flatten(2), qk_norms[2 * l + 1], eps).view(k.sizes());
+      }
+      qkv = at::cat({q, k, qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads)}, 2);
+    }
     at::Tensor qk = qkv.narrow(2, 0, num_heads + num_kv_heads);
     qk = qk * cos + at::roll(qk, {d / 2}, {-1}) * sin_signed;
     const at::Tensor& kc = k_cache[l];
@@ -330,11 +355,13 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     at::Tensor q = qk.narrow(2, 0, num_heads).to(kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt);
-    x = x + next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
-    h = rms_norm(x, norms[2 * l + 1], eps);
+    at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
+    x = x + (post_norm ? rms_norm(y, norms[2 * l], eps) : y);
+    h = post_norm ? x : rms_norm(x, norms[2 * l + 1], eps);
     at::Tensor gu = next_linear(l, 2, h, std::nullopt);
     auto parts = gu.chunk(2, -1);
-    x = x + next_linear(l, 3, at::silu(parts[0]) * parts[1], std::nullopt);
+    y = next_linear(l, 3, at::silu(parts[0]) * parts[1], std::nullopt);
+    x = x + (post_norm ? rms_norm(y, norms[2 * l + 1], eps) : y);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = x;
   }

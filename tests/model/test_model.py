@@ -34,6 +34,8 @@ CONFIGS = {
     "qwen3-tied-3layers": ("qwen3", dict(tie_word_embeddings=True, num_hidden_layers=3)),
     "phi3": ("phi3", {}),
     "phi3-mha-tied": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "olmo2": ("olmo2", {}),
+    "olmo2-mha-3layers": ("olmo2", dict(num_key_value_heads=4, num_hidden_layers=3)),
 }
 
 
@@ -66,7 +68,7 @@ def test_forward_matches_transformers(name):
     cfg = model.cfg
     assert cfg.model_type == kind
     assert cfg.qkv_bias == (kind == "qwen2")
-    assert cfg.qk_norm == (kind == "qwen3")
+    assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full"}.get(kind) and cfg.post_norm == (kind == "olmo2")
     assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
     assert cfg.num_kv_heads == hf.config.num_key_value_heads
     if "rope_parameters" in overrides:
@@ -385,7 +387,7 @@ def test_default_model_loads(smollm2_dir, smollm2):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
@@ -427,7 +429,7 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs

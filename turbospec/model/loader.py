@@ -138,8 +138,12 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
         out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
             [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
         out[p + "down"] = get(p + "mlp.down_proj.weight")
-        out[p + "attn_norm"] = get(p + "input_layernorm.weight")
-        out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        if cfg.post_norm:  # OLMo 2: the norms of the attention's and the MLP's outputs
+            out[p + "attn_norm"] = get(p + "post_attention_layernorm.weight")
+            out[p + "mlp_norm"] = get(p + "post_feedforward_layernorm.weight")
+        else:
+            out[p + "attn_norm"] = get(p + "input_layernorm.weight")
+            out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
         if cfg.qk_norm:
             out[p + "q_norm"], out[p + "k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
     return out
@@ -147,6 +151,8 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
 
 # GGUF tensor names (llama.cpp) -> turbospec names; lists are the parts of a fused linear.
 _GGUF_LAYER = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_output": "o", "ffn_down": "down"}
+_GGUF_POST_NORM_LAYER = {"post_attention_norm": "attn_norm", "post_ffw_norm": "mlp_norm", "attn_output": "o",
+                         "ffn_down": "down"}  # OLMo 2
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "gate_up": ("ffn_gate", "ffn_up")}
 
 
@@ -188,7 +194,7 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         out["lm_head"] = load("output.weight")
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
-        for src, dst in _GGUF_LAYER.items():
+        for src, dst in (_GGUF_POST_NORM_LAYER if cfg.post_norm else _GGUF_LAYER).items():
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
         heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
         if b + "attn_qkv.weight" in tensors:  # Phi-3: q/k/v in one tensor (no permutation: NeoX rotary)
@@ -234,8 +240,12 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
             gate, up = _split(raw[p + "gate_up"], (cfg.intermediate_size,) * 2)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
         out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
-        out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
-        out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
+        if cfg.post_norm:
+            out[h + "post_attention_layernorm.weight"] = dense(raw[p + "attn_norm"])
+            out[h + "post_feedforward_layernorm.weight"] = dense(raw[p + "mlp_norm"])
+        else:
+            out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
+            out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
         if cfg.qk_norm:
             out[h + "self_attn.q_norm.weight"] = dense(raw[p + "q_norm"])
             out[h + "self_attn.k_norm.weight"] = dense(raw[p + "k_norm"])

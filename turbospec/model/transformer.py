@@ -25,7 +25,7 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
 
 
 @dataclass
@@ -48,8 +48,12 @@ class ModelConfig:
     # sliding-window attention (Mistral, Qwen2 with use_sliding_window): not implemented, so a
     # sequence may not outgrow the window (within it, full attention is the same computation)
     sliding_window: int | None = None
-    # Qwen3: an RMS norm over each q and k head (weights [head_dim]) before the rotary embedding
-    qk_norm: bool = False
+    # RMS norms of q and k before the rotary embedding: "head" over each head (weights [head_dim]:
+    # Qwen3), "full" over the whole projection (weights [heads * head_dim]: OLMo 2); None: none
+    qk_norm: str | None = None
+    # OLMo 2's layer: x + norm(attn(x)), then x + norm(mlp(x)) (attn_norm / mlp_norm normalise the
+    # sublayers' outputs); else the pre-norm x + attn(norm(x)), x + mlp(norm(x))
+    post_norm: bool = False
 
     def check_window(self, length: int, what: str = "the sequence") -> None:
         """Refuse ``length`` tokens when the model's sliding window is shorter (see ``sliding_window``)."""
@@ -66,7 +70,7 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, SmolLM2)")
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, SmolLM2)")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
         # Llama / Mistral / Qwen3's attention_bias puts biases on q, k, v *and* o; mlp_bias on the MLP's
@@ -103,7 +107,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
             model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
-            qk_norm=mt == "qwen3")
+            qk_norm={"qwen3": "head", "olmo2": "full"}.get(mt), post_norm=mt == "olmo2")
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -338,7 +342,7 @@ class Transformer:
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations])
+                qk_norms, ACTIVATION_MODES[self.activations], None, cfg.post_norm)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -411,33 +415,44 @@ class Transformer:
         bsz, n = x.shape[:2]
         h_kv, d = cfg.num_kv_heads, cfg.head_dim
         captured: list = [None] * len(capture)
+        post, eps = cfg.post_norm, cfg.rms_norm_eps
         for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            h = x if post else rms_norm(x, layer.attn_norm, eps)
             qkv = self._qk_norm(layer, layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d))
             qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], cos, sin)  # q and k heads in one pass
             attn = attend(li, qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:], qkv[:, :, cfg.num_heads + h_kv:])
-            x = x + layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size))
-            h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+            y = layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size))
+            x = x + (rms_norm(y, layer.attn_norm, eps) if post else y)
+            h = x if post else rms_norm(x, layer.mlp_norm, eps)
             gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            y = layer.down(F.silu(gate) * up)
+            x = x + (rms_norm(y, layer.mlp_norm, eps) if post else y)
             for j, c in enumerate(capture):
                 if c == li:
                     captured[j] = x
         return x, captured
 
     def _qk_norm(self, layer: Layer, qkv: Tensor) -> Tensor:
-        """Qwen3's RMS norm of each q head and each k head (over head_dim) of ``qkv`` [B, n, H + 2 H_kv, D],
-        before the rotary embedding; v is left as it is. Without per-head norms: ``qkv`` itself."""
+        """The RMS norms of q and k in ``qkv`` [B, n, H + 2 H_kv, D] before the rotary embedding: over each
+        head (Qwen3, ``qk_norm`` "head") or over all q / all k values of a token (OLMo 2, "full"); v is
+        left as it is. Without q / k norms: ``qkv`` itself."""
         if layer.q_norm is None:
             return qkv
         h, h_kv, eps = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.rms_norm_eps
-        return torch.cat((rms_norm(qkv[:, :, :h].contiguous(), layer.q_norm, eps),
-                          rms_norm(qkv[:, :, h:h + h_kv].contiguous(), layer.k_norm, eps), qkv[:, :, h + h_kv:]), dim=2)
+        q, k = qkv[:, :, :h], qkv[:, :, h:h + h_kv]
+        if self.cfg.qk_norm == "full":
+            q = rms_norm(q.flatten(2), layer.q_norm, eps).view(q.shape)
+            k = rms_norm(k.flatten(2), layer.k_norm, eps).view(k.shape)
+        else:
+            q, k = rms_norm(q.contiguous(), layer.q_norm, eps), rms_norm(k.contiguous(), layer.k_norm, eps)
+        return torch.cat((q, k, qkv[:, :, h + h_kv:]), dim=2)
 
     def _fused_static(self, cache: KVCache) -> bool:
         """Whether the static path runs ``_decoder_fused``: on CUDA with the fused kernels built and a
         cache in the model's dtype; ``fused_layers`` (True / False) overrides (tests run it on CPU)."""
+        if self.cfg.post_norm:  # the fused kernels join each residual add to a pre-norm
+            return False
         if self.fused_layers is not None:
             return bool(self.fused_layers)
         if self._fused_kernels is None:  # decided once: the device and the built kernels do not change
@@ -502,7 +517,7 @@ class Transformer:
             x, *captured = torch.ops.turbospec.llama_layers(
                 self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations], cache_len)
+                qk_norms, ACTIVATION_MODES[self.activations], cache_len, cfg.post_norm)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
