@@ -38,9 +38,11 @@ TORCH_LIBRARY(turbospec, m) {
   // cache_len: int64 [B] on q's device (keys [0, cache_len) are the prefix; the n new tokens' K/V sit
   // at cache_len + j), tree_mask_packed: int64 [B, n] (from build_tree) -> out: [B, n, Hq, D] (q's
   // dtype), lse: float32 [B, Hq, n] or None. include_prefix = false attends the tree keys only (to be
-  // merged with a separately computed prefix part by log-sum-exp).
+  // merged with a separately computed prefix part by log-sum-exp). window > 0: sliding-window
+  // attention, each query attends only keys at positions > its own - window (a token's position:
+  // cache_len + its depth in the tree; CPU only, the CUDA kernel refuses it).
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor tree_mask_packed, "
-        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse) -> ()");
+        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse, int window=0) -> ()");
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
   // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], tree_mask_packed: int64 [B or 1, n] (bit j of
   // row i: new token i attends new token j; every token attends the whole prefix [0, cache_len)),
@@ -55,11 +57,12 @@ TORCH_LIBRARY(turbospec, m) {
   // k_norm) RMS-normalising q and k before the rotary embedding: each [D] (over every head: Qwen3) or
   // [H * D] and [H_kv * D] (over all of a token's q / k: OLMo 2). post_norm (OLMo 2): a layer is
   // x + norm(attn(x)), x + norm(mlp(x)) with the two norms, instead of x + attn(norm(x)), ...
+  // windows: empty, or per layer its sliding window (0: full attention; see tree_attention).
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, bool post_norm=False) "
-        "-> Tensor[]");
+        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, bool post_norm=False, "
+        "int[] windows=[]) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

@@ -138,6 +138,8 @@ struct Args {
   int64_t n, Hq, G, D, Dp;
   float scale_log2;
   bool include_prefix;
+  int64_t window;        // 0, or the sliding window (positions)
+  const int64_t* depth;  // [B, n]: each new token's depth in its tree (window > 0 only)
 };
 
 // Per-item buffers (float32): Q and O [rows, Dp], S / P [rows, kTile], the key tile transposed
@@ -174,7 +176,17 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     for (int64_t d = 0; d < D; ++d) q[rr * Dp + d] = static_cast<float>(src[d]) * a.scale_log2;
   }
   const int64_t L = a.cache_len[b];
-  const int64_t start = a.include_prefix ? 0 : L, end = L + n;
+  int64_t start = a.include_prefix ? 0 : L;
+  const int64_t end = L + n;
+  // Sliding window: query i (position L + depth_i) attends keys at positions >= lo_i = L + depth_i +
+  // 1 - window; the prefix before the smallest lo_i is skipped, the rest masked key by key (masked
+  // keys add exact zeros, so skipping and masking give the same bits).
+  const int64_t* depth = a.window > 0 ? a.depth + b * n : nullptr;
+  if (depth != nullptr) {
+    int64_t lo = end;
+    for (int64_t rr = 0; rr < rows; ++rr) lo = std::min(lo, L + depth[(r0 + rr) / G] + 1 - a.window);
+    start = std::max(start, std::min(lo, L));
+  }
   const T* kb = static_cast<const T*>(a.k) + b * a.ks0 + hk * a.ks1;
   const T* vb = static_cast<const T*>(a.v) + b * a.vs0 + hk * a.vs1;
   const int64_t* mask = a.mask + b * n;
@@ -208,6 +220,16 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         const uint64_t bits = static_cast<uint64_t>(mask[(r0 + rr) / G]);
         for (int64_t t = std::max<int64_t>(0, L - p0); t < nk; ++t)
           if (!((bits >> (p0 + t - L)) & 1)) srow[t] = kNegInf;
+      }
+    if (depth != nullptr)
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        float* srow = s + rr * kTile;
+        const int64_t lo = L + depth[(r0 + rr) / G] + 1 - a.window;  // the first position attended
+        if (p0 >= lo && p0 + nk <= L) continue;  // a prefix tile inside the window
+        for (int64_t t = 0; t < nk; ++t) {
+          const int64_t p = p0 + t, pos = p < L ? p : L + depth[p - L];
+          if (pos < lo) srow[t] = kNegInf;
+        }
       }
   };
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
@@ -298,9 +320,11 @@ AttendFn pick_attend() {
 
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
-                        bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse) {
+                        bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                        int64_t window) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                c10::DeviceType::CPU);
+  TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
   if (d.B == 0) return;
   const at::Tensor cache_len = cache_len_in.contiguous();
   const at::Tensor tree_mask = tree_mask_in.contiguous();
@@ -335,6 +359,16 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   a.Dp = round_up(d.D, kNr);
   a.scale_log2 = static_cast<float>(scale) * kLog2e;
   a.include_prefix = include_prefix;
+  // each new token's depth: the bits of its mask row (its ancestors and itself; bits >= n ignored), less one
+  std::vector<int64_t> depth;
+  if (window > 0) {
+    depth.resize(d.B * d.n);
+    const uint64_t keep = d.n >= 64 ? ~uint64_t{0} : (uint64_t{1} << d.n) - 1;
+    for (int64_t i = 0; i < d.B * d.n; ++i)
+      depth[i] = __builtin_popcountll(static_cast<uint64_t>(a.mask[i]) & keep) - 1;
+    a.window = window;
+    a.depth = depth.data();
+  }
   AttendFn fn = nullptr;
   switch (q.scalar_type()) {
     case c10::kFloat: fn = pick_attend<float>(); break;

@@ -253,25 +253,84 @@ def test_unsupported_architecture_saved_dir_raises(tmp_path):
         assert supported in msg
 
 
-def test_sliding_window_is_refused_past_the_window_never_ignored():
-    """A Mistral config with sliding_window 24 (issue 37: its output differed from HF's past the
-    window): an engine, a forward or a generation longer than the window is refused naming it; within
-    the window the model is exact (full attention is the same computation there)."""
-    hf = make_tiny_model("mistral", seed=4, sliding_window=24)
+WINDOWED = {  # name: (kind, config overrides): every layer windowed, or a mix (Qwen2/3's layer_types)
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "phi3": ("phi3", dict(sliding_window=8)),
+    "qwen2-mixed": ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1, num_hidden_layers=3)),
+    "qwen3-mixed": ("qwen3", dict(sliding_window=8, use_sliding_window=True, max_window_layers=2, num_hidden_layers=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_window_matches_transformers_past_the_window(name):
+    """Sliding-window attention (issue 37: a window of 24 used to be ignored, then refused): logits of
+    48 positions with a window of 8 against HF, prefilled at once and decoded token by token, through
+    the C++ layer loop and its Python specification (bit-identical)."""
+    kind, overrides = WINDOWED[name]
+    hf = make_tiny_model(kind, seed=4, **overrides)
+    model = turbospec.load_model(hf)
+    assert model.cfg.sliding_window == 8 and any(model.windows)
+    if name.endswith("mixed"):
+        assert 0 in model.windows  # the layers before max_window_layers attend everything
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(hf, ids)
+    out = full_forward(model, ids)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=1e-4)
+    cache = model.new_cache(64)
+    steps = torch.cat([model.forward(ids[:, i:i + 1], torch.tensor([[i]]), cache, i) for i in range(48)], dim=1)
+    assert torch.equal(steps, out)  # batch-invariant: one token at a time == the whole prompt
+    model.use_cpp_layers = False
+    assert torch.equal(full_forward(model, ids), out)
+    # the window matters here: without it the logits differ
+    plain = turbospec.load_model(make_tiny_model(kind, seed=4, **{**overrides, "sliding_window": None,
+                                                                  "use_sliding_window": False}))
+    assert (full_forward(plain, ids) - out).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_sliding_window_generation_every_drafter_equals_hf(name):
+    """Generations 3x longer than the window equal HF generate with every drafter, trees included; a
+    batch equals each request alone; bf16 speculative equals bf16 plain."""
+    kind, overrides = WINDOWED[name]
+    hf = make_tiny_model(kind, seed=4, **overrides)
     target = turbospec.load_model(hf)
-    assert target.cfg.sliding_window == 24
-    with pytest.raises(ValueError, match=r"max_seq_len \(128 tokens\).*sliding_window \(24\)"):
-        turbospec.Engine(target, drafter="none", max_seq_len=128)
-    with pytest.raises(ValueError, match="sliding_window"):
-        target.forward(torch.zeros(1, 25, dtype=torch.int64), torch.arange(25)[None], target.new_cache(32), 0)
     prompt = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8]
     ids = torch.tensor([prompt])
-    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=14, do_sample=False,
+    ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                       pad_token_id=0)[0, len(prompt):].tolist()
-    for drafter in ("none", "ngram", "suffix"):
-        g = turbospec.Engine(target, drafter=drafter, max_seq_len=24).generate(prompt, 14)
-        assert g.token_ids == ref, drafter
-    # the configs that carry a window they do not use, and models without one, are unaffected
+    from helpers import make_head
+    runs = {"none": {}, "ngram": {}, "suffix": {},
+            "draft_model": dict(draft_model=make_tiny_model(kind, seed=5, **{**overrides, "num_hidden_layers": 1})),
+            "eagle": dict(head=make_head("eagle3", target, seed=2), tree={"depth": 3, "top_k": 3}),
+            "medusa": dict(head=make_head("medusa", target, seed=2), tree={"num_nodes": 12})}
+    for drafter, kw in runs.items():
+        eng = turbospec.Engine(target, drafter=drafter, num_draft=8, adaptive=False, max_seq_len=64, **kw)
+        assert eng.generate(prompt, 24).token_ids == ref, drafter
+    out = eng.generate([prompt, prompt[3:], [9, 1, 200, 3]], max_new_tokens=24)
+    assert out[0].token_ids == ref
+    for p, g in zip([prompt, prompt[3:], [9, 1, 200, 3]], out):
+        assert g.token_ids == eng.generate(p, 24).token_ids
+    bf = turbospec.load_model(hf, dtype=torch.bfloat16)
+    plain = turbospec.Engine(bf, drafter="none", max_seq_len=64).generate(prompt, 24).token_ids
+    spec = turbospec.Engine(bf, drafter="eagle", head=make_head("eagle3", bf, seed=2), tree={"depth": 3, "top_k": 3},
+                            num_draft=8, adaptive=False, max_seq_len=64).generate(prompt, 24)
+    assert spec.stats["draft_proposed"] > 0 and spec.token_ids == plain
+
+
+def test_sliding_window_refused_where_not_implemented():
+    """Paths without sliding-window attention (CUDA, the batched self-distillation's SDPA loop) refuse
+    a sequence longer than the window, naming it; configs whose window is unused are unaffected."""
+    hf = make_tiny_model("mistral", seed=4, sliding_window=24)
+    cfg = ModelConfig.from_hf(hf.config)
+    with pytest.raises(ValueError, match=r"max_seq_len \(128 tokens\).*sliding_window \(24\).*not implemented "
+                                         r"on this device \(only on CPU\)"):
+        cfg.check_window(128, "max_seq_len")
+    cfg.check_window(24, "max_seq_len")  # within the window: fine
+    from turbospec.train import data as distill
+    target = turbospec.load_model(hf)
+    with pytest.raises(ValueError, match="in batched self-distillation"):
+        distill.greedy_batch(target, [[1, 2, 3]], 30, set())
+    assert len(distill.greedy_batch(target, [[1, 2, 3]], 10, set())[0][0]) == 10
     assert ModelConfig.from_hf(make_tiny_model("qwen2", sliding_window=24).config).sliding_window is None
     assert ModelConfig.from_hf(make_tiny_model("mistral").config).sliding_window is None
     q = make_tiny_model("qwen2", sliding_window=24, use_sliding_window=True, max_window_layers=0).config

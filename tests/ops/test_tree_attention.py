@@ -252,6 +252,82 @@ def test_kernel_matches_sdpa(device, kind):
 
 
 # ----------------------------------------------------------------------------------------------
+# sliding window
+# ----------------------------------------------------------------------------------------------
+def window_attention_brute(q, k, v, cache_len, packed, scale, window):
+    """Sliding-window tree attention written out key by key, from token positions (the specification
+    in plain terms): query i of row b sits at position cache_len + depth_i and attends the prefix slots
+    s and its tree keys j (mask bit set) whose position (s, or cache_len + depth_j) is > its own - window."""
+    bsz, n, hq, d = q.shape
+    group = hq // k.shape[1]
+    tree = reference.unpack_tree_mask(packed, n)
+    depth = tree.sum(-1) - 1
+    out = torch.zeros(bsz, n, hq, d)
+    for b in range(bsz):
+        L = int(cache_len[b])
+        for i in range(n):
+            me = L + int(depth[b, i])
+            keys = [s for s in range(L) if s > me - window] + \
+                   [L + j for j in range(n) if tree[b, i, j] and L + int(depth[b, j]) > me - window]
+            for h in range(hq):
+                kk, vv = k[b, h // group, keys].float(), v[b, h // group, keys].float()
+                p = torch.softmax(kk @ q[b, i, h].float() * scale, 0)
+                out[b, i, h] = p @ vv
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 30, 1000])
+@pytest.mark.parametrize("kind", ["chain", "random", "wide"])
+def test_reference_window_matches_brute_force(window, kind):
+    inputs = make_inputs(2, 13, 4, 2, 70, 16, [0, 41], kind, seed=window)
+    out, _ = reference.tree_attention(*inputs, 0.3, window=window)
+    torch.testing.assert_close(out, window_attention_brute(*inputs, 0.3, window), atol=1e-5, rtol=1e-5)
+    if window >= 70:  # a window longer than every sequence changes nothing
+        torch.testing.assert_close(out, reference.tree_attention(*inputs, 0.3)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("include_prefix", [True, False], ids=["prefix", "tree_only"])
+@pytest.mark.parametrize("window", [1, 3, 9, 40, 130])
+@pytest.mark.parametrize("case", ["chain_gqa2", "tree_gqa4", "n64_gqa4"])
+def test_cpu_window_matches_reference(dtype, include_prefix, window, case):
+    dev = need_op("cpu")
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=window)
+    lse = torch.full((bsz, hq, n), 123.0)
+    out, lse = ops.tree_attention(*[t.to(dev) for t in inputs], 0.2, include_prefix, lse=lse, window=window)
+    ref_out, ref_lse = reference.tree_attention(*inputs, 0.2, include_prefix, window=window)
+    assert_close(out, lse, ref_out, ref_lse, dtype, f"{case} window {window}")
+
+
+def test_cpu_window_token_in_tree_equals_token_alone():
+    """The bits a query gets inside a tree (its window starts at its own position) are the bits it gets
+    alone after its path: the batch-invariance speculative decoding relies on, with a window."""
+    need_op("cpu")
+    q, k, v, cache_len, _ = make_inputs(1, 6, 4, 2, 80, 32, [50], seed=4)
+    parents = torch.tensor([[-1, 0, 0, 1, 3, 2]])
+    packed = reference.build_tree(parents)[1]
+    tree_out, _ = ops.tree_attention(q, k, v, cache_len, packed, 0.2, window=20)
+    for i, path in ((4, [0, 1, 3, 4]), (5, [0, 2, 5])):
+        # alone: the path's tokens laid out as a chain after the prefix, then the query at its end
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, 50:50 + len(path)], v2[:, :, 50:50 + len(path)] = k[:, :, [50 + j for j in path]], \
+            v[:, :, [50 + j for j in path]]
+        chain = reference.build_tree(torch.arange(-1, len(path) - 1)[None])[1]
+        alone, _ = ops.tree_attention(q[:, path], k2, v2, cache_len, chain, 0.2, window=20)
+        assert torch.equal(alone[0, -1], tree_out[0, i])
+
+
+def test_window_must_not_be_negative():
+    need_op("cpu")
+    inputs = make_inputs(1, 2, 2, 2, 10, 8, [3], seed=1)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        ops.tree_attention(*inputs, 0.3, window=-1)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        reference.tree_attention(*inputs, 0.3, window=-1)
+
+
+# ----------------------------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------------------------
 def test_bad_arguments_raise():

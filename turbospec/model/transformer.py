@@ -45,9 +45,12 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     eos_token_ids: list[int] = field(default_factory=list)
-    # sliding-window attention (Mistral, Qwen2 with use_sliding_window): not implemented, so a
-    # sequence may not outgrow the window (within it, full attention is the same computation)
+    # sliding-window attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window): each query attends
+    # the last ``sliding_window`` positions in the layers ``layer_windows`` marks (0: full attention;
+    # None: every layer). Implemented on CPU (tree_attention's window); elsewhere a sequence may not
+    # outgrow the window (within it, full attention is the same computation).
     sliding_window: int | None = None
+    layer_windows: list[int] | None = None
     # RMS norms of q and k before the rotary embedding: "head" over each head (weights [head_dim]:
     # Qwen3), "full" over the whole projection (weights [heads * head_dim]: OLMo 2); None: none
     qk_norm: str | None = None
@@ -55,13 +58,20 @@ class ModelConfig:
     # sublayers' outputs); else the pre-norm x + attn(norm(x)), x + mlp(norm(x))
     post_norm: bool = False
 
-    def check_window(self, length: int, what: str = "the sequence") -> None:
-        """Refuse ``length`` tokens when the model's sliding window is shorter (see ``sliding_window``)."""
+    def windows(self) -> list[int]:
+        """Each layer's sliding window (0: full attention)."""
+        if self.sliding_window is None:
+            return [0] * self.num_layers
+        return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
+
+    def check_window(self, length: int, what: str = "the sequence", where: str = "on this device") -> None:
+        """Refuse ``length`` tokens when the model's sliding window is shorter, for a path that has no
+        sliding-window attention (CUDA, batched self-distillation; see ``sliding_window``)."""
         if self.sliding_window is not None and length > self.sliding_window:
             raise ValueError(f"{what} ({length} tokens) is longer than this {self.model_type} model's "
                              f"sliding_window ({self.sliding_window}): sliding-window attention is not "
-                             f"implemented, so turbospec runs such a model only up to its window "
-                             f"(use max_seq_len <= {self.sliding_window})")
+                             f"implemented {where} (only on CPU), so turbospec runs such a model there only "
+                             f"up to its window (use max_seq_len <= {self.sliding_window})")
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelConfig":
@@ -98,6 +108,16 @@ class ModelConfig:
             window = None  # Qwen2/3 configs carry a window they do not use unless use_sliding_window
         if mt == "llama":
             window = None
+        layer_windows = None
+        types = getattr(cfg, "layer_types", None)
+        if window and types is not None:
+            bad = set(types) - {"full_attention", "sliding_attention"}
+            if bad:
+                raise ValueError(f"layer_types {sorted(bad)} ({mt}) are not supported; full_attention and "
+                                 f"sliding_attention are")
+            layer_windows = [int(window) if t == "sliding_attention" else 0 for t in types]
+            if not any(layer_windows):
+                window, layer_windows = None, None
         return cls(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
@@ -107,6 +127,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
             model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
+            layer_windows=layer_windows,
             qk_norm={"qwen3": "head", "olmo2": "full"}.get(mt), post_norm=mt == "olmo2")
 
 
@@ -254,6 +275,7 @@ class Transformer:
         self.rope_table = RopeTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), self.dtype,
                                     self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
+        self.windows = cfg.windows()  # per layer: its sliding window (0: none)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
@@ -283,8 +305,10 @@ class Transformer:
         (a layer-skip self-speculative draft); its rotary table is its own."""
         m = object.__new__(Transformer)
         m.__dict__.update(self.__dict__)
-        m.cfg = replace(self.cfg, num_layers=num_layers)
+        lw = self.cfg.layer_windows
+        m.cfg = replace(self.cfg, num_layers=num_layers, layer_windows=None if lw is None else lw[:num_layers])
         m.layers = self.layers[:num_layers]
+        m.windows = self.windows[:num_layers]
         m.flatten_layers()
         m.rope_table = RopeTable(self.rope_table.inv_freq, self.dtype, self.device)
         return m
@@ -324,7 +348,8 @@ class Transformer:
         if logits not in LOGITS_MODES:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         bsz, n = input_ids.shape
-        self.cfg.check_window(cache_len + n)
+        if self.device.type != "cpu":
+            self.cfg.check_window(cache_len + n)
         if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
                              f"{cache.max_seq_len}")
@@ -342,7 +367,7 @@ class Transformer:
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations], None, cfg.post_norm)
+                qk_norms, ACTIVATION_MODES[self.activations], None, cfg.post_norm, self._cpp_windows)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -387,7 +412,7 @@ class Transformer:
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
-            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale)
+            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale, window=self.windows[li])
             return out
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -397,6 +422,7 @@ class Transformer:
         """The decoder layers with an arbitrary attention mask (bool [B or 1, 1, n, cache_len + n], or
         None: causal) through SDPA: for batched self-distillation, whose rows are left-padded."""
         total = cache_len + x.shape[1]
+        self.cfg.check_window(total, "a batched self-distillation sequence", "in the SDPA layer loop")
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
@@ -517,7 +543,7 @@ class Transformer:
             x, *captured = torch.ops.turbospec.llama_layers(
                 self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations], cache_len, cfg.post_norm)
+                qk_norms, ACTIVATION_MODES[self.activations], cache_len, cfg.post_norm, self._cpp_windows)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -534,7 +560,8 @@ class Transformer:
             for b in range(bsz):
                 kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
                 vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
-            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, cache_len, tree_mask_packed, self.scale)
+            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, cache_len, tree_mask_packed, self.scale,
+                                        window=self.windows[li])
             return out
 
         x, captured = self._decoder(self.embed[input_ids], cos, sin, attend, capture)
@@ -578,3 +605,4 @@ class Transformer:
             if self.cfg.qkv_bias:
                 biases.append(layer.qkv.bias)
         self._flat = (norms, weights, formats, counts, biases, qk_norms)
+        self._cpp_windows = self.windows if any(self.windows) else []

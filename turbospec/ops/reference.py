@@ -750,7 +750,7 @@ def unpack_tree_mask(tree_mask_packed: Tensor, n: int) -> Tensor:
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
-                   scale: float, include_prefix: bool = True) -> tuple[Tensor, Tensor]:
+                   scale: float, include_prefix: bool = True, window: int = 0) -> tuple[Tensor, Tensor]:
     """The attention of the target's verify pass: n new tokens (a chain or a draft tree) attend a
     static KV cache that already holds their own keys and values.
 
@@ -765,6 +765,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         scale: softmax scale (e.g. ``1 / sqrt(D)``).
         include_prefix: True: query i attends the prefix keys and its allowed new keys; False: only
             its allowed new keys (to be merged with a prefix part by ``merge_attention``).
+        window: 0, or a sliding window of that many positions (Mistral, Gemma's local layers): query
+            i, at position ``cache_len[b] + depth_i`` (depth_i = the number of bits set in its mask
+            row, less one: its ancestors), attends only keys at positions > its own - window; the
+            prefix key in slot s is at position s, new token j at ``cache_len[b] + depth_j``.
     Returns:
         out: [B, n, Hq, D] in q's dtype, ``softmax(scale * q k^T) v`` over the attended keys
             (float32 math); a row that attends no key is 0.
@@ -785,7 +789,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
     dev = q.device
     out = torch.zeros(bsz, n, hq, d, dtype=torch.float32, device=dev)
     lse = torch.full((bsz, hq, n), float("-inf"), dtype=torch.float32, device=dev)
+    if window < 0:
+        raise ValueError(f"tree_attention: window must be >= 0 (0: none), got {window}")
     tree = unpack_tree_mask(tree_mask_packed.to(dev), n)
+    depth = tree.sum(-1) - 1  # [B, n]: a token's mask row is its ancestors and itself
     for b in range(bsz):
         length = int(cache_len[b])
         if length < 0 or length + n > seq:
@@ -795,6 +802,9 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         keys = k_cache[b, :, lo:length + n].float().repeat_interleave(group, 0)      # [Hq, K, D]
         values = v_cache[b, :, lo:length + n].float().repeat_interleave(group, 0)
         allowed = torch.cat([torch.ones(n, length - lo, dtype=torch.bool, device=dev), tree[b]], 1)  # [n, K]
+        if window > 0:
+            key_pos = torch.cat([torch.arange(lo, length, device=dev), length + depth[b]])        # [K]
+            allowed &= key_pos[None, :] > (length + depth[b])[:, None] - window
         scores = torch.einsum("ihd,hkd->hik", q[b].float(), keys) * scale              # [Hq, n, K]
         scores = scores.masked_fill(~allowed, float("-inf"))
         row_lse = torch.logsumexp(scores, -1)                                           # [Hq, n]

@@ -64,8 +64,9 @@ def file_sha1(path: str) -> str:
 def target_fingerprint(target: Transformer) -> str:
     """Identifies the target's weights cheaply (config + a few embedding rows + final norm)."""
     # (a config field added later is left out at its default, so earlier runs' fingerprints hold)
+    later = {"sliding_window": None, "layer_windows": None, "qk_norm": None, "post_norm": False}
     h = hashlib.sha1(repr(sorted((k, v) for k, v in vars(target.cfg).items()
-                                 if not (k == "sliding_window" and v is None))).encode())
+                                 if not (k in later and v == later[k]))).encode())
     for t in (target.embed[:8], target.embed[-8:], target.norm):
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:12]
@@ -235,7 +236,7 @@ def greedy_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: 
     ar = torch.arange(L, device=dev)
     pos = (ar[None] - pad[:, None]).clamp_min(0)                # [B, L]
     key_ok = ar[None] >= pad[:, None]                            # [B, L] real (non-pad) slots
-    target.cfg.check_window(L + max_new_tokens, "a prompt and its response")
+    target.cfg.check_window(L + max_new_tokens, "a prompt and its response", "in batched self-distillation")
     causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril_()
     eye = torch.eye(L, dtype=torch.bool, device=dev)
     mask = (causal[None] & key_ok[:, None, :]) | eye[None]     # pad rows see themselves: no empty row
