@@ -9,6 +9,7 @@ output of every run is checked against plain decoding token for token.
     python bench/bench_tau.py --head shipped=turbospec/heads_data/smollm2-eagle3 \\
         --head gpu=/work/train/gpu-eagle3 --nodes 8,16,32 --per-category 4 --max-new-tokens 96
     python bench/bench_tau.py --drafter ngram --drafter suffix --rounds 2 --nodes 16
+    python bench/bench_tau.py --drafter ngram --drafter suffix --drafter lookahead --nodes 16
 
 Prints a markdown table (τ per Spec-Bench category and overall, per head and node budget) and
 writes it with the per-prompt figures to --out (JSON).
@@ -33,7 +34,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head", action="append", default=[],
                    help="NAME=PATH of a head checkpoint (repeat); PATH alone names it by its folder")
-    p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix"],
+    p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix", "lookahead"],
                    help="a model-free drafter to run too (repeat)")
     p.add_argument("--rounds", type=int, default=1,
                    help="ask every prompt this many times on the same engine (a repeated workload: the "

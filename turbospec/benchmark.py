@@ -39,7 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "the dequantized model)")
     p.add_argument("--num-draft", type=int, default=8)
     p.add_argument("--systems", default=None,
-                   help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_suffix,ts_draft_model,"
+                   help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_suffix,ts_lookahead,ts_draft_model,"
                         "ts_layer_skip (default: all that apply)")
     p.add_argument("--head", action="append", default=[],
                    help="a draft-head checkpoint (EAGLE / EAGLE-3 / Medusa, any layout load_head reads); "
@@ -141,6 +141,7 @@ def run(args) -> int:
     systems["ts_plain"] = ("ts", ts_engine("none"))
     systems["ts_ngram"] = ("ts", ts_engine("ngram"))
     systems["ts_suffix"] = ("ts", ts_engine("suffix"))
+    systems["ts_lookahead"] = ("ts", ts_engine("lookahead"))
     if draft_dir is not None:
         systems["ts_draft_model"] = ("ts", ts_engine("draft_model", draft_model=draft_dir))
     for name, (path, opts) in head_systems(args, target).items():

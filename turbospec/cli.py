@@ -29,7 +29,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    p.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "suffix", "draft_model", "eagle", "medusa"],
+    p.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa"],
                    help="auto: the default model's shipped head when there is one, else ngram")
     p.add_argument("--head", default=None,
                    help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "speculation, chi-square per position, with a biased-acceptance negative "
                                    "control that must be rejected. Exit status 1 when the audit fails.")
     a.add_argument("--model", default="default", help="as in generate")
-    a.add_argument("--drafter", default="auto", choices=["auto", "ngram", "suffix", "draft_model", "eagle", "medusa"],
+    a.add_argument("--drafter", default="auto", choices=["auto", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa"],
                    help="the drafter to audit (eagle / medusa without --head: the default model's shipped head)")
     a.add_argument("--head", default=None, help="draft head checkpoint directory")
     a.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")

@@ -506,8 +506,8 @@ def test_text_prompt_needs_tokenizer_and_stream_needs_tokenizer(tiny):
 
 def test_bad_engine_arguments(tiny):
     _, target, _ = tiny
-    with pytest.raises(ValueError, match="drafter 'lookahead'"):
-        Engine(target, drafter="lookahead")
+    with pytest.raises(ValueError, match="drafter 'jacobi'"):
+        Engine(target, drafter="jacobi")
     with pytest.raises(ValueError, match="drafter='medusa' needs head="):
         Engine(target, drafter="medusa")
     with pytest.raises(ValueError, match="num_draft.*64"):

@@ -90,10 +90,13 @@ class _Staging:
 class BatchStep:
     """The target side of a batch of up to ``max_batch`` requests (see the module docstring)."""
 
-    def __init__(self, target: Transformer, max_batch: int, max_seq_len: int, features=None):
+    def __init__(self, target: Transformer, max_batch: int, max_seq_len: int, features=None,
+                 node_argmax: bool = False):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.target, self.max_batch, self.features = target, max_batch, features
+        # the drafters read the target's argmax at every node (``Drafter.wants_node_argmax``)
+        self.node_argmax = bool(node_argmax)
         # a step writes its padded nodes' K/V after a row's prefix: one tree's worth of slack
         self.cache = target.new_cache(max_seq_len + MAX_TREE_NODES, batch_size=max_batch)
         target.ensure_rope(self.cache.max_seq_len)
@@ -120,9 +123,10 @@ class BatchStep:
 
     @torch.inference_mode()
     def step(self, rows: dict[int, Sequence], parked: dict[int, int] | None = None
-             ) -> dict[int, tuple[list[int], int, Tensor | None]]:
+             ) -> dict[int, tuple[list[int], int, Tensor | None, list[int] | None]]:
         """One verify pass over the planned drafts of ``rows`` (slot -> request). Returns, per slot,
-        (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes);
+        (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes,
+        the target's argmax at the root and each draft node when ``node_argmax`` is set, else None);
         a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens.
         ``parked``: slots holding a prompt being prefilled in chunks (slot -> tokens in the cache);
         when they ride along as padding rows, they write after their prefix, never over it."""
@@ -193,7 +197,8 @@ class BatchStep:
                 logits, st.to_device("parents", parents), st.to_device("draft_ids", draft_ids),
                 None if probs is None else st.to_device("probs", probs), st.to_device("uniform", uniform),
                 st.to_device("temperature", temperature), st.to_device("top_k", top_k), st.to_device("top_p", top_p))
-            host = torch.cat((accept_len, emitted.flatten())).tolist()  # the one host read of the step
+            parts = (accept_len, emitted.flatten()) + ((logits.argmax(-1).flatten(),) if self.node_argmax else ())
+            host = torch.cat(parts).tolist()  # the one host read of the step
         if trees:
             with nvtx.range("compact"):
                 ops.compact_kv(self.cache.rows(0, bsz).tensors(), cache_len_d, accept_index, accept_len)
@@ -203,11 +208,15 @@ class BatchStep:
             if n_acc < 0:  # this row's failure only: the scheduler fails its request, the others go on
                 results[b] = (NonFiniteLogitsError(
                     f"the target produced non-finite logits (NaN/inf) for the request in slot {b} at position "
-                    f"{rows[b].cache_len}; no token was emitted"), n_acc, None)
+                    f"{rows[b].cache_len}; no token was emitted"), n_acc, None, None)
                 continue
             toks = host[bsz + b * n: bsz + b * n + n_acc + 1]
             f = None if feats is None else feats[b, accept_index[b, : n_acc + 1]]
-            results[b] = (toks, n_acc, f)
+            amax = None
+            if self.node_argmax:
+                k = 0 if rows[b].draft is None else len(rows[b].draft)
+                amax = host[bsz + bsz * n + b * n: bsz + bsz * n + b * n + k + 1]
+            results[b] = (toks, n_acc, f, amax)
         return results
 
 
@@ -349,14 +358,14 @@ class Scheduler:
         if self.budget is not None:
             n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in decoding.values())
             self.budget.record((max(decoding) + 1) * n, seconds)
-        for slot, (toks, n_acc, feats) in results.items():
+        for slot, (toks, n_acc, feats, node_argmax) in results.items():
             job = self.active[slot]
             if isinstance(toks, Exception):
                 self.leave(job, toks)
                 out.append(StepOutput(job, []))
                 continue
             proposed = 0 if job.seq.draft is None else len(job.seq.draft)
-            kept = job.seq.commit(toks, n_acc, feats, verify_seconds=seconds)
+            kept = job.seq.commit(toks, n_acc, feats, verify_seconds=seconds, node_argmax=node_argmax)
             finished = job.seq.finish is not None
             out.append(StepOutput(job, kept, proposed, n_acc, finished))
             if finished:

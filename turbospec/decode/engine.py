@@ -37,7 +37,9 @@ class Engine:
             file, an in-memory ``transformers`` model, or a ``turbospec.model.Transformer``.
         drafter: "auto" (the default model: the best head shipped for it, see ``turbospec.heads.shipped``;
             any other target: "ngram"), "none", "ngram", "suffix" (suffix decoding over this request and
-            the earlier ones this engine served, see ``turbospec.drafters.suffix``), "draft_model" (needs ``draft_model``),
+            the earlier ones this engine served, see ``turbospec.drafters.suffix``), "lookahead" (lookahead
+            decoding: Jacobi iteration fills an n-gram pool, see ``turbospec.drafters.lookahead``),
+            "draft_model" (needs ``draft_model``),
             "eagle" / "medusa" (need ``head``), a ``Drafter`` instance (one request at a time), or a
             callable returning a new ``Drafter`` (one per concurrent request), e.g.
             ``functools.partial(NgramDrafter, min_ngram=1)``.
@@ -54,7 +56,8 @@ class Engine:
             {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose)
             and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
             see ``turbospec.drafters.hybrid``); suffix {"depth", "max_occurrences", "min_prob",
-            "nodes_per_match", "cache_tokens", "max_ngram", "min_ngram"}.
+            "nodes_per_match", "cache_tokens", "max_ngram", "min_ngram"}; lookahead {"window", "ngram",
+            "guesses", "pool_from_context"}.
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
         device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";
@@ -135,7 +138,12 @@ class Engine:
         self._batch_budget: BatchBudget | None = None
         self._slot_drafters: dict[int, Drafter | None] = {}
         self.verifier = VerifyStep(self.target, max_seq_len, None if self.drafter is None else self.drafter.features,
-                                   static=static, graphs=cuda_graphs)
+                                   static=static, graphs=cuda_graphs, node_argmax=self._node_argmax)
+
+    @property
+    def _node_argmax(self) -> bool:
+        """Does the drafter read the target's argmax at every node (lookahead decoding)?"""
+        return self.drafter is not None and bool(getattr(self.drafter, "wants_node_argmax", False))
 
     @property
     def cache(self):
@@ -267,7 +275,8 @@ class Engine:
                 raise ValueError(f"prompt {i}: {e}") from None
         if self._shared_drafter and self.max_batch > 1 and sum(j.speculate for j in jobs) > 1:
             raise ValueError("a Drafter instance holds one request's state: pass drafter by name ('ngram', "
-                             "'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")
+                             "'suffix', 'lookahead', 'draft_model', 'eagle', 'medusa') to draft for a batch, "
+                             "or max_batch=1")
         outs: list[list[int]] = [[] for _ in jobs]
         for i, new in run_batch(self.batch_step(), jobs, self.slot_drafter, self.batch_budget()):
             outs[i].extend(new)
@@ -299,7 +308,8 @@ class Engine:
         """The target side of batched decoding (built on first use: a KV cache of max_batch slots)."""
         if self._batch is None:
             self._batch = BatchStep(self.target, self.max_batch, self.max_seq_len,
-                                    None if self.drafter is None else self.drafter.features)
+                                    None if self.drafter is None else self.drafter.features,
+                                    node_argmax=self._node_argmax)
         return self._batch
 
     def batch_budget(self) -> BatchBudget:

@@ -130,10 +130,11 @@ class Sequence:
             return torch.zeros(k + 1)
         return torch.rand(1, k + 1, generator=self.generator)[0]
 
-    def commit(self, new: list[int], n_acc: int, features: Tensor | None, verify_seconds: float | None = None
-               ) -> list[int]:
+    def commit(self, new: list[int], n_acc: int, features: Tensor | None, verify_seconds: float | None = None,
+               node_argmax: list[int] | None = None) -> list[int]:
         """Take the step's emitted tokens (``n_acc`` accepted drafts + 1); returns those kept (cut at
-        max_new_tokens and after an EOS). Sets ``finish`` when the request is done."""
+        max_new_tokens and after an EOS). Sets ``finish`` when the request is done. ``node_argmax``:
+        the target's argmax at every node of the step, for a drafter that reads it."""
         draft = self.draft
         t3 = time.perf_counter()
         verify_seconds = t3 - self._t_plan if verify_seconds is None else verify_seconds
@@ -161,7 +162,10 @@ class Sequence:
         if self.finish is None and self.emitted >= self.max_new_tokens:
             self.finish = "length"
         if self.finish is None and self.drafter is not None:
-            self.drafter.observe(self.tokens, n_acc, features=features)
+            if node_argmax is not None and self.drafter.wants_node_argmax:
+                self.drafter.observe(self.tokens, n_acc, features=features, node_argmax=node_argmax)
+            else:
+                self.drafter.observe(self.tokens, n_acc, features=features)
         if self.finish is not None:
             self._finish_stats()
         return new
@@ -185,5 +189,5 @@ def run(step: VerifyStep, seq: Sequence) -> Iterator[list[int]]:
     seq.start(*step.prefill(seq.ids))
     while seq.finish is None:
         draft = seq.plan()
-        new, n_acc, feats = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator)
-        yield seq.commit(new, n_acc, feats)
+        new, n_acc, feats, node_argmax = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator)
+        yield seq.commit(new, n_acc, feats, node_argmax=node_argmax)

@@ -9,7 +9,9 @@ recovered token), so the pass stops at the final norm and the LM head runs over 
 (each node's first child, ``LAZY_ROWS`` rows at a time) until the walk stays on computed rows.
 The LM head's rows are batch-invariant there, so every row read has the bits the full pass gives
 it and the step's result is the same; SmolLM2's LM head over 64 rows costs 49 ms, as much as six
-one-token steps, and over 4 rows 2.5 ms."""
+one-token steps, and over 4 rows 2.5 ms. A drafter that reads the target's argmax at every node
+(``Drafter.wants_node_argmax``: lookahead decoding) gets every row's logits instead, and the argmax
+of each comes back in the same host read as ``accept_len``."""
 from __future__ import annotations
 
 import torch
@@ -56,12 +58,15 @@ class VerifyStep:
         target: the model; its cache holds ``max_seq_len`` tokens (plus one bucket of slack on the
             fixed-shape path, which pads a step to its bucket).
         features: what the drafter reads back from the target (None, "final" or layer indices).
+        node_argmax: the drafter reads the target's argmax at every node (``Drafter.wants_node_argmax``):
+            ``step`` computes every node's logits and returns the argmax of each.
         static / graphs: the fixed-shape path and its CUDA-graph capture (see ``TargetRunner``).
     """
 
     def __init__(self, target: Transformer, max_seq_len: int, features=None, static: bool = False,
-                 graphs: bool | None = False):
+                 graphs: bool | None = False, node_argmax: bool = False):
         self.target, self.features = target, features
+        self.node_argmax = bool(node_argmax)
         self.cache = target.new_cache(max_seq_len + (MAX_TREE_NODES if static else 0))
         self.runner = TargetRunner(target, self.cache, features, static=static, graphs=graphs if static else False)
         # the lazy LM head needs its rows to be batch-invariant (turbospec's CPU linear); it pays
@@ -79,9 +84,10 @@ class VerifyStep:
         return prefill(self.target, self.cache, ids, self.features)
 
     def step(self, tokens: list[int], cache_len: int, draft: Draft | None, params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[list[int], int, Tensor | None]:
+             generator: torch.Generator | None) -> tuple[list[int], int, Tensor | None, list[int] | None]:
         """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts, the
-        target features of the root and the accepted nodes [n + 1, F] when the drafter reads them)."""
+        target features of the root and the accepted nodes [n + 1, F] when the drafter reads them,
+        the target's argmax at the root and every draft node [k + 1] when ``node_argmax`` is set)."""
         k = 0 if draft is None else len(draft)
         dev = self.target.device
         # The step's inputs are built on the host (drafts come from there) and copied over once.
@@ -102,7 +108,7 @@ class VerifyStep:
         if dev.type != "cpu":
             node_ids, positions, parents, packed, uniform = self._stage(node_ids, positions, parents, packed, uniform)
             probs = None if probs is None else probs.to(dev, non_blocking=True)
-        lazy = self._lazy is not None and k + 1 > LAZY_ROWS
+        lazy = self._lazy is not None and k + 1 > LAZY_ROWS and not self.node_argmax
         with nvtx.range("verify"):
             out = self.runner.forward(node_ids, positions, cache_len, packed, tree_mask,
                                       logits="normed" if lazy else "all")
@@ -114,8 +120,10 @@ class VerifyStep:
             else:
                 accept_len, accept_index, out = ops.verify(
                     logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
-            # The one host read per step: accept_len and the emitted tokens in one copy.
-            host = torch.cat((accept_len, out[0])).tolist()
+            # The one host read per step: accept_len and the emitted tokens (and each node's argmax,
+            # when the drafter reads them) in one copy.
+            parts = (accept_len, out[0]) + ((logits[0].argmax(-1),) if self.node_argmax else ())
+            host = torch.cat(parts).tolist()
         n = host[0]
         if n < 0:
             raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) at position "
@@ -130,7 +138,7 @@ class VerifyStep:
             # a copy either way: with CUDA graphs, feats is the graph's output buffer, which the next
             # replay overwrites while a drafter may still hold these rows (steps without a proposal)
             feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1].clone()
-        return host[1: n + 2], n, feats
+        return host[1: n + 2], n, feats, (host[k + 2:] if self.node_argmax else None)
 
     def _stage(self, node_ids: Tensor, positions: Tensor, parents: Tensor, packed: Tensor | None,
                uniform: Tensor) -> tuple[Tensor, ...]:

@@ -39,16 +39,28 @@ class Drafter:
     #: ``begin`` the features of the prefilled prompt positions [len(prompt) - 1, F]; in ``observe``
     #: those of the root and the accepted nodes of the step, in path order [num_accepted + 1, F].
     features = None
+    #: whether ``observe`` reads the target's greedy token (the argmax of its logits) at every node of
+    #: the step's verify pass, accepted or not (``node_argmax=``: [k + 1] ints for the root, node 0,
+    #: and the k nodes of the step's draft; k = 0 after a step without a draft). Lookahead decoding's Jacobi iteration reads the
+    #: target's predictions at its lookahead nodes this way. The verify step then computes every
+    #: node's logits (no lazy LM head) and reads the argmax back in its one host read.
+    wants_node_argmax = False
 
     def __init_subclass__(cls, **kw):
-        # A drafter that reads no features may override begin / observe without the ``features``
-        # parameter; the engine always passes it, so such an override gets it dropped here.
+        # A drafter that reads no features (or no node argmax) may override begin / observe without
+        # the ``features`` (``node_argmax``) parameter; the engine passes them by keyword, so such an
+        # override gets them dropped here.
         super().__init_subclass__(**kw)
-        for name in ("begin", "observe"):
+        for name, keywords in (("begin", ("features",)), ("observe", ("features", "node_argmax"))):
             fn = cls.__dict__.get(name)
-            if fn is not None and "features" not in inspect.signature(fn).parameters and not any(
-                    p.kind is p.VAR_KEYWORD for p in inspect.signature(fn).parameters.values()):
-                setattr(cls, name, _drop_features(fn))
+            if fn is None:
+                continue
+            params = inspect.signature(fn).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            drop = tuple(k for k in keywords if k not in params)
+            if drop:
+                setattr(cls, name, _drop_keywords(fn, drop))
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         """Called once per generation before the first proposal."""
@@ -81,16 +93,27 @@ class Drafter:
         return self.propose(tokens, max_tokens, params, generator)
         yield  # noqa: unreachable - makes this a generator
 
-    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
+    def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None,
+                node_argmax: list[int] | None = None) -> None:
         """After verification: ``tokens`` is the new committed sequence (its last element is the
-        next root), ``num_accepted`` how many of the last proposal's tokens were kept."""
+        next root), ``num_accepted`` how many of the last proposal's tokens were kept;
+        ``node_argmax``: see ``wants_node_argmax``."""
 
 
-def _drop_features(fn):
+def _drop_keywords(fn, names: tuple[str, ...]):
+    """``fn`` (a begin / observe override) called with the keywords in ``names`` dropped: an error
+    when the drafter asks for what it drops (its ``features`` / ``wants_node_argmax``)."""
     @functools.wraps(fn)
-    def call(self, *args, features=None, **kw):
-        if features is not None and self.features is not None:
-            raise TypeError(f"{type(self).__name__}.{fn.__name__} reads target features "
-                            f"(features={self.features!r}) but takes no features= argument")
+    def call(self, *args, **kw):
+        for name in names:
+            value = kw.pop(name, None)
+            if value is None:
+                continue
+            if name == "features" and self.features is not None:
+                raise TypeError(f"{type(self).__name__}.{fn.__name__} reads target features "
+                                f"(features={self.features!r}) but takes no features= argument")
+            if name == "node_argmax" and self.wants_node_argmax:
+                raise TypeError(f"{type(self).__name__}.{fn.__name__}: the drafter sets wants_node_argmax "
+                                f"but takes no node_argmax= argument")
         return fn(self, *args, **kw)
     return call

@@ -15,13 +15,15 @@ from .base import Drafter
 from .draft_model import DraftModelDrafter, DraftPool, check_compatible
 from .eagle import EagleDrafter
 from .hybrid import HybridDrafter
+from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixCache, SuffixDrafter
 
-DRAFTERS = ("auto", "none", "ngram", "suffix", "draft_model", "eagle", "medusa")
+DRAFTERS = ("auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa")
 SUFFIX_CACHE_OPTIONS = {"cache_tokens": "max_tokens", "max_ngram": "max_ngram", "min_ngram": "min_ngram"}
 SUFFIX_OPTIONS = ("depth", "max_occurrences", "min_prob", "nodes_per_match")
+LOOKAHEAD_OPTIONS = ("window", "ngram", "guesses", "pool_from_context")
 
 
 @dataclass
@@ -65,8 +67,8 @@ def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
 
 def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
                  tree: dict | None = None) -> Drafter | None:
-    """``drafter``: "none", "ngram", "draft_model", "eagle", "medusa", a ``Drafter`` (returned as
-    is) or a callable returning one. None for no drafter."""
+    """``drafter``: "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa", a
+    ``Drafter`` (returned as is) or a callable returning one. None for no drafter."""
     return drafter_builder(drafter, s, draft_model=draft_model, draft_tokenizer=draft_tokenizer, head=head,
                            tree=tree)()
 
@@ -94,6 +96,8 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         return NgramDrafter
     if drafter == "suffix":
         return suffix_drafter_builder(tree or {})
+    if drafter == "lookahead":
+        return lookahead_drafter_builder(tree or {})
     if drafter == "draft_model":
         if draft_model is None:
             raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
@@ -124,6 +128,17 @@ def suffix_drafter_builder(tree: dict) -> Callable[[], Drafter]:
     opts = {k: v for k, v in tree.items() if k in SUFFIX_OPTIONS}
     SuffixDrafter(cache, **opts)  # bad drafter options fail here, when the engine is built
     return lambda: SuffixDrafter(cache, **opts)
+
+
+def lookahead_drafter_builder(tree: dict) -> Callable[[], Drafter]:
+    """Lookahead drafters (one per request: each holds its own Jacobi window and n-gram pool).
+    ``tree``: window, ngram, guesses, pool_from_context (see ``LookaheadDrafter``)."""
+    bad = set(tree) - set(LOOKAHEAD_OPTIONS)
+    if bad:
+        raise ValueError(f"tree options {sorted(bad)} are not lookahead options ({', '.join(LOOKAHEAD_OPTIONS)})")
+    opts = dict(tree)
+    LookaheadDrafter(**opts)  # bad options fail here, when the engine is built
+    return lambda: LookaheadDrafter(**opts)
 
 
 def draft_activations(s: DraftSettings, dm: Transformer) -> str:

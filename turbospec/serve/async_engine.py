@@ -104,7 +104,7 @@ class AsyncEngine:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         if engine._shared_drafter and engine.max_batch > 1:
             raise ValueError("a Drafter instance holds one request's state: build the Engine with the drafter's "
-                             "name ('ngram', 'suffix', 'draft_model', 'eagle', 'medusa') to serve a batch, or max_batch=1")
+                             "name ('ngram', 'suffix', 'lookahead', 'draft_model', 'eagle', 'medusa') to serve a batch, or max_batch=1")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
