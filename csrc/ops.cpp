@@ -55,14 +55,17 @@ TORCH_LIBRARY(turbospec, m) {
   // at different positions: row b writes at [cache_lens[b], cache_lens[b] + n) and attends
   // [0, cache_lens[b])); when given, cache_len is ignored. qk_norms: empty, or per layer (q_norm,
   // k_norm) RMS-normalising q and k before the rotary embedding: each [D] (over every head: Qwen3) or
-  // [H * D] and [H_kv * D] (over all of a token's q / k: OLMo 2). post_norm (OLMo 2): a layer is
-  // x + norm(attn(x)), x + norm(mlp(x)) with the two norms, instead of x + attn(norm(x)), ...
-  // windows: empty, or per layer its sliding window (0: full attention; see tree_attention).
+  // [H * D] and [H_kv * D] (over all of a token's q / k: OLMo 2). norm_layout: 0 pre-norm layers
+  // x + attn(norm(x)), x + mlp(norm(x)), norms per layer (attn, mlp); 1 post-norm (OLMo 2)
+  // x + norm(attn(x)), ..., norms (attn out, mlp out); 2 sandwich (Gemma) x + norm(attn(norm(x))), ...,
+  // norms (attn in, attn out, mlp in, mlp out). windows: empty, or per layer its sliding window (0:
+  // full attention; see tree_attention); cos / sin_signed may be two tables stacked [2, B, n, 1, D],
+  // the second for the layers with a window (Gemma 3). activation: 0 SiLU, 1 GeLU (tanh) of the gate.
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, bool post_norm=False, "
-        "int[] windows=[]) -> Tensor[]");
+        "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, int norm_layout=0, "
+        "int[] windows=[], int activation=0) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

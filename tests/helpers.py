@@ -39,8 +39,9 @@ TINY_DEFAULTS = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_
 def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = True, **overrides):
     """A tiny random ``transformers`` causal LM (eval mode, fp32).
 
-    kind: "llama", "qwen2" (q/k/v biases), "mistral", "qwen3" (per-head q/k norms, head_dim 32) "phi3" (q/k/v and gate/up fused in the checkpoint) or "olmo2" (post-norm
-    layers, q/k norms over the whole projection). ``overrides`` go to the config (e.g.
+    kind: "llama", "qwen2" (q/k/v biases), "mistral", "qwen3" (per-head q/k norms, head_dim 32) "phi3" (q/k/v and gate/up fused in the checkpoint), "olmo2" (post-norm
+    layers, q/k norms over the whole projection) or "gemma3_text" (Gemma 3: sandwich norms of
+    1 + weight, GeLU, scaled embeddings, sliding and full layers with their own rotary tables). ``overrides`` go to the config (e.g.
     ``num_hidden_layers=3``, ``rope_parameters={...}``, ``eos_token_id=7``). Norm weights and
     biases (HF initialises them to 1 / 0) are randomised too, so that they are really tested."""
     import transformers
@@ -49,13 +50,20 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-               "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM)}
+               "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+               "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
     cfg_cls, model_cls = classes[kind]
     kw = {**TINY_DEFAULTS, **overrides}
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
     if kind == "qwen3":  # q/k norms per head; head_dim decoupled from hidden / heads (4 x 32 != 64)
         kw.setdefault("head_dim", 32)
+    if kind == "gemma3_text":  # sliding (window 8, local rotary table) and full layers alternating
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("query_pre_attn_scalar", 24)
+        kw.setdefault("sliding_window", 8)
+        kw.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
+                                      for i in range(kw["num_hidden_layers"])])
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()

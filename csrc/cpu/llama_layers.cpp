@@ -83,16 +83,19 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
                                    at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms,
-                                   bool post_norm, at::IntArrayRef windows) {
+                                   int64_t layout, at::IntArrayRef windows, int64_t act_kind) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
   const float eps = static_cast<float>(eps_d);
   const auto fopts = x_in.options().dtype(at::kFloat);
   // Shapes the raw loops rely on (the ATen loop's views would check them).
-  TORCH_CHECK(cos_in.dim() == 4 && (cos_in.size(0) == 1 || cos_in.size(0) == B) && cos_in.size(1) == n &&
-                  cos_in.size(2) == 1 && sin_in.sizes() == cos_in.sizes(),
-              "llama_layers: cos / sin_signed must be [B or 1, n, 1, D], got ", cos_in.sizes(), " and ", sin_in.sizes());
+  const int64_t cd = cos_in.dim();  // 5: [2, ...], the global and the sliding-window layers' tables
+  TORCH_CHECK((cd == 4 || (cd == 5 && cos_in.size(0) == 2)) && (cos_in.size(-4) == 1 || cos_in.size(-4) == B) &&
+                  cos_in.size(-3) == n && cos_in.size(-2) == 1 && sin_in.sizes() == cos_in.sizes(),
+              "llama_layers: cos / sin_signed must be [B or 1, n, 1, D] (or two such stacked), got ", cos_in.sizes(),
+              " and ", sin_in.sizes());
+  const int64_t per = layout == 2 ? 4 : 2;  // norms per layer
   std::vector<int64_t> gu_width(L);  // per layer: gate_up's outputs (2 x I)
   for (int64_t l = 0, sg = 0; l < L; ++l) {
     int64_t width[kLinears];
@@ -104,7 +107,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     TORCH_CHECK(width[0] == nqkv && width[1] == hid && width[2] % 2 == 0 && width[3] == hid, "llama_layers: layer ",
                 l, " linears have ", width[0], ", ", width[1], ", ", width[2], ", ", width[3], " outputs; expected qkv ",
                 nqkv, ", o ", hid, ", gate_up 2 x I, down ", hid);
-    TORCH_CHECK(norms[2 * l].numel() == hid && norms[2 * l + 1].numel() == hid, "llama_layers: layer ", l,
+    TORCH_CHECK(norms[per * l].numel() == hid && norms[per * l + per - 1].numel() == hid, "llama_layers: layer ", l,
                 " norms must have ", hid, " elements");
     TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
                 " elements, got ", biases[l].numel());
@@ -122,7 +125,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   std::vector<float> cos_buf, sin_buf, bias_buf;
   const float* cp = as_floats<T>(cos_in, cos_buf);
   const float* sp = as_floats<T>(sin_in, sin_buf);
-  const int64_t cos_b = cos_in.size(0) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
+  const int64_t cos_b = cos_in.size(-4) == 1 ? 0 : n * d;  // [B or 1, n, 1, D]
+  const int64_t local_off = cd == 5 ? cos_in.numel() / 2 : 0;  // where the second table starts
   at::Tensor h = at::empty({R, hid}, fopts), qkv = at::empty({R, nqkv}, fopts), y = at::empty({R, hid}, fopts);
   at::Tensor q = at::empty({B, n, H, d}, fopts), attn = at::empty({B, n, H, d}, fopts);
   float* xp = x.data_ptr<float>();
@@ -147,13 +151,18 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   auto norm = [&](const at::Tensor& w) {
     rms_norm_rows(xp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, hp, hid);
   };
-  // the input of a sublayer: norm(x) (pre-norm) or x itself (post-norm: the output is normed instead)
-  auto sublayer_input = [&](const at::Tensor& w) {
-    if (post_norm) std::copy(xp, xp + R * hid, hp);
-    else norm(w);
+  // A layer's norms (model.py: Layer) by layout: pre (in_attn, in_mlp), post (out_attn, out_mlp),
+  // sandwich (in_attn, out_attn, in_mlp, out_mlp). A sublayer's input: norm(x), or x itself.
+  const bool pre_in = layout != 1, post_out = layout != 0;
+  auto sublayer_input = [&](int64_t l, int64_t sub) {
+    if (!pre_in) std::copy(xp, xp + R * hid, hp);
+    else norm(norms[per * l + (layout == 2 ? 2 * sub : sub)]);
   };
-  auto add_output = [&](const at::Tensor& w) {  // x += y, or x += norm(y) (post-norm)
-    if (post_norm) rms_norm_rows(yp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, yp, hid);
+  auto add_output = [&](int64_t l, int64_t sub) {  // x += y, or x += norm(y)
+    if (post_out) {
+      const at::Tensor& w = norms[per * l + (layout == 2 ? 2 * sub + 1 : sub)];
+      rms_norm_rows(yp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, yp, hid);
+    }
     add_into(xp, yp, R * hid);
   };
   for (int64_t l = 0; l < L; ++l) {
@@ -163,7 +172,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     float* vp = vc.data_ptr<float>();
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
-    sublayer_input(norms[2 * l]);
+    sublayer_input(l, 0);
     const float* bias = biases.empty() ? nullptr : as_floats<T>(biases[l], bias_buf);
     lin(l, 0, hp, hid, bias, qkvp);
     round_all<T>(qkvp, R * nqkv);
@@ -184,8 +193,9 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     // T); k and v into the cache
     for (int64_t r = 0; r < R; ++r) {
       const int64_t b = r / n, i = r % n;
-      const float* c = cp + b * cos_b + i * d;
-      const float* sn = sp + b * cos_b + i * d;
+      const int64_t off = (local_off != 0 && !windows.empty() && windows[l] > 0 ? local_off : 0) + b * cos_b + i * d;
+      const float* c = cp + off;
+      const float* sn = sp + off;
       const float* src = qkvp + r * nqkv;
       for (int64_t hh = 0; hh < H + Hkv; ++hh) {
         const float* xs = src + hh * d;
@@ -205,8 +215,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
     round_all<T>(yp, R * hid);
-    add_output(norms[2 * l]);
-    sublayer_input(norms[2 * l + 1]);
+    add_output(l, 0);
+    sublayer_input(l, 1);
     const int64_t width = gu_width[l], I = width / 2;
     if (!gu.defined() || gu.size(-1) != width) {
       gu = at::empty({B, n, width}, fopts);
@@ -220,14 +230,16 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     float* ap = act.data_ptr<float>();
     const float* up = gu.data_ptr<float>() + I;
     if constexpr (std::is_same_v<T, float>) {
-      at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
+      if (act_kind == 0) at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
+      else at::gelu_out(act, gu.narrow(-1, 0, I), "tanh");          // F.gelu(approximate="tanh")
       for (int64_t r = 0; r < R; ++r)
         for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
     } else {
       const float* gp = gu.data_ptr<float>();
       T* gt = gu_t.data_ptr<T>();
       for (int64_t i = 0; i < R * width; ++i) gt[i] = static_cast<T>(gp[i]);  // gate_up's output in T
-      at::silu_out(act_t, gu_t.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
+      if (act_kind == 0) at::silu_out(act_t, gu_t.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
+      else at::gelu_out(act_t, gu_t.narrow(-1, 0, I), "tanh");
       const T* at_ = act_t.data_ptr<T>();
       for (int64_t r = 0; r < R; ++r)
         for (int64_t k = 0; k < I; ++k)
@@ -235,7 +247,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     }
     lin(l, 3, ap, I, nullptr, yp);
     round_all<T>(yp, R * hid);
-    add_output(norms[2 * l + 1]);
+    add_output(l, 1);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = to_model(x);
   }
@@ -249,14 +261,19 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::TensorList k_cache, at::TensorList v_cache, int64_t cache_len,
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                                      at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
-                                     const std::optional<at::Tensor>& cache_lens, bool post_norm,
-                                     at::IntArrayRef windows) {
+                                     const std::optional<at::Tensor>& cache_lens, int64_t layout,
+                                     at::IntArrayRef windows, int64_t act_kind) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
               "llama_layers: k_cache and v_cache must have one tensor per layer");
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * num_layers, "llama_layers: norms has ", norms.size(),
-              " tensors, expected 2 per layer (", 2 * num_layers, ")");
+  TORCH_CHECK(layout >= 0 && layout <= 2, "llama_layers: norm_layout must be 0 (pre), 1 (post) or 2 (sandwich), got ",
+              layout);
+  TORCH_CHECK(act_kind == 0 || act_kind == 1, "llama_layers: activation must be 0 (SiLU) or 1 (GeLU tanh), got ",
+              act_kind);
+  const int64_t per = layout == 2 ? 4 : 2;
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == per * num_layers, "llama_layers: norms has ", norms.size(),
+              " tensors, expected ", per, " per layer (", per * num_layers, ")");
   TORCH_CHECK(static_cast<int64_t>(counts.size()) == kLinears * num_layers, "llama_layers: counts has ",
               counts.size(), " entries, expected 4 per layer (", kLinears * num_layers, ")");
   TORCH_CHECK(weights.size() == formats.size(), "llama_layers: weights (", weights.size(), ") and formats (",
@@ -309,7 +326,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
                            v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms,
-                           post_norm, windows);
+                           layout, windows, act_kind);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -327,7 +344,11 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   for (int64_t l = 0; l < num_layers; ++l) {
     std::optional<at::Tensor> bias;
     if (!biases.empty()) bias = biases[l];
-    at::Tensor h = post_norm ? x : rms_norm(x, norms[2 * l], eps);
+    const bool local = cos.dim() == 5 && !windows.empty() && windows[l] > 0;
+    const at::Tensor c = cos.dim() == 5 ? cos.select(0, local ? 1 : 0) : cos;
+    const at::Tensor sn = cos.dim() == 5 ? sin_signed.select(0, local ? 1 : 0) : sin_signed;
+    const auto norm_at = [&](int64_t sub, bool out) { return norms[per * l + (layout == 2 ? 2 * sub + out : sub)]; };
+    at::Tensor h = layout == 1 ? x : rms_norm(x, norm_at(0, false), eps);
     at::Tensor qkv = next_linear(l, 0, h, bias).view({B, n, num_heads + 2 * num_kv_heads, d});
     if (!qk_norms.empty()) {  // model.py: _qk_norm
       at::Tensor q = qkv.narrow(2, 0, num_heads).contiguous(), k = qkv.narrow(2, num_heads, num_kv_heads).contiguous();
@@ -341,7 +362,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       qkv = at::cat({q, k, qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads)}, 2);
     }
     at::Tensor qk = qkv.narrow(2, 0, num_heads + num_kv_heads);
-    qk = qk * cos + at::roll(qk, {d / 2}, {-1}) * sin_signed;
+    qk = qk * c + at::roll(qk, {d / 2}, {-1}) * sn;
     const at::Tensor& kc = k_cache[l];
     const at::Tensor& vc = v_cache[l];
     const at::Tensor k_new = qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2);
@@ -361,12 +382,12 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
                        windows.empty() ? 0 : windows[l]);
     at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
-    x = x + (post_norm ? rms_norm(y, norms[2 * l], eps) : y);
-    h = post_norm ? x : rms_norm(x, norms[2 * l + 1], eps);
+    x = x + (layout != 0 ? rms_norm(y, norm_at(0, true), eps) : y);
+    h = layout == 1 ? x : rms_norm(x, norm_at(1, false), eps);
     at::Tensor gu = next_linear(l, 2, h, std::nullopt);
     auto parts = gu.chunk(2, -1);
-    y = next_linear(l, 3, at::silu(parts[0]) * parts[1], std::nullopt);
-    x = x + (post_norm ? rms_norm(y, norms[2 * l + 1], eps) : y);
+    y = next_linear(l, 3, (act_kind == 0 ? at::silu(parts[0]) : at::gelu(parts[0], "tanh")) * parts[1], std::nullopt);
+    x = x + (layout != 0 ? rms_norm(y, norm_at(1, true), eps) : y);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = x;
   }

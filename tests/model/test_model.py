@@ -36,6 +36,8 @@ CONFIGS = {
     "phi3-mha-tied": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "olmo2": ("olmo2", {}),
     "olmo2-mha-3layers": ("olmo2", dict(num_key_value_heads=4, num_hidden_layers=3)),
+    "gemma3": ("gemma3_text", {}),
+    "gemma3-4layers-untied": ("gemma3_text", dict(num_hidden_layers=4, tie_word_embeddings=False)),
 }
 
 
@@ -68,7 +70,8 @@ def test_forward_matches_transformers(name):
     cfg = model.cfg
     assert cfg.model_type == kind
     assert cfg.qkv_bias == (kind == "qwen2")
-    assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full"}.get(kind) and cfg.post_norm == (kind == "olmo2")
+    assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}.get(kind)
+    assert cfg.norm_layout == {"olmo2": "post", "gemma3_text": "sandwich"}.get(kind, "pre")
     assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
     assert cfg.num_kv_heads == hf.config.num_key_value_heads
     if "rope_parameters" in overrides:
@@ -317,20 +320,24 @@ def test_sliding_window_generation_every_drafter_equals_hf(name):
     assert spec.stats["draft_proposed"] > 0 and spec.token_ids == plain
 
 
-def test_sliding_window_refused_where_not_implemented():
-    """Paths without sliding-window attention (CUDA, the batched self-distillation's SDPA loop) refuse
-    a sequence longer than the window, naming it; configs whose window is unused are unaffected."""
+def test_sliding_window_refused_where_not_implemented_and_in_self_distillation():
+    """The CUDA path, without sliding-window attention, refuses a sequence longer than the window,
+    naming it; configs whose window is unused are unaffected."""
     hf = make_tiny_model("mistral", seed=4, sliding_window=24)
     cfg = ModelConfig.from_hf(hf.config)
     with pytest.raises(ValueError, match=r"max_seq_len \(128 tokens\).*sliding_window \(24\).*not implemented "
                                          r"on this device \(only on CPU\)"):
         cfg.check_window(128, "max_seq_len")
     cfg.check_window(24, "max_seq_len")  # within the window: fine
+    # batched self-distillation (left-padded rows through SDPA) applies the window too: its greedy
+    # continuations equal the engine's, past the window
     from turbospec.train import data as distill
     target = turbospec.load_model(hf)
-    with pytest.raises(ValueError, match="in batched self-distillation"):
-        distill.greedy_batch(target, [[1, 2, 3]], 30, set())
-    assert len(distill.greedy_batch(target, [[1, 2, 3]], 10, set())[0][0]) == 10
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [4]]
+    got = distill.greedy_batch(target, prompts, 40, set())
+    eng = turbospec.Engine(target, drafter="none", max_seq_len=64)
+    for p, (resp, why) in zip(prompts, got):
+        assert resp == eng.generate(p, 40).token_ids and why == "length"
     assert ModelConfig.from_hf(make_tiny_model("qwen2", sliding_window=24).config).sliding_window is None
     assert ModelConfig.from_hf(make_tiny_model("mistral").config).sliding_window is None
     q = make_tiny_model("qwen2", sliding_window=24, use_sliding_window=True, max_window_layers=0).config
@@ -446,7 +453,7 @@ def test_default_model_loads(smollm2_dir, smollm2):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
@@ -488,7 +495,7 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs

@@ -144,7 +144,7 @@ def test_weights_argument_is_checked():
 
 
 @pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("phi3", "phi3"),
-                                       ("olmo2", "olmo2")])
+                                       ("olmo2", "olmo2"), ("gemma3_text", "gemma3")])
 def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
     """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
     permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
@@ -166,11 +166,18 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     wr = gguf.GGUFWriter(path, arch)
     wr.add_tensor("token_embd.weight", q8(sd["model.embed_tokens.weight"]), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     wr.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    wr.add_tensor("output.weight", q8(sd["lm_head.weight"]), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    if "lm_head.weight" in sd:
+        wr.add_tensor("output.weight", q8(sd["lm_head.weight"]), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     p = "model.layers.0."
     names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     if kind == "olmo2":  # post-norm layers: the norms of the attention's and the MLP's outputs
         names = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+    shift = 0.0
+    if kind == "gemma3_text":  # sandwich norms, stored by llama.cpp as 1 + weight (HF's norms scale by 1 + weight)
+        names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+        shift = 1.0
+        sd = {k: (v + shift if k.endswith("norm.weight") else v) for k, v in sd.items()}
     for g, h in names.items():
         wr.add_tensor(f"blk.0.{g}.weight", sd[p + h + ".weight"])
     linears = (("attn_q", "self_attn.q_proj", cfg.num_heads), ("attn_k", "self_attn.k_proj", cfg.num_kv_heads),
@@ -186,7 +193,7 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
         wr.add_tensor(f"blk.0.{g}.weight", q8(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         if kind == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
             wr.add_tensor(f"blk.0.{g}.bias", sd[p + h + ".bias"])
-    if kind in ("qwen3", "olmo2"):  # llama.cpp's names for the q / k norms
+    if kind in ("qwen3", "olmo2", "gemma3_text"):  # llama.cpp's names for the q / k norms
         wr.add_tensor("blk.0.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
         wr.add_tensor("blk.0.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
     wr.write_header_to_file()
@@ -200,15 +207,17 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     for part, h in zip(got["layers.0.qkv"], parts):
         assert isinstance(part, QuantWeight) and part.fmt == 8
         assert np.array_equal(part.data.numpy(), q8(sd[p + f"self_attn.{h}.weight"]))  # HF order, blocks intact
-    assert np.array_equal(got["lm_head"].data.numpy(), q8(sd["lm_head.weight"]))
-    assert torch.equal(got["layers.0.attn_norm"], torch.from_numpy(sd[p + next(iter(names.values())) + ".weight"]))
+    if "lm_head.weight" in sd:
+        assert np.array_equal(got["lm_head"].data.numpy(), q8(sd["lm_head.weight"]))
+    for g, h in names.items():  # every norm, under its turbospec name, as stored
+        assert torch.equal(got["layers.0." + loader._GGUF_NORMS[cfg.norm_layout][g]], torch.from_numpy(sd[p + h + ".weight"]))
     if kind == "qwen2":
         want = torch.cat([torch.from_numpy(sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
         assert torch.equal(got["layers.0.qkv_bias"], want)
-    if kind in ("qwen3", "olmo2"):
+    if kind in ("qwen3", "olmo2", "gemma3_text"):
         for x in "qk":
             assert torch.equal(got[f"layers.0.{x}_norm"], torch.from_numpy(sd[p + f"self_attn.{x}_norm.weight"]))
-    if kind in ("qwen3", "phi3", "olmo2"):
+    if kind in ("qwen3", "phi3", "olmo2", "gemma3_text"):
         # and the model built from the GGUF's tensors computes what HF computes on the Q8_0 weights
         model = Transformer(cfg, got)
         ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)

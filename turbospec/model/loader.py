@@ -138,21 +138,37 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
         out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
             [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
         out[p + "down"] = get(p + "mlp.down_proj.weight")
-        if cfg.post_norm:  # OLMo 2: the norms of the attention's and the MLP's outputs
-            out[p + "attn_norm"] = get(p + "post_attention_layernorm.weight")
-            out[p + "mlp_norm"] = get(p + "post_feedforward_layernorm.weight")
-        else:
-            out[p + "attn_norm"] = get(p + "input_layernorm.weight")
-            out[p + "mlp_norm"] = get(p + "post_attention_layernorm.weight")
+        for dst, src in _HF_NORMS[cfg.norm_layout].items():
+            out[p + dst] = get(p + src + ".weight")
         if cfg.qk_norm:
             out[p + "q_norm"], out[p + "k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
+    if _norm_shift(cfg):  # Gemma's norms multiply by (1 + weight): turbospec's by the weight
+        out = {k: (v.float() + 1.0 if k == "norm" or k.endswith("_norm") else v) for k, v in out.items()}
     return out
 
 
+# turbospec norm names -> HF names, per ``ModelConfig.norm_layout``
+_HF_NORMS = {
+    "pre": {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"},
+    "post": {"attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+    "sandwich": {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
+                 "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm"},
+}
+
+
+def _norm_shift(cfg: ModelConfig) -> bool:
+    """Gemma's RMS norms scale by (1 + weight) in HF checkpoints; llama.cpp's GGUFs store 1 + weight."""
+    return cfg.model_type.startswith("gemma")
+
+
 # GGUF tensor names (llama.cpp) -> turbospec names; lists are the parts of a fused linear.
-_GGUF_LAYER = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_output": "o", "ffn_down": "down"}
-_GGUF_POST_NORM_LAYER = {"post_attention_norm": "attn_norm", "post_ffw_norm": "mlp_norm", "attn_output": "o",
-                         "ffn_down": "down"}  # OLMo 2
+_GGUF_LAYER = {"attn_output": "o", "ffn_down": "down"}
+_GGUF_NORMS = {  # per ``ModelConfig.norm_layout``
+    "pre": {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm"},
+    "post": {"post_attention_norm": "attn_post_norm", "post_ffw_norm": "mlp_post_norm"},  # OLMo 2
+    "sandwich": {"attn_norm": "attn_norm", "post_attention_norm": "attn_post_norm", "ffn_norm": "mlp_norm",
+                 "post_ffw_norm": "mlp_post_norm"},  # Gemma (stored as 1 + weight)
+}
 _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "gate_up": ("ffn_gate", "ffn_up")}
 
 
@@ -194,7 +210,7 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         out["lm_head"] = load("output.weight")
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
-        for src, dst in (_GGUF_POST_NORM_LAYER if cfg.post_norm else _GGUF_LAYER).items():
+        for src, dst in {**_GGUF_LAYER, **_GGUF_NORMS[cfg.norm_layout]}.items():
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
         heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
         if b + "attn_qkv.weight" in tensors:  # Phi-3: q/k/v in one tensor (no permutation: NeoX rotary)
@@ -240,15 +256,13 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
             gate, up = _split(raw[p + "gate_up"], (cfg.intermediate_size,) * 2)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
         out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
-        if cfg.post_norm:
-            out[h + "post_attention_layernorm.weight"] = dense(raw[p + "attn_norm"])
-            out[h + "post_feedforward_layernorm.weight"] = dense(raw[p + "mlp_norm"])
-        else:
-            out[h + "input_layernorm.weight"] = dense(raw[p + "attn_norm"])
-            out[h + "post_attention_layernorm.weight"] = dense(raw[p + "mlp_norm"])
+        for src, dst in _HF_NORMS[cfg.norm_layout].items():
+            out[h + dst + ".weight"] = dense(raw[p + src])
         if cfg.qk_norm:
             out[h + "self_attn.q_norm.weight"] = dense(raw[p + "q_norm"])
             out[h + "self_attn.k_norm.weight"] = dense(raw[p + "k_norm"])
+    if _norm_shift(cfg):
+        out = {k: (v - 1.0 if k.endswith("norm.weight") else v) for k, v in out.items()}
     return out
 
 

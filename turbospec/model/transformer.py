@@ -25,7 +25,7 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text")
 
 
 @dataclass
@@ -54,9 +54,15 @@ class ModelConfig:
     # RMS norms of q and k before the rotary embedding: "head" over each head (weights [head_dim]:
     # Qwen3), "full" over the whole projection (weights [heads * head_dim]: OLMo 2); None: none
     qk_norm: str | None = None
-    # OLMo 2's layer: x + norm(attn(x)), then x + norm(mlp(x)) (attn_norm / mlp_norm normalise the
-    # sublayers' outputs); else the pre-norm x + attn(norm(x)), x + mlp(norm(x))
-    post_norm: bool = False
+    # where a layer's RMS norms sit: "pre" x + attn(norm(x)), x + mlp(norm(x)); "post" (OLMo 2)
+    # x + norm(attn(x)), x + norm(mlp(x)); "sandwich" (Gemma) x + norm(attn(norm(x))), ... both
+    norm_layout: str = "pre"
+    activation: str = "silu"           # the MLP's gate activation: "silu" or "gelu_tanh" (Gemma)
+    embed_scale: float | None = None   # the embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None    # the attention's softmax scale (None: 1 / sqrt(head_dim))
+    # the rotary embedding of the sliding-window layers when it differs from the others' (Gemma 3)
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict | None = None
 
     def windows(self) -> list[int]:
         """Each layer's sliding window (0: full attention)."""
@@ -80,9 +86,17 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, SmolLM2)")
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; only 'silu'")
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 3, SmolLM2)")
+        gemma = mt == "gemma3_text"
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
+        activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act)
+        if activation is None or (activation == "gelu_tanh" and not gemma):
+            raise ValueError(f"hidden_act {act!r} ({mt}) is not supported; only 'silu' (and Gemma's "
+                             f"'gelu_pytorch_tanh')")
+        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(cfg, cap, None) is not None:
+                raise ValueError(f"{cap}={getattr(cfg, cap)} ({mt}) is not supported: logit soft-capping is not "
+                                 f"implemented")
         # Llama / Mistral / Qwen3's attention_bias puts biases on q, k, v *and* o; mlp_bias on the MLP's
         # three projections: neither is implemented (Qwen2's q/k/v biases are)
         for flag in ("attention_bias", "mlp_bias"):
@@ -96,8 +110,14 @@ class ModelConfig:
         if any(float(v) != 1.0 for v in partial):
             raise ValueError(f"partial_rotary_factor {partial[0]} ({mt}) is not supported: the rotary embedding "
                              f"covers the whole head (partial_rotary_factor 1.0) only")
-        theta, scaling = rope_parameters({"rope_parameters": getattr(cfg, "rope_parameters", None),
-                                          "rope_scaling": getattr(cfg, "rope_scaling", None),
+        rp = getattr(cfg, "rope_parameters", None)
+        local_theta = local_scaling = None
+        if isinstance(rp, dict) and "full_attention" in rp:  # per layer type (Gemma 3)
+            if "sliding_attention" in rp and rp["sliding_attention"] != rp["full_attention"]:
+                local_theta, local_scaling = rope_parameters({"rope_parameters": rp["sliding_attention"]})
+            rp = rp["full_attention"]
+        theta, scaling = rope_parameters({"rope_parameters": rp,
+                                          "rope_scaling": None if rp else getattr(cfg, "rope_scaling", None),
                                           "rope_theta": getattr(cfg, "rope_theta", None)})
         n_heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -128,7 +148,11 @@ class ModelConfig:
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
             model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
             layer_windows=layer_windows,
-            qk_norm={"qwen3": "head", "olmo2": "full"}.get(mt), post_norm=mt == "olmo2")
+            qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}.get(mt),
+            norm_layout={"olmo2": "post", "gemma3_text": "sandwich"}.get(mt, "pre"), activation=activation,
+            embed_scale=float(cfg.hidden_size) ** 0.5 if gemma else None,
+            attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else None,
+            rope_local_theta=local_theta, rope_local_scaling=local_scaling)
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -231,8 +255,10 @@ class Layer:
         self.o = Linear(w["o"])
         self.gate_up = Linear(w["gate_up"])
         self.down = Linear(w["down"])
-        self.attn_norm, self.mlp_norm = w["attn_norm"], w["mlp_norm"]
-        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")  # per-head q / k norms (Qwen3)
+        self.attn_norm, self.mlp_norm = w.get("attn_norm"), w.get("mlp_norm")
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")  # q / k norms (Qwen3, OLMo 2, Gemma 3)
+        # norms of the sublayers' outputs (OLMo 2, Gemma); attn_norm / mlp_norm (their inputs') may be None
+        self.attn_post_norm, self.mlp_post_norm = w.get("attn_post_norm"), w.get("mlp_post_norm")
 
     def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.qkv, self.o, self.gate_up, self.down
@@ -274,9 +300,12 @@ class Transformer:
                                                                 if isinstance(head, QuantWeight) else head)
         self.rope_table = RopeTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), self.dtype,
                                     self.device)
+        # the sliding-window layers' own rotary table (Gemma 3), else None
+        self.rope_local = None if cfg.rope_local_theta is None else RopeTable(
+            rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, cfg.rope_local_scaling), self.dtype, self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.windows = cfg.windows()  # per layer: its sliding window (0: none)
-        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
@@ -311,6 +340,8 @@ class Transformer:
         m.windows = self.windows[:num_layers]
         m.flatten_layers()
         m.rope_table = RopeTable(self.rope_table.inv_freq, self.dtype, self.device)
+        if self.rope_local is not None:
+            m.rope_local = RopeTable(self.rope_local.inv_freq, self.dtype, self.device)
         return m
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
@@ -321,9 +352,37 @@ class Transformer:
                        self.cfg.head_dim, dtype, self.device)
 
     def rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sign-folded sin [B, n, 1, D] at ``position_ids`` [B, n] (the table grows as needed)."""
+        """cos and sign-folded sin [B, n, 1, D] at ``position_ids`` [B, n] (the table grows as needed);
+        for a model whose sliding-window layers rotate by their own table (``rope_local``), both
+        tables' [2, B, n, 1, D] (global first; ``layer_rope`` picks a layer's)."""
         cos, sin = self.rope_table.lookup(position_ids)
-        return cos.unsqueeze(2), sin.unsqueeze(2)
+        if self.rope_local is None:
+            return cos.unsqueeze(2), sin.unsqueeze(2)
+        cl, sl = self.rope_local.lookup(position_ids)
+        return torch.stack((cos, cl)).unsqueeze(3), torch.stack((sin, sl)).unsqueeze(3)
+
+    def _rope_static(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """``rope`` without growing the tables or reading the device (``ensure_rope`` made them cover)."""
+        cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
+        if self.rope_local is None:
+            return cos, sin
+        cl, sl = self.rope_local.cos[position_ids].unsqueeze(2), self.rope_local.sin[position_ids].unsqueeze(2)
+        return torch.stack((cos, cl)), torch.stack((sin, sl))
+
+    def layer_rope(self, li: int, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer ``li``'s cos / sin from ``rope``'s output (the local table's for a sliding-window layer)."""
+        if cos.dim() == 4:
+            return cos, sin
+        j = 1 if self.windows[li] else 0
+        return cos[j], sin[j]
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """The embeddings of ``input_ids`` as the first layer reads them (Gemma scales them by sqrt(hidden),
+        rounded to the model's dtype as transformers does)."""
+        x = self.embed[input_ids]
+        if self.cfg.embed_scale is not None:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=self.dtype, device=x.device)
+        return x
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
@@ -361,13 +420,14 @@ class Transformer:
         cos, sin = self.rope(position_ids)
         packed = _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
         capture = self._capture_layers(features)
-        x = self.embed[input_ids]
+        x = self.embed_tokens(input_ids)
         if self.use_cpp_layers and self._flat is not None:
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations], None, cfg.post_norm, self._cpp_windows)
+                qk_norms, ACTIVATION_MODES[self.activations], None, self._cpp_layout, self._cpp_windows,
+                self._cpp_act)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -420,16 +480,24 @@ class Transformer:
     def layers_sdpa(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, cache: KVCache,
                     cache_len: int, capture=()) -> tuple[Tensor, list[Tensor]]:
         """The decoder layers with an arbitrary attention mask (bool [B or 1, 1, n, cache_len + n], or
-        None: causal) through SDPA: for batched self-distillation, whose rows are left-padded."""
-        total = cache_len + x.shape[1]
-        self.cfg.check_window(total, "a batched self-distillation sequence", "in the SDPA layer loop")
+        None: causal) through SDPA: for batched self-distillation, whose rows are left-padded (each
+        row's tokens sit in consecutive slots, so a sliding window is a window of slots)."""
+        n = x.shape[1]
+        total = cache_len + n
+        if mask is None:
+            mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril_(cache_len)[None, None]
+        windowed = {}
+        for w in set(self.windows) - {0}:  # query slot cache_len + i attends key slots > its own - w
+            q_slot = torch.arange(cache_len, total, device=x.device)[:, None]
+            windowed[w] = mask & (torch.arange(total, device=x.device)[None, :] > q_slot - w)
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
+            m = windowed[self.windows[li]] if self.windows[li] else mask
             out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total], vc[:, :, :total],
-                                                 attn_mask=mask, scale=self.scale, enable_gqa=True)
+                                                 attn_mask=m, scale=self.scale, enable_gqa=True)
             return out.transpose(1, 2)
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -441,19 +509,19 @@ class Transformer:
         bsz, n = x.shape[:2]
         h_kv, d = cfg.num_kv_heads, cfg.head_dim
         captured: list = [None] * len(capture)
-        post, eps = cfg.post_norm, cfg.rms_norm_eps
+        eps = cfg.rms_norm_eps
+        norm = lambda t, w: t if w is None else rms_norm(t, w, eps)  # noqa: E731 (a missing norm: none)
+        act = F.silu if cfg.activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
         for li, layer in enumerate(self.layers):
-            h = x if post else rms_norm(x, layer.attn_norm, eps)
+            h = norm(x, layer.attn_norm)
             qkv = self._qk_norm(layer, layer.qkv(h).view(bsz, n, cfg.num_heads + 2 * h_kv, d))
-            qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], cos, sin)  # q and k heads in one pass
+            qk = rotate(qkv[:, :, : cfg.num_heads + h_kv], *self.layer_rope(li, cos, sin))  # q and k heads at once
             attn = attend(li, qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:], qkv[:, :, cfg.num_heads + h_kv:])
-            y = layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size))
-            x = x + (rms_norm(y, layer.attn_norm, eps) if post else y)
-            h = x if post else rms_norm(x, layer.mlp_norm, eps)
+            x = x + norm(layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size)), layer.attn_post_norm)
+            h = norm(x, layer.mlp_norm)
             gu = layer.gate_up(h)
             gate, up = gu.chunk(2, dim=-1)
-            y = layer.down(F.silu(gate) * up)
-            x = x + (rms_norm(y, layer.mlp_norm, eps) if post else y)
+            x = x + norm(layer.down(act(gate) * up), layer.mlp_post_norm)
             for j, c in enumerate(capture):
                 if c == li:
                     captured[j] = x
@@ -477,8 +545,9 @@ class Transformer:
     def _fused_static(self, cache: KVCache) -> bool:
         """Whether the static path runs ``_decoder_fused``: on CUDA with the fused kernels built and a
         cache in the model's dtype; ``fused_layers`` (True / False) overrides (tests run it on CPU)."""
-        if self.cfg.post_norm:  # the fused kernels join each residual add to a pre-norm
-            return False
+        cfg = self.cfg
+        if cfg.norm_layout != "pre" or cfg.activation != "silu" or self.rope_local is not None:
+            return False  # the fused kernels join each residual add to a pre-norm, SiLU, one rotary table
         if self.fused_layers is not None:
             return bool(self.fused_layers)
         if self._fused_kernels is None:  # decided once: the device and the built kernels do not change
@@ -515,8 +584,10 @@ class Transformer:
     # ------------------------------------------------------------------------------------------
     # The static-shape path: what a CUDA graph captures (turbospec.model.runner).
     def ensure_rope(self, length: int) -> None:
-        """Make the rotary table cover positions [0, length), so that the static path never grows it."""
+        """Make the rotary tables cover positions [0, length), so that the static path never grows them."""
         self.rope_table.ensure(length)
+        if self.rope_local is not None:
+            self.rope_local.ensure(length)
 
     @torch.inference_mode()
     def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
@@ -536,14 +607,15 @@ class Transformer:
             raise ValueError("forward_static: last= returns logits only (features must be None)")
         cfg = self.cfg
         bsz, n = input_ids.shape
-        cos, sin = self.rope_table.cos[position_ids].unsqueeze(2), self.rope_table.sin[position_ids].unsqueeze(2)
+        cos, sin = self._rope_static(position_ids)
         capture = self._capture_layers(features)
         if self.use_cpp_layers and self._flat is not None:  # CPU: the C++ loop, per-row prefix lengths
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
-                self.embed[input_ids], cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
+                self.embed_tokens(input_ids), cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
-                qk_norms, ACTIVATION_MODES[self.activations], cache_len, cfg.post_norm, self._cpp_windows)
+                qk_norms, ACTIVATION_MODES[self.activations], cache_len, self._cpp_layout, self._cpp_windows,
+                self._cpp_act)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -551,7 +623,7 @@ class Transformer:
                 q = ops.rope_cache(qkv, cos, sin, cache_len, cfg.num_heads, kc, vc)
                 return ops.tree_attention(q, kc, vc, cache_len, tree_mask_packed, self.scale)[0]
 
-            x, captured = self._decoder_fused(self.embed[input_ids], attend_qkv, capture)
+            x, captured = self._decoder_fused(self.embed_tokens(input_ids), attend_qkv, capture)
             return self._head(x, features, captured, last)
         slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
 
@@ -564,7 +636,7 @@ class Transformer:
                                         window=self.windows[li])
             return out
 
-        x, captured = self._decoder(self.embed[input_ids], cos, sin, attend, capture)
+        x, captured = self._decoder(self.embed_tokens(input_ids), cos, sin, attend, capture)
         return self._head(x, features, captured, last)
 
     def _head(self, x: Tensor, features, captured, last: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -593,7 +665,8 @@ class Transformer:
             return
         norms, weights, formats, counts, biases, qk_norms = [], [], [], [], [], []
         for layer in self.layers:
-            norms += [layer.attn_norm, layer.mlp_norm]
+            norms += [w for w in (layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm)
+                      if w is not None]
             if self.cfg.qk_norm:
                 qk_norms += [layer.q_norm, layer.k_norm]
             for lin in layer.linears():
@@ -606,3 +679,5 @@ class Transformer:
                 biases.append(layer.qkv.bias)
         self._flat = (norms, weights, formats, counts, biases, qk_norms)
         self._cpp_windows = self.windows if any(self.windows) else []
+        self._cpp_layout = {"pre": 0, "post": 1, "sandwich": 2}[self.cfg.norm_layout]
+        self._cpp_act = {"silu": 0, "gelu_tanh": 1}[self.cfg.activation]
