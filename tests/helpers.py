@@ -41,7 +41,8 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
 
     kind: "llama", "qwen2" (q/k/v biases), "mistral", "qwen3" (per-head q/k norms, head_dim 32) "phi3" (q/k/v and gate/up fused in the checkpoint), "olmo2" (post-norm
     layers, q/k norms over the whole projection) or "gemma3_text" (Gemma 3: sandwich norms of
-    1 + weight, GeLU, scaled embeddings, sliding and full layers with their own rotary tables). ``overrides`` go to the config (e.g.
+    1 + weight, GeLU, scaled embeddings, sliding and full layers with their own rotary tables); mixtures of
+    experts "mixtral", "qwen3_moe" (a dense first layer) and "olmoe" (4 experts, 2 per token). ``overrides`` go to the config (e.g.
     ``num_hidden_layers=3``, ``rope_parameters={...}``, ``eos_token_id=7``). Norm weights and
     biases (HF initialises them to 1 / 0) are randomised too, so that they are really tested."""
     import transformers
@@ -51,13 +52,26 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
                "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
-               "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM)}
+               "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+               "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+               "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+               "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM)}
     cfg_cls, model_cls = classes[kind]
     kw = {**TINY_DEFAULTS, **overrides}
     if kind == "mistral":
         kw.setdefault("sliding_window", None)
     if kind == "qwen3":  # q/k norms per head; head_dim decoupled from hidden / heads (4 x 32 != 64)
         kw.setdefault("head_dim", 32)
+    if kind in ("mixtral", "qwen3_moe", "olmoe"):  # 4 experts, 2 per token
+        kw.setdefault("num_local_experts" if kind == "mixtral" else "num_experts", 4)
+        kw.setdefault("num_experts_per_tok", 2)
+        if kind == "mixtral":
+            kw.setdefault("sliding_window", None)
+        if kind == "qwen3_moe":  # a dense first layer, then experts; narrower expert MLPs; renormalised top-k
+            kw.setdefault("head_dim", 32)
+            kw.setdefault("moe_intermediate_size", 48)
+            kw.setdefault("mlp_only_layers", [0])
+            kw.setdefault("norm_topk_prob", True)
     if kind == "gemma3_text":  # sliding (window 8, local rotary table) and full layers alternating
         kw.setdefault("head_dim", 16)
         kw.setdefault("query_pre_attn_scalar", 24)

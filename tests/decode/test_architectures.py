@@ -24,7 +24,7 @@ from helpers import make_head, make_tiny_model, make_tiny_tokenizer
 
 from test_engine import REPEAT_PROMPT, OracleDrafter, hf_greedy
 
-ARCHS = ["qwen3", "phi3", "olmo2", "gemma3_text"]
+ARCHS = ["qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"]
 N_NEW = 30
 
 
@@ -62,8 +62,8 @@ def test_greedy_every_drafter_equals_hf(arch, name):
     g = Engine(target, drafter=name, num_draft=8, adaptive=False, max_seq_len=96,
                **_drafter_options(name, kind, target)).generate(REPEAT_PROMPT, N_NEW)
     assert g.token_ids == ref, (kind, name)
-    if name in ("ngram", "suffix"):
-        assert g.stats["tau"] > 1.2, g.stats  # the cyclic target's drafts were accepted
+    if name not in ("none", "draft_model"):
+        assert g.stats["draft_proposed"] > 0, g.stats  # drafts were verified (acceptance: the oracle test)
 
 
 def test_greedy_layer_skip_eagle1_and_oracle_tree_equal_hf(arch):

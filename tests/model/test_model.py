@@ -38,6 +38,9 @@ CONFIGS = {
     "olmo2-mha-3layers": ("olmo2", dict(num_key_value_heads=4, num_hidden_layers=3)),
     "gemma3": ("gemma3_text", {}),
     "gemma3-4layers-untied": ("gemma3_text", dict(num_hidden_layers=4, tie_word_embeddings=False)),
+    "mixtral": ("mixtral", {}),
+    "qwen3-moe-3layers": ("qwen3_moe", dict(num_hidden_layers=3)),
+    "olmoe": ("olmoe", {}),
 }
 
 
@@ -70,7 +73,9 @@ def test_forward_matches_transformers(name):
     cfg = model.cfg
     assert cfg.model_type == kind
     assert cfg.qkv_bias == (kind == "qwen2")
-    assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}.get(kind)
+    assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "qwen3_moe": "head",
+                           "olmoe": "full"}.get(kind)
+    assert bool(cfg.num_experts) == (kind in ("mixtral", "qwen3_moe", "olmoe"))
     assert cfg.norm_layout == {"olmo2": "post", "gemma3_text": "sandwich"}.get(kind, "pre")
     assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
     assert cfg.num_kv_heads == hf.config.num_key_value_heads

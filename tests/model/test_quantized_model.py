@@ -144,7 +144,7 @@ def test_weights_argument_is_checked():
 
 
 @pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("phi3", "phi3"),
-                                       ("olmo2", "olmo2"), ("gemma3_text", "gemma3")])
+                                       ("olmo2", "olmo2"), ("gemma3_text", "gemma3"), ("qwen3_moe", "qwen3moe")])
 def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
     """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
     permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
@@ -154,7 +154,8 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
 
     from turbospec.model.transformer import ModelConfig
     from turbospec.model.quant import QuantWeight
-    hf = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+    hf = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         **(dict(mlp_only_layers=[], moe_intermediate_size=64) if kind == "qwen3_moe" else {}))
     cfg = ModelConfig.from_hf(hf.config)
     sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
@@ -186,6 +187,13 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "phi3":  # llama.cpp's Phi-3 layout: attn_qkv, and ffn_up holding gate and up
         linears = (("attn_qkv", "self_attn.qkv_proj", None), ("attn_output", "self_attn.o_proj", None),
                    ("ffn_up", "mlp.gate_up_proj", None), ("ffn_down", "mlp.down_proj", None))
+    if kind == "qwen3_moe":  # the router and 3-D expert tensors [E, N, K], each expert's rows in turn
+        linears = linears[:4]
+        wr.add_tensor("blk.0.ffn_gate_inp.weight", sd[p + "mlp.gate.weight"])
+        gate_up, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"]
+        half = gate_up.shape[1] // 2
+        for g, w in (("gate", gate_up[:, :half]), ("up", gate_up[:, half:]), ("down", down)):
+            wr.add_tensor(f"blk.0.ffn_{g}_exps.weight", q8(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     for g, h, heads in linears:
         w = sd[p + h + ".weight"]
         if heads is not None and arch == "llama":
@@ -193,7 +201,7 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
         wr.add_tensor(f"blk.0.{g}.weight", q8(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         if kind == "qwen2" and g in ("attn_q", "attn_k", "attn_v"):
             wr.add_tensor(f"blk.0.{g}.bias", sd[p + h + ".bias"])
-    if kind in ("qwen3", "olmo2", "gemma3_text"):  # llama.cpp's names for the q / k norms
+    if kind in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"):  # llama.cpp's names for the q / k norms
         wr.add_tensor("blk.0.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
         wr.add_tensor("blk.0.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
     wr.write_header_to_file()
@@ -214,13 +222,18 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "qwen2":
         want = torch.cat([torch.from_numpy(sd[p + f"self_attn.{x}_proj.bias"]) for x in "qkv"])
         assert torch.equal(got["layers.0.qkv_bias"], want)
-    if kind in ("qwen3", "olmo2", "gemma3_text"):
+    if kind in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"):
         for x in "qk":
             assert torch.equal(got[f"layers.0.{x}_norm"], torch.from_numpy(sd[p + f"self_attn.{x}_norm.weight"]))
-    if kind in ("qwen3", "phi3", "olmo2", "gemma3_text"):
+    if kind == "qwen3_moe":
+        e1 = got["layers.0.experts.1.gate_up"]
+        assert len(e1) == 2 and all(isinstance(w, QuantWeight) for w in e1)
+        assert np.array_equal(e1[1].data.numpy(), q8(gate_up[1, half:]))  # expert 1's up rows, blocks intact
+    if kind in ("qwen3", "phi3", "olmo2", "gemma3_text", "qwen3_moe"):
         # and the model built from the GGUF's tensors computes what HF computes on the Q8_0 weights
         model = Transformer(cfg, got)
-        ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1)
+        ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                              **(dict(mlp_only_layers=[], moe_intermediate_size=64) if kind == "qwen3_moe" else {}))
         ref.load_state_dict(loader.hf_state_dict(got, cfg), strict=False)
         ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
         out = model.forward(ids, torch.arange(6)[None], model.new_cache(8), 0)

@@ -134,16 +134,47 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
         if cfg.qkv_bias:
             out[p + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         out[p + "o"] = get(p + "self_attn.o_proj.weight")
-        fused = any(k in sd for k in (p + "mlp.gate_up_proj.weight", "model." + p + "mlp.gate_up_proj.weight"))
-        out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
-            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
-        out[p + "down"] = get(p + "mlp.down_proj.weight")
+        if cfg.num_experts and i in cfg.moe_layers:
+            out.update(_hf_experts(sd, get, p, cfg))
+        else:
+            fused = any(k in sd for k in (p + "mlp.gate_up_proj.weight", "model." + p + "mlp.gate_up_proj.weight"))
+            out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
+                [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
+            out[p + "down"] = get(p + "mlp.down_proj.weight")
         for dst, src in _HF_NORMS[cfg.norm_layout].items():
             out[p + dst] = get(p + src + ".weight")
         if cfg.qk_norm:
             out[p + "q_norm"], out[p + "k_norm"] = get(p + "self_attn.q_norm.weight"), get(p + "self_attn.k_norm.weight")
     if _norm_shift(cfg):  # Gemma's norms multiply by (1 + weight): turbospec's by the weight
         out = {k: (v.float() + 1.0 if k == "norm" or k.endswith("_norm") else v) for k, v in out.items()}
+    return out
+
+
+def _hf_experts(sd: dict, get, p: str, cfg: ModelConfig) -> dict:
+    """A mixture-of-experts layer's router and experts in turbospec names (``{p}router``,
+    ``{p}experts.{e}.gate_up`` / ``.down``), from transformers' fused layout (``mlp.experts.gate_up_proj``
+    [E, 2 I, H], ``down_proj`` [E, H, I]) or the per-expert names of published checkpoints (Mixtral's
+    ``block_sparse_moe.experts.{e}.w1 / w3 / w2``; Qwen3-MoE's and OLMoE's ``mlp.experts.{e}.gate_proj /
+    up_proj / down_proj``)."""
+    has = lambda name: name in sd or "model." + name in sd  # noqa: E731
+    out = {}
+    if has(p + "block_sparse_moe.gate.weight"):  # Mixtral as published
+        out[p + "router"] = get(p + "block_sparse_moe.gate.weight")
+        for e in range(cfg.num_experts):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            out[f"{p}experts.{e}.gate_up"] = [get(x + "w1.weight"), get(x + "w3.weight")]
+            out[f"{p}experts.{e}.down"] = get(x + "w2.weight")
+        return out
+    out[p + "router"] = get(p + "mlp.gate.weight")
+    if has(p + "mlp.experts.gate_up_proj"):
+        gate_up, down = get(p + "mlp.experts.gate_up_proj"), get(p + "mlp.experts.down_proj")
+        for e in range(cfg.num_experts):
+            out[f"{p}experts.{e}.gate_up"], out[f"{p}experts.{e}.down"] = [gate_up[e]], down[e]
+        return out
+    for e in range(cfg.num_experts):
+        x = f"{p}mlp.experts.{e}."
+        out[f"{p}experts.{e}.gate_up"] = [get(x + "gate_proj.weight"), get(x + "up_proj.weight")]
+        out[f"{p}experts.{e}.down"] = get(x + "down_proj.weight")
     return out
 
 
@@ -184,15 +215,22 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     arch = meta.get("general.architecture", "")
     other: dict = {}  # tensors of formats without a kernel, read by gguf's reader (made once)
 
-    def load(name: str, heads: int | None = None):
+    def load(name: str, heads: int | None = None, expert: int | None = None):
         t = tensors[name]
         k = t.shape[0]
+        data = t.data
+        if expert is not None:  # a 3-D [E, N, K] expert tensor: expert e's N rows
+            if data is None:
+                raise ValueError(f"{path}: expert tensor {name} has a format turbospec has no kernel for "
+                                 f"(GGML type {t.ggml_type})")
+            rows = t.shape[1]
+            data = data[expert * rows:(expert + 1) * rows]
         if is_block_format(t.ggml_type):
-            w = QuantWeight(torch.from_numpy(t.data.copy()), t.ggml_type, k)
+            w = QuantWeight(torch.from_numpy(data.copy()), t.ggml_type, k)
         elif t.ggml_type == 30:  # BF16 words
-            w = torch.from_numpy(t.data.copy()).view(torch.bfloat16).to(dtype)
-        elif t.data is not None:
-            w = torch.from_numpy(t.data.copy()).to(dtype)
+            w = torch.from_numpy(data.copy()).view(torch.bfloat16).to(dtype)
+        elif data is not None:
+            w = torch.from_numpy(data.copy()).to(dtype)
         else:  # a format without a turbospec kernel: gguf's own dequantization
             from gguf import GGUFReader, dequantize as gguf_dequantize
             if not other:
@@ -211,13 +249,20 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
         for src, dst in {**_GGUF_LAYER, **_GGUF_NORMS[cfg.norm_layout]}.items():
+            if src == "ffn_down" and cfg.num_experts and i in cfg.moe_layers:
+                continue  # the experts' (below)
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
         heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
         if b + "attn_qkv.weight" in tensors:  # Phi-3: q/k/v in one tensor (no permutation: NeoX rotary)
             out[f"layers.{i}.qkv"] = [load(b + "attn_qkv.weight")]
         else:
             out[f"layers.{i}.qkv"] = [load(b + n + ".weight", h) for n, h in zip(_GGUF_PARTS["qkv"], heads)]
-        if b + "ffn_gate.weight" in tensors:
+        if cfg.num_experts and i in cfg.moe_layers:  # the router, and each expert's rows of the 3-D tensors
+            out[f"layers.{i}.router"] = load(b + "ffn_gate_inp.weight")
+            for e in range(cfg.num_experts):
+                out[f"layers.{i}.experts.{e}.gate_up"] = [load(b + f"ffn_{x}_exps.weight", expert=e) for x in ("gate", "up")]
+                out[f"layers.{i}.experts.{e}.down"] = load(b + "ffn_down_exps.weight", expert=e)
+        elif b + "ffn_gate.weight" in tensors:
             out[f"layers.{i}.gate_up"] = [load(b + n + ".weight") for n in _GGUF_PARTS["gate_up"]]
         else:  # Phi-3: ffn_up holds gate and up (2 x intermediate rows)
             out[f"layers.{i}.gate_up"] = [load(b + "ffn_up.weight")]
@@ -250,12 +295,19 @@ def hf_state_dict(raw: dict, cfg: ModelConfig, dtype: torch.dtype = torch.float3
             for x, b in zip("qkv", raw[p + "qkv_bias"].split(sizes)):
                 out[h + f"self_attn.{x}_proj.bias"] = b.to(dtype)
         out[h + "self_attn.o_proj.weight"] = dense(raw[p + "o"])
-        if cfg.model_type == "phi3":
+        if cfg.num_experts and i in cfg.moe_layers:  # transformers' fused expert layout
+            out[h + "mlp.gate.weight"] = dense(raw[p + "router"])
+            out[h + "mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([dense(w) for w in raw[f"{p}experts.{e}.gate_up"]]) for e in range(cfg.num_experts)])
+            out[h + "mlp.experts.down_proj"] = torch.stack([dense(raw[f"{p}experts.{e}.down"])
+                                                            for e in range(cfg.num_experts)])
+        elif cfg.model_type == "phi3":
             out[h + "mlp.gate_up_proj.weight"] = torch.cat([dense(w) for w in raw[p + "gate_up"]])
         else:
             gate, up = _split(raw[p + "gate_up"], (cfg.intermediate_size,) * 2)
             out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = dense(gate), dense(up)
-        out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
+        if p + "down" in raw:
+            out[h + "mlp.down_proj.weight"] = dense(raw[p + "down"])
         for src, dst in _HF_NORMS[cfg.norm_layout].items():
             out[h + dst + ".weight"] = dense(raw[p + src])
         if cfg.qk_norm:

@@ -25,7 +25,8 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text", "mixtral",
+                         "qwen3_moe", "olmoe")
 
 
 @dataclass
@@ -63,6 +64,14 @@ class ModelConfig:
     # the rotary embedding of the sliding-window layers when it differs from the others' (Gemma 3)
     rope_local_theta: float | None = None
     rope_local_scaling: dict | None = None
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of the
+    # ``experts_per_token`` experts its router scores highest (softmax; renormalised over those when
+    # ``moe_norm_topk``), in the layers ``moe_layers`` lists (the others have a dense MLP)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_norm_topk: bool = False
+    moe_layers: list[int] | None = None
 
     def windows(self) -> list[int]:
         """Each layer's sliding window (0: full attention)."""
@@ -86,7 +95,8 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 3, SmolLM2)")
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 3, SmolLM2; "
+                             f"mixtures of experts: Mixtral, Qwen3-MoE, OLMoE)")
         gemma = mt == "gemma3_text"
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act)
@@ -124,7 +134,7 @@ class ModelConfig:
         eos = getattr(cfg, "eos_token_id", None)
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         window = getattr(cfg, "sliding_window", None)
-        if mt in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        if mt in ("qwen2", "qwen3", "qwen3_moe") and not getattr(cfg, "use_sliding_window", False):
             window = None  # Qwen2/3 configs carry a window they do not use unless use_sliding_window
         if mt == "llama":
             window = None
@@ -148,11 +158,26 @@ class ModelConfig:
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096) or 4096,
             model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
             layer_windows=layer_windows,
-            qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head"}.get(mt),
+            qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "full"}.get(mt),
             norm_layout={"olmo2": "post", "gemma3_text": "sandwich"}.get(mt, "pre"), activation=activation,
             embed_scale=float(cfg.hidden_size) ** 0.5 if gemma else None,
             attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else None,
-            rope_local_theta=local_theta, rope_local_scaling=local_scaling)
+            rope_local_theta=local_theta, rope_local_scaling=local_scaling, **_moe_fields(cfg, mt))
+
+
+def _moe_fields(cfg, mt: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from a transformers config (none for a dense model)."""
+    if mt not in ("mixtral", "qwen3_moe", "olmoe"):
+        return {}
+    n = cfg.num_local_experts if mt == "mixtral" else cfg.num_experts
+    layers = list(range(cfg.num_hidden_layers))
+    if mt == "qwen3_moe":  # dense MLPs in mlp_only_layers and between every decoder_sparse_step-th layer
+        step, dense = getattr(cfg, "decoder_sparse_step", 1) or 1, set(getattr(cfg, "mlp_only_layers", None) or [])
+        layers = [i for i in layers if i not in dense and (i + 1) % step == 0]
+    return dict(num_experts=int(n), experts_per_token=int(cfg.num_experts_per_tok),
+                moe_intermediate_size=int(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size),
+                moe_norm_topk=True if mt == "mixtral" else bool(getattr(cfg, "norm_topk_prob", False)),
+                moe_layers=layers)
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
@@ -253,15 +278,22 @@ class Layer:
     def __init__(self, w: dict):
         self.qkv = Linear(w["qkv"], w.get("qkv_bias"))
         self.o = Linear(w["o"])
-        self.gate_up = Linear(w["gate_up"])
-        self.down = Linear(w["down"])
+        # a dense MLP (gate_up, down), or a router [E, hidden] and each expert's (gate_up, down)
+        self.gate_up = Linear(w["gate_up"]) if "gate_up" in w else None
+        self.down = Linear(w["down"]) if "down" in w else None
+        self.router = Linear(w["router"]) if "router" in w else None
+        self.experts = None if self.router is None else [
+            (Linear(w[f"experts.{e}.gate_up"]), Linear(w[f"experts.{e}.down"])) for e in range(self.router.out_features)]
         self.attn_norm, self.mlp_norm = w.get("attn_norm"), w.get("mlp_norm")
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")  # q / k norms (Qwen3, OLMo 2, Gemma 3)
         # norms of the sublayers' outputs (OLMo 2, Gemma); attn_norm / mlp_norm (their inputs') may be None
         self.attn_post_norm, self.mlp_post_norm = w.get("attn_post_norm"), w.get("mlp_post_norm")
 
-    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
-        return self.qkv, self.o, self.gate_up, self.down
+    def linears(self) -> tuple[Linear, ...]:
+        """qkv, o, gate_up, down; for a mixture of experts qkv, o, the router and every expert's two."""
+        if self.experts is None:
+            return self.qkv, self.o, self.gate_up, self.down
+        return (self.qkv, self.o, self.router) + tuple(lin for pair in self.experts for lin in pair)
 
 
 # Packed causal masks (tree_attention's tree_mask_packed): row i attends tokens 0..i (bit 63 is the sign).
@@ -519,13 +551,38 @@ class Transformer:
             attn = attend(li, qk[:, :, : cfg.num_heads], qk[:, :, cfg.num_heads:], qkv[:, :, cfg.num_heads + h_kv:])
             x = x + norm(layer.o(attn.to(self.dtype).reshape(bsz, n, self.q_size)), layer.attn_post_norm)
             h = norm(x, layer.mlp_norm)
-            gu = layer.gate_up(h)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + norm(layer.down(act(gate) * up), layer.mlp_post_norm)
+            if layer.experts is not None:
+                y = self._moe(layer, h, act)
+            else:
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                y = layer.down(act(gate) * up)
+            x = x + norm(y, layer.mlp_post_norm)
             for j, c in enumerate(capture):
                 if c == li:
                     captured[j] = x
         return x, captured
+
+    def _moe(self, layer: Layer, h: Tensor, act) -> Tensor:
+        """A mixture-of-experts MLP over h [B, n, hidden]: each token's router softmax (float32), its
+        top ``experts_per_token`` experts (renormalised when ``moe_norm_topk``), their weights in the
+        model's dtype, and the weighted sum of those experts' outputs, added expert by expert in expert
+        order. A token's result depends only on the token (the experts' linears are batch-invariant
+        and its sum's order is fixed), so it is the same alone or in a verify pass."""
+        cfg = self.cfg
+        flat = h.reshape(-1, h.shape[-1])
+        probs = torch.softmax(layer.router(flat).float(), dim=-1)
+        top, idx = torch.topk(probs, cfg.experts_per_token, dim=-1)
+        if cfg.moe_norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        top = top.to(h.dtype)
+        out = torch.zeros_like(flat)
+        for e, (gate_up, down) in enumerate(layer.experts):
+            tok, pos = torch.where(idx == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = gate_up(flat[tok]).chunk(2, dim=-1)
+            out.index_add_(0, tok, (down(act(gate) * up) * top[tok, pos, None]).to(out.dtype))
+        return out.view(h.shape)
 
     def _qk_norm(self, layer: Layer, qkv: Tensor) -> Tensor:
         """The RMS norms of q and k in ``qkv`` [B, n, H + 2 H_kv, D] before the rotary embedding: over each
@@ -546,7 +603,7 @@ class Transformer:
         """Whether the static path runs ``_decoder_fused``: on CUDA with the fused kernels built and a
         cache in the model's dtype; ``fused_layers`` (True / False) overrides (tests run it on CPU)."""
         cfg = self.cfg
-        if cfg.norm_layout != "pre" or cfg.activation != "silu" or self.rope_local is not None:
+        if cfg.norm_layout != "pre" or cfg.activation != "silu" or self.rope_local is not None or cfg.num_experts:
             return False  # the fused kernels join each residual add to a pre-norm, SiLU, one rotary table
         if self.fused_layers is not None:
             return bool(self.fused_layers)
@@ -661,8 +718,8 @@ class Transformer:
         """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
         counts, qkv biases, per-head q / k norms), or None when it cannot run (not on CPU, no C++ kernel)."""
         self._flat = None
-        if not (self.device.type == "cpu" and ops.has_op("llama_layers")):
-            return
+        if not (self.device.type == "cpu" and ops.has_op("llama_layers")) or self.cfg.num_experts:
+            return  # (mixtures of experts run the Python layer loop)
         norms, weights, formats, counts, biases, qk_norms = [], [], [], [], [], []
         for layer in self.layers:
             norms += [w for w in (layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm)

@@ -65,7 +65,9 @@ def target_fingerprint(target: Transformer) -> str:
     """Identifies the target's weights cheaply (config + a few embedding rows + final norm)."""
     # (a config field added later is left out at its default, so earlier runs' fingerprints hold)
     later = {"sliding_window": None, "layer_windows": None, "qk_norm": None, "norm_layout": "pre", "activation": "silu",
-             "embed_scale": None, "attn_scale": None, "rope_local_theta": None, "rope_local_scaling": None}
+             "embed_scale": None, "attn_scale": None, "rope_local_theta": None, "rope_local_scaling": None,
+             "num_experts": 0, "experts_per_token": 0, "moe_intermediate_size": 0, "moe_norm_topk": False,
+             "moe_layers": None}
     h = hashlib.sha1(repr(sorted((k, v) for k, v in vars(target.cfg).items()
                                  if not (k in later and v == later[k]))).encode())
     for t in (target.embed[:8], target.embed[-8:], target.norm):
