@@ -244,6 +244,39 @@ def test_node_argmax_is_the_targets_greedy_token_at_every_node(tiny):
     assert checked > 50 and off_path > 30  # rejected nodes too, not just the accepted path
 
 
+def test_fixed_shape_path(tiny):
+    """The fixed-shape verify forward (what CUDA graphs capture; on CPU with static_shapes=True):
+    the same output, and the node argmax read back from its padded logits."""
+    hf, target = tiny
+    rec = Recording()
+    eng = Engine(target, drafter=rec, num_draft=16, adaptive=False, max_seq_len=256, static_shapes=True)
+    assert eng.generate(PROMPTS[1], 16).token_ids == hf_greedy(hf, PROMPTS[1], 16)
+    checked, off_path = check_node_argmax(hf, rec.log)
+    assert checked > 50 and off_path > 30
+
+
+def test_quantized_lm_head_computes_every_row():
+    """A GGUF-style quantized LM head on CPU is computed lazily (the accepted path only) for other
+    drafters; for lookahead every row is computed, so every node's argmax is the model's own."""
+    from turbospec.model import loader
+    q8 = loader.load_model(make_tiny_model("llama", seed=5, vocab_size=512), dtype=torch.float32, weights="q8_0")
+    if not (q8.lm_head.kernel and q8.lm_head.quantized):
+        pytest.skip("no quantized LM-head kernel in this build")
+    rec = Recording()
+    eng = Engine(q8, drafter=rec, num_draft=16, adaptive=False, max_seq_len=256)
+    ref = Engine(q8, drafter="none", max_seq_len=256).generate(PROMPTS[0], 16).token_ids
+    assert eng.generate(PROMPTS[0], 16).token_ids == ref
+    assert eng.verifier._lazy is not None and eng.verifier._lazy.rows == 0  # never lazy
+    with torch.no_grad():  # the node argmax against a plain forward of each node's context
+        for ctx, draft, amax, _ in rec.log:
+            for i, p in enumerate([[]] + paths(draft)):
+                seq = ctx + p
+                cache = q8.new_cache(64)
+                logits = q8.forward(torch.tensor([seq]), torch.arange(len(seq))[None], cache, 0)
+                row = logits[0, -1]
+                assert amax[i] == int(row.argmax()) or float(row.max() - row[amax[i]]) < 1e-4
+
+
 def test_node_argmax_in_a_batch(tiny):
     hf, target = tiny
     made = []
