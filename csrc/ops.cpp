@@ -40,9 +40,10 @@ TORCH_LIBRARY(turbospec, m) {
   // dtype), lse: float32 [B, Hq, n] or None. include_prefix = false attends the tree keys only (to be
   // merged with a separately computed prefix part by log-sum-exp). window > 0: sliding-window
   // attention, each query attends only keys at positions > its own - window (a token's position:
-  // cache_len + its depth in the tree; CPU only, the CUDA kernel refuses it).
+  // cache_len + its depth in the tree; CPU only, the CUDA kernel refuses it). softcap > 0 (Gemma 2):
+  // every score s = scale * q.k becomes softcap * tanh(s / softcap) before the mask and softmax (CPU only).
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor tree_mask_packed, "
-        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse, int window=0) -> ()");
+        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse, int window=0, float softcap=0.0) -> ()");
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
   // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], tree_mask_packed: int64 [B or 1, n] (bit j of
   // row i: new token i attends new token j; every token attends the whole prefix [0, cache_len)),
@@ -61,11 +62,12 @@ TORCH_LIBRARY(turbospec, m) {
   // norms (attn in, attn out, mlp in, mlp out). windows: empty, or per layer its sliding window (0:
   // full attention; see tree_attention); cos / sin_signed may be two tables stacked [2, B, n, 1, D],
   // the second for the layers with a window (Gemma 3). activation: 0 SiLU, 1 GeLU (tanh) of the gate.
+  // attn_softcap: tree_attention's softcap in every layer (Gemma 2).
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
         "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, int norm_layout=0, "
-        "int[] windows=[], int activation=0) -> Tensor[]");
+        "int[] windows=[], int activation=0, float attn_softcap=0.0) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

@@ -52,6 +52,7 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
                "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
                "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
                "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+               "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
                "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
                "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
                "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
@@ -72,6 +73,14 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
             kw.setdefault("moe_intermediate_size", 48)
             kw.setdefault("mlp_only_layers", [0])
             kw.setdefault("norm_topk_prob", True)
+    if kind == "gemma2":  # soft-capped attention and logits (caps low enough to matter), windows of 8
+        kw.setdefault("head_dim", 16)
+        kw.setdefault("query_pre_attn_scalar", 24)
+        kw.setdefault("sliding_window", 8)
+        kw.setdefault("attn_logit_softcapping", 3.0)
+        kw.setdefault("final_logit_softcapping", 5.0)
+        kw.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
+                                      for i in range(kw["num_hidden_layers"])])
     if kind == "gemma3_text":  # sliding (window 8, local rotary table) and full layers alternating
         kw.setdefault("head_dim", 16)
         kw.setdefault("query_pre_attn_scalar", 24)

@@ -83,7 +83,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
                                    at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms,
-                                   int64_t layout, at::IntArrayRef windows, int64_t act_kind) {
+                                   int64_t layout, at::IntArrayRef windows, int64_t act_kind, double softcap) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
@@ -211,7 +211,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                   vp + b * vs0 + hv * vs1 + (lp[b] + i) * vs2);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l]);
+                       windows.empty() ? 0 : windows[l], softcap);
     round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
     round_all<T>(yp, R * hid);
@@ -262,7 +262,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                                      at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
                                      const std::optional<at::Tensor>& cache_lens, int64_t layout,
-                                     at::IntArrayRef windows, int64_t act_kind) {
+                                     at::IntArrayRef windows, int64_t act_kind, double softcap) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -326,7 +326,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
                            v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms,
-                           layout, windows, act_kind);
+                           layout, windows, act_kind, softcap);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -380,7 +380,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     at::Tensor q = qk.narrow(2, 0, num_heads).to(kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l]);
+                       windows.empty() ? 0 : windows[l], softcap);
     at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
     x = x + (layout != 0 ? rms_norm(y, norm_at(0, true), eps) : y);
     h = layout == 1 ? x : rms_norm(x, norm_at(1, false), eps);

@@ -139,6 +139,7 @@ struct Args {
   float scale_log2;
   bool include_prefix;
   int64_t window;        // 0, or the sliding window (positions)
+  float softcap_log2;    // 0, or the logit soft-cap in log2 units (cap * log2(e))
   const int64_t* depth;  // [B, n]: each new token's depth in its tree (window > 0 only)
 };
 
@@ -214,6 +215,11 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     for (int64_t rb = 0; rb < Rp; rb += kMr)
       for (int64_t c = 0; c < nkp; c += kNr)
         micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
+    if (a.softcap_log2 > 0.f) {  // Gemma 2: s = cap * tanh(s / cap), in log2 units
+      const float cap = a.softcap_log2, inv = 1.f / a.softcap_log2;
+      for (int64_t rr = 0; rr < rows; ++rr)
+        for (int64_t t = 0; t < nk; ++t) s[rr * kTile + t] = cap * std::tanh(s[rr * kTile + t] * inv);
+    }
     if (p0 + nk > L)
       for (int64_t rr = 0; rr < rows; ++rr) {
         float* srow = s + rr * kTile;
@@ -321,10 +327,11 @@ AttendFn pick_attend() {
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window) {
+                        int64_t window, double softcap) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                c10::DeviceType::CPU);
   TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "tree_attention: softcap must be >= 0 (0: none), got ", softcap);
   if (d.B == 0) return;
   const at::Tensor cache_len = cache_len_in.contiguous();
   const at::Tensor tree_mask = tree_mask_in.contiguous();
@@ -359,6 +366,7 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   a.Dp = round_up(d.D, kNr);
   a.scale_log2 = static_cast<float>(scale) * kLog2e;
   a.include_prefix = include_prefix;
+  a.softcap_log2 = static_cast<float>(softcap * kLog2e);
   // each new token's depth: the bits of its mask row (its ancestors and itself; bits >= n ignored), less one
   std::vector<int64_t> depth;
   if (window > 0) {

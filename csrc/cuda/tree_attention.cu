@@ -612,11 +612,13 @@ void attn_launch(const AttnParams& P, dim3 grid, int merge_blocks) {
 void tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                          bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                         int64_t window) {
+                         int64_t window, double softcap) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                TS_KERNEL_DEVICE);
   TORCH_CHECK(window == 0, "tree_attention: sliding-window attention (window = ", window, ") is not implemented "
               "in the CUDA kernel (the CPU kernel has it)");
+  TORCH_CHECK(softcap == 0, "tree_attention: attention logit soft-capping (softcap = ", softcap, ") is not "
+              "implemented in the CUDA kernel (the CPU kernel has it)");
   TORCH_CHECK(d.D % 8 == 0, "tree_attention: the CUDA kernel needs a head dim D that is a multiple of 8 "
               "(128-bit loads), got D = ", d.D);
   if (d.B == 0) return;

@@ -24,7 +24,7 @@ from helpers import make_head, make_tiny_model, make_tiny_tokenizer
 
 from test_engine import REPEAT_PROMPT, OracleDrafter, hf_greedy
 
-ARCHS = ["qwen3", "phi3", "olmo2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"]
+ARCHS = ["qwen3", "phi3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe"]
 N_NEW = 30
 
 

@@ -36,6 +36,7 @@ CONFIGS = {
     "phi3-mha-tied": ("phi3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "olmo2": ("olmo2", {}),
     "olmo2-mha-3layers": ("olmo2", dict(num_key_value_heads=4, num_hidden_layers=3)),
+    "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3_text", {}),
     "gemma3-4layers-untied": ("gemma3_text", dict(num_hidden_layers=4, tie_word_embeddings=False)),
     "mixtral": ("mixtral", {}),
@@ -76,7 +77,7 @@ def test_forward_matches_transformers(name):
     assert cfg.qk_norm == {"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "qwen3_moe": "head",
                            "olmoe": "full"}.get(kind)
     assert bool(cfg.num_experts) == (kind in ("mixtral", "qwen3_moe", "olmoe"))
-    assert cfg.norm_layout == {"olmo2": "post", "gemma3_text": "sandwich"}.get(kind, "pre")
+    assert cfg.norm_layout == {"olmo2": "post", "gemma2": "sandwich", "gemma3_text": "sandwich"}.get(kind, "pre")
     assert cfg.head_dim == (getattr(hf.config, "head_dim", None) or cfg.hidden_size // cfg.num_heads)
     assert cfg.num_kv_heads == hf.config.num_key_value_heads
     if "rope_parameters" in overrides:
@@ -349,6 +350,25 @@ def test_sliding_window_refused_where_not_implemented_and_in_self_distillation()
     assert ModelConfig.from_hf(q).sliding_window == 24
 
 
+
+def test_gemma2_batched_self_distillation_equals_the_engine():
+    """The SDPA layer loop of batched self-distillation has no soft-capping: it writes Gemma 2's capped
+    attention out; its greedy continuations (left-padded rows, past the window) equal the engine's."""
+    from turbospec.train import data as distill
+    target = turbospec.load_model(make_tiny_model("gemma2", seed=2, num_hidden_layers=3))
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [4]]
+    eng = turbospec.Engine(target, drafter="none", max_seq_len=64)
+    for p, (resp, _) in zip(prompts, distill.greedy_batch(target, prompts, 30, set())):
+        assert resp == eng.generate(p, 30).token_ids
+
+
+def test_softcap_refused_for_non_gemma_and_off_cpu():
+    cfg = make_tiny_model("llama").config
+    cfg.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 .llama. is not supported"):
+        ModelConfig.from_hf(cfg)
+
+
 def test_unsupported_architecture_in_memory_raises():
     from transformers import GPT2Config, GPT2LMHeadModel
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
@@ -458,7 +478,7 @@ def test_default_model_loads(smollm2_dir, smollm2):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
@@ -500,7 +520,7 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs

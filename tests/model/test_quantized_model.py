@@ -144,7 +144,8 @@ def test_weights_argument_is_checked():
 
 
 @pytest.mark.parametrize("kind,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("phi3", "phi3"),
-                                       ("olmo2", "olmo2"), ("gemma3_text", "gemma3"), ("qwen3_moe", "qwen3moe")])
+                                       ("olmo2", "olmo2"), ("gemma3_text", "gemma3"), ("qwen3_moe", "qwen3moe"),
+                                       ("gemma2", "gemma2")])
 def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, kind, arch):
     """A GGUF written the way llama.cpp's converter writes it (Q8_0 blocks; for "llama" the q/k rows
     permuted for its rotary layout) reads back as the HF weights' blocks in HF row order."""
@@ -174,7 +175,7 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind == "olmo2":  # post-norm layers: the norms of the attention's and the MLP's outputs
         names = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
     shift = 0.0
-    if kind == "gemma3_text":  # sandwich norms, stored by llama.cpp as 1 + weight (HF's norms scale by 1 + weight)
+    if kind in ("gemma2", "gemma3_text"):  # sandwich norms, stored by llama.cpp as 1 + weight (HF's: 1 + weight)
         names = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                  "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
         shift = 1.0
@@ -225,11 +226,13 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
     if kind in ("qwen3", "olmo2", "gemma3_text", "qwen3_moe"):
         for x in "qk":
             assert torch.equal(got[f"layers.0.{x}_norm"], torch.from_numpy(sd[p + f"self_attn.{x}_norm.weight"]))
+    if kind in ("gemma2", "gemma3_text"):
+        assert cfg.norm_layout == "sandwich"
     if kind == "qwen3_moe":
         e1 = got["layers.0.experts.1.gate_up"]
         assert len(e1) == 2 and all(isinstance(w, QuantWeight) for w in e1)
         assert np.array_equal(e1[1].data.numpy(), q8(gate_up[1, half:]))  # expert 1's up rows, blocks intact
-    if kind in ("qwen3", "phi3", "olmo2", "gemma3_text", "qwen3_moe"):
+    if kind in ("qwen3", "phi3", "olmo2", "gemma2", "gemma3_text", "qwen3_moe"):
         # and the model built from the GGUF's tensors computes what HF computes on the Q8_0 weights
         model = Transformer(cfg, got)
         ref = make_tiny_model(kind, hidden_size=64, intermediate_size=96, num_hidden_layers=1,

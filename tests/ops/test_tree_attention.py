@@ -318,6 +318,34 @@ def test_cpu_window_token_in_tree_equals_token_alone():
         assert torch.equal(alone[0, -1], tree_out[0, i])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("case", ["chain_gqa2", "tree_gqa4"])
+def test_cpu_softcap_matches_reference(dtype, window, case):
+    """Attention logit soft-capping (Gemma 2): the kernel (log2 units) against the reference, and the
+    reference against the scores capped by hand through SDPA-free attention."""
+    dev = need_op("cpu")
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=7)
+    lse = torch.full((bsz, hq, n), 123.0)
+    out, lse = ops.tree_attention(*[t.to(dev) for t in inputs], 0.5, lse=lse, window=window, softcap=2.0)
+    ref_out, ref_lse = reference.tree_attention(*inputs, 0.5, window=window, softcap=2.0)
+    assert_close(out, lse, ref_out, ref_lse, dtype, f"{case} softcap")
+    plain, _ = reference.tree_attention(*inputs, 0.5, window=window)
+    assert (plain.float() - ref_out.float()).abs().max() > 1e-2  # the cap matters at this scale
+
+
+def test_reference_softcap_is_tanh_of_the_scores():
+    q, k, v, cache_len, packed = make_inputs(1, 3, 2, 2, 12, 8, [5], "chain", seed=2)
+    out, _ = reference.tree_attention(q, k, v, cache_len, packed, 0.7, softcap=1.5)
+    for i in range(3):
+        keys = list(range(5)) + [5 + j for j in range(i + 1)]
+        for h in range(2):
+            s = (k[0, h, keys] @ q[0, i, h]) * 0.7
+            p = torch.softmax(1.5 * torch.tanh(s / 1.5), 0)
+            torch.testing.assert_close(out[0, i, h], p @ v[0, h, keys], atol=1e-5, rtol=1e-5)
+
+
 def test_window_must_not_be_negative():
     need_op("cpu")
     inputs = make_inputs(1, 2, 2, 2, 10, 8, [3], seed=1)
@@ -325,6 +353,8 @@ def test_window_must_not_be_negative():
         ops.tree_attention(*inputs, 0.3, window=-1)
     with pytest.raises(ValueError, match="window must be >= 0"):
         reference.tree_attention(*inputs, 0.3, window=-1)
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        ops.tree_attention(*inputs, 0.3, softcap=-1.0)
 
 
 # ----------------------------------------------------------------------------------------------

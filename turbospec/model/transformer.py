@@ -25,7 +25,7 @@ from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text", "mixtral",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3_text", "mixtral",
                          "qwen3_moe", "olmoe")
 
 
@@ -64,6 +64,9 @@ class ModelConfig:
     # the rotary embedding of the sliding-window layers when it differs from the others' (Gemma 3)
     rope_local_theta: float | None = None
     rope_local_scaling: dict | None = None
+    # logit soft-capping (Gemma 2): attention scores s -> cap * tanh(s / cap), and the final logits
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     # mixture of experts (Mixtral, Qwen3-MoE, OLMoE): each token's MLP is the weighted sum of the
     # ``experts_per_token`` experts its router scores highest (softmax; renormalised over those when
     # ``moe_norm_topk``), in the layers ``moe_layers`` lists (the others have a dense MLP)
@@ -95,18 +98,19 @@ class ModelConfig:
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} (architectures {getattr(cfg, 'architectures', None)}) is "
                              f"not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)} "
-                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 3, SmolLM2; "
+                             f"(Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Phi-3/Phi-4, OLMo 2, Gemma 2/3, SmolLM2; "
                              f"mixtures of experts: Mixtral, Qwen3-MoE, OLMoE)")
-        gemma = mt == "gemma3_text"
+        gemma = mt in ("gemma2", "gemma3_text")
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None) or "silu"
         activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}.get(act)
         if activation is None or (activation == "gelu_tanh" and not gemma):
             raise ValueError(f"hidden_act {act!r} ({mt}) is not supported; only 'silu' (and Gemma's "
                              f"'gelu_pytorch_tanh')")
-        for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(cfg, cap, None) is not None:
-                raise ValueError(f"{cap}={getattr(cfg, cap)} ({mt}) is not supported: logit soft-capping is not "
-                                 f"implemented")
+        caps = {c: getattr(cfg, c, None) for c in ("attn_logit_softcapping", "final_logit_softcapping")}
+        for cap, v in caps.items():
+            if v is not None and (not gemma or float(v) <= 0):
+                raise ValueError(f"{cap}={v} ({mt}) is not supported: logit soft-capping is implemented for "
+                                 f"Gemma 2 / 3 (a positive cap) only")
         # Llama / Mistral / Qwen3's attention_bias puts biases on q, k, v *and* o; mlp_bias on the MLP's
         # three projections: neither is implemented (Qwen2's q/k/v biases are)
         for flag in ("attention_bias", "mlp_bias"):
@@ -159,7 +163,8 @@ class ModelConfig:
             model_type=mt, eos_token_ids=eos, sliding_window=int(window) if window else None,
             layer_windows=layer_windows,
             qk_norm={"qwen3": "head", "olmo2": "full", "gemma3_text": "head", "qwen3_moe": "head", "olmoe": "full"}.get(mt),
-            norm_layout={"olmo2": "post", "gemma3_text": "sandwich"}.get(mt, "pre"), activation=activation,
+            norm_layout="sandwich" if gemma else {"olmo2": "post"}.get(mt, "pre"), activation=activation,
+            attn_softcap=caps["attn_logit_softcapping"], final_softcap=caps["final_logit_softcapping"],
             embed_scale=float(cfg.hidden_size) ** 0.5 if gemma else None,
             attn_scale=float(cfg.query_pre_attn_scalar) ** -0.5 if gemma else None,
             rope_local_theta=local_theta, rope_local_scaling=local_scaling, **_moe_fields(cfg, mt))
@@ -260,6 +265,19 @@ class Linear:
         return F.linear(x, w.to(x.dtype), self.bias)
 
 
+class CappedLinear(Linear):
+    """An LM head whose logits are soft-capped (Gemma 2): cap * tanh(logits / cap), in the logits' dtype
+    as transformers computes them. Every row alone, so the lazy LM head's rows keep their bits."""
+
+    def __init__(self, weight, bias: Tensor | None = None, cap: float = 30.0):
+        super().__init__(weight, bias)
+        self.cap = float(cap)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = super().__call__(x)
+        return torch.tanh(y / self.cap) * self.cap
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if _CPU_RMS_NORM and x.device.type == "cpu" and weight.dtype == x.dtype \
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
@@ -326,7 +344,10 @@ class Transformer:
         self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
                        for i in range(cfg.num_layers)]
         head = weights.get("lm_head", embed)
-        self.lm_head = Linear(head)
+        self.lm_head = Linear(head) if cfg.final_softcap is None else CappedLinear(head, cap=cfg.final_softcap)
+        if cfg.attn_softcap is not None and self.device.type != "cpu":
+            raise ValueError(f"attention logit soft-capping ({cfg.model_type}: attn_logit_softcapping "
+                             f"{cfg.attn_softcap}) is implemented on CPU only, not on {self.device.type}")
         # [V, H] dense; draft heads share it (tied: the embedding itself)
         self.lm_head_weight = self.embed if head is embed else (head.dequantize(self.dtype)
                                                                 if isinstance(head, QuantWeight) else head)
@@ -459,7 +480,7 @@ class Transformer:
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], None, self._cpp_layout, self._cpp_windows,
-                self._cpp_act)
+                self._cpp_act, cfg.attn_softcap or 0.0)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -504,7 +525,8 @@ class Transformer:
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
-            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale, window=self.windows[li])
+            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale, window=self.windows[li],
+                                        softcap=self.cfg.attn_softcap or 0.0)
             return out
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -528,8 +550,16 @@ class Transformer:
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
             m = windowed[self.windows[li]] if self.windows[li] else mask
-            out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total], vc[:, :, :total],
-                                                 attn_mask=m, scale=self.scale, enable_gqa=True)
+            if self.cfg.attn_softcap:  # SDPA has no soft-capping: the attention written out (Gemma 2)
+                group = q.shape[2] // kc.shape[1]
+                keys = kc[:, :, :total].repeat_interleave(group, 1).float()
+                vals = vc[:, :, :total].repeat_interleave(group, 1).float()
+                sc = torch.einsum("bnhd,bhkd->bhnk", q.float(), keys) * self.scale
+                sc = (torch.tanh(sc / self.cfg.attn_softcap) * self.cfg.attn_softcap).masked_fill(~m, float("-inf"))
+                out = torch.einsum("bhnk,bhkd->bhnd", torch.softmax(sc, dim=-1), vals).to(kc.dtype)
+            else:
+                out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total],
+                                                     vc[:, :, :total], attn_mask=m, scale=self.scale, enable_gqa=True)
             return out.transpose(1, 2)
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -672,7 +702,7 @@ class Transformer:
                 self.embed_tokens(input_ids), cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], cache_len, self._cpp_layout, self._cpp_windows,
-                self._cpp_act)
+                self._cpp_act, cfg.attn_softcap or 0.0)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -690,7 +720,7 @@ class Transformer:
                 kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
                 vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
             out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, cache_len, tree_mask_packed, self.scale,
-                                        window=self.windows[li])
+                                        window=self.windows[li], softcap=self.cfg.attn_softcap or 0.0)
             return out
 
         x, captured = self._decoder(self.embed_tokens(input_ids), cos, sin, attend, capture)

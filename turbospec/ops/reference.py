@@ -750,7 +750,8 @@ def unpack_tree_mask(tree_mask_packed: Tensor, n: int) -> Tensor:
 
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
-                   scale: float, include_prefix: bool = True, window: int = 0) -> tuple[Tensor, Tensor]:
+                   scale: float, include_prefix: bool = True, window: int = 0,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """The attention of the target's verify pass: n new tokens (a chain or a draft tree) attend a
     static KV cache that already holds their own keys and values.
 
@@ -769,6 +770,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
             i, at position ``cache_len[b] + depth_i`` (depth_i = the number of bits set in its mask
             row, less one: its ancestors), attends only keys at positions > its own - window; the
             prefix key in slot s is at position s, new token j at ``cache_len[b] + depth_j``.
+        softcap: 0, or attention logit soft-capping (Gemma 2): each score s = scale * q.k becomes
+            softcap * tanh(s / softcap) before the mask and the softmax.
     Returns:
         out: [B, n, Hq, D] in q's dtype, ``softmax(scale * q k^T) v`` over the attended keys
             (float32 math); a row that attends no key is 0.
@@ -791,6 +794,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
     lse = torch.full((bsz, hq, n), float("-inf"), dtype=torch.float32, device=dev)
     if window < 0:
         raise ValueError(f"tree_attention: window must be >= 0 (0: none), got {window}")
+    if softcap < 0:
+        raise ValueError(f"tree_attention: softcap must be >= 0 (0: none), got {softcap}")
     tree = unpack_tree_mask(tree_mask_packed.to(dev), n)
     depth = tree.sum(-1) - 1  # [B, n]: a token's mask row is its ancestors and itself
     for b in range(bsz):
@@ -806,6 +811,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
             key_pos = torch.cat([torch.arange(lo, length, device=dev), length + depth[b]])        # [K]
             allowed &= key_pos[None, :] > (length + depth[b])[:, None] - window
         scores = torch.einsum("ihd,hkd->hik", q[b].float(), keys) * scale              # [Hq, n, K]
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         row_lse = torch.logsumexp(scores, -1)                                           # [Hq, n]
         p = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])

@@ -224,7 +224,7 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
                    scale: float, include_prefix: bool = True, out: Tensor | None = None,
-                   lse: Tensor | None = None, window: int = 0) -> tuple[Tensor, Tensor | None]:
+                   lse: Tensor | None = None, window: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """The attention of the target's verify pass over one layer's static KV cache; see
     ``reference.tree_attention``.
 
@@ -235,8 +235,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
     ``include_prefix=False`` attends the tree keys only: merge with a prefix part by
     ``merge_attention``. Never reads device values on the host (CUDA-graph safe); the CPU kernel
     raises when ``cache_len + n > S``, the CUDA kernel makes such a row attend nothing (out 0,
-    lse -inf). ``window`` > 0: sliding-window attention over that many positions (CPU kernel and
-    reference; the CUDA kernel refuses it).
+    lse -inf). ``window`` > 0: sliding-window attention over that many positions; ``softcap`` > 0:
+    attention logit soft-capping (CPU kernel and reference; the CUDA kernel refuses both).
     """
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_len", cache_len),
                     ("tree_mask_packed", tree_mask_packed), ("out", out), ("lse", lse)):
@@ -248,10 +248,10 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _runs("tree_attention", q.device):
         torch.ops.turbospec.tree_attention.default(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
-                                                   bool(include_prefix), out, lse, int(window))
+                                                   bool(include_prefix), out, lse, int(window), float(softcap))
     else:
         o, l = reference.tree_attention(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
-                                        bool(include_prefix), int(window))
+                                        bool(include_prefix), int(window), float(softcap))
         out.copy_(o)
         if lse is not None:
             lse.copy_(l)
@@ -635,7 +635,7 @@ if _EXTENSION:
     if hasattr(torch.ops.turbospec, "tree_attention"):  # an older build may lack the op
         @torch.library.register_fake("turbospec::tree_attention")
         def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse,
-                                 window=0):
+                                 window=0, softcap=0.0):
             _check_tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, out, lse)
             return None
 

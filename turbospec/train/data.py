@@ -67,7 +67,7 @@ def target_fingerprint(target: Transformer) -> str:
     later = {"sliding_window": None, "layer_windows": None, "qk_norm": None, "norm_layout": "pre", "activation": "silu",
              "embed_scale": None, "attn_scale": None, "rope_local_theta": None, "rope_local_scaling": None,
              "num_experts": 0, "experts_per_token": 0, "moe_intermediate_size": 0, "moe_norm_topk": False,
-             "moe_layers": None}
+             "moe_layers": None, "attn_softcap": None, "final_softcap": None}
     h = hashlib.sha1(repr(sorted((k, v) for k, v in vars(target.cfg).items()
                                  if not (k in later and v == later[k]))).encode())
     for t in (target.embed[:8], target.embed[-8:], target.norm):

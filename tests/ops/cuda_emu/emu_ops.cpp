@@ -26,7 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& len,
                              const at::Tensor& mask, double scale, bool include_prefix, const at::Tensor& out,
                              const std::optional<at::Tensor>& lse) {
-    turbospec::gpu::tree_attention_cuda(q, k, v, len, mask, scale, include_prefix, out, lse, 0);
+    turbospec::gpu::tree_attention_cuda(q, k, v, len, mask, scale, include_prefix, out, lse, 0, 0.0);
   });
   m.def("add_rms_norm", &turbospec::gpu::add_rms_norm_cuda);
   m.def("set_norm_loop", [](bool on) { turbospec::gpu::norm_emu_loop = on; },
