@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -55,25 +56,52 @@ def _engine(args, **extra):
 
 
 def _generate(args) -> int:
-    from .ops.sampling import SamplingParams
+    from .ops.sampling import MAX_TOP_LOGPROBS, SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"--logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives shown per token), "
+                         f"got {args.logprobs}")
     engine = _engine(args)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)
+    if args.logprobs is not None:
+        kw.update(logprobs=True, top_logprobs=args.logprobs)
     stats: dict = {}
+    logprobs = []
     for piece in engine.stream(prompt, stats=stats, **kw):
+        if args.logprobs is not None:
+            piece, lps = piece
+            logprobs.extend(lps)
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if args.logprobs is not None:
+        print_logprobs(engine.tokenizer, logprobs)
     acc = ", ".join("-" if a is None else f"{a:.2f}" for a in stats["accept_per_position"])
     print(f"[turbospec] {stats['new_tokens']} tokens in {stats['total_s']:.2f} s: "
           f"{stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f} over {stats['verify_steps']} verify "
           f"steps (drafter {engine.drafter.name if engine.drafter else 'none'}; acceptance by position: {acc}; "
           f"finish: {stats['finish_reason']})", file=sys.stderr)
     return 0
+
+
+def print_logprobs(tokenizer, logprobs, out=None) -> None:
+    """One line per generated token: its index, text, log-probability (and probability), then the
+    alternatives, most likely first."""
+    from .decode.text import TokenPieces
+    out = sys.stdout if out is None else out
+    pieces = TokenPieces(tokenizer)
+    show = lambda t: repr(pieces.text(t))  # noqa: E731 (quotes make spaces and newlines visible)
+    width = max((len(show(e.token_id)) for e in logprobs), default=5)
+    print(f"\n{'#':>4}  {'token':<{width}}  {'logprob':>9}  {'prob':>6}" +
+          ("  top alternatives (logprob)" if any(e.top for e in logprobs) else ""), file=out)
+    for i, e in enumerate(logprobs):
+        alts = "  ".join(f"{show(t)} {lp:.4f}" for t, lp in e.top)
+        print(f"{i:>4}  {show(e.token_id):<{width}}  {e.logprob:>9.4f}  {math.exp(e.logprob):>6.1%}"
+              + (f"  {alts}" if alts else ""), file=out)
 
 
 def _audit(args) -> int:
@@ -179,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="after the text, list every generated token with its log-probability under the "
+                        "distribution it was drawn from and the N (0-20) likeliest alternatives")
 
     sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (batched speculative decoding)")
     _add_engine_args(sv)

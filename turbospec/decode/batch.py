@@ -14,6 +14,10 @@ prompt is prefilled into it alone), and leave when they finish (or fail, or are 
 slot for the next one. ``run_batch`` drives it to the end for ``Engine.generate([...])``; the server's
 ``AsyncEngine`` drives it from a thread as requests arrive.
 
+A request that asks for log-probabilities gets them for its accepted path's rows in the same host
+read (``decode.step``; one float64 copy then), computed from its own rows with its own sampling
+parameters; the others' rows are untouched.
+
 Every row's numbers are its own: the linears, norms and attention reduce in one order per row
 whatever else is in the pass, and a request's coins come from its own generator, so a request's
 output does not depend on its neighbours (greedy: identical to decoding it alone; seeded sampling:
@@ -38,6 +42,7 @@ from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops import nvtx
 from ..ops.reference import MAX_TREE_NODES
+from ..ops.sampling import path_logprobs, read_logprobs
 from .loop import Sequence
 from .step import NonFiniteLogitsError, prefill
 
@@ -123,10 +128,11 @@ class BatchStep:
 
     @torch.inference_mode()
     def step(self, rows: dict[int, Sequence], parked: dict[int, int] | None = None
-             ) -> dict[int, tuple[list[int], int, Tensor | None, list[int] | None]]:
+             ) -> dict[int, tuple[list[int], int, Tensor | None, list[int] | None, list | None]]:
         """One verify pass over the planned drafts of ``rows`` (slot -> request). Returns, per slot,
         (emitted tokens, accepted drafts, the drafter's features of the root and the accepted nodes,
-        the target's argmax at the root and each draft node when ``node_argmax`` is set, else None);
+        the target's argmax at the root and each draft node when ``node_argmax`` is set, else None,
+        the emitted tokens' ``TokenLogprob``s when the request asked for them, else None);
         a row whose logits were not finite gets a ``NonFiniteLogitsError`` in place of its tokens.
         ``parked``: slots holding a prompt being prefilled in chunks (slot -> tokens in the cache);
         when they ride along as padding rows, they write after their prefix, never over it."""
@@ -154,6 +160,7 @@ class BatchStep:
         with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
         probs = st.probs(bsz, n, self.target.cfg.vocab_size).zero_() if with_probs else None
         trees = False
+        path_len: dict[int, int] = {}  # rows that want log-probabilities -> the most nodes on their path
         for b, length in (parked or {}).items():
             if b < bsz:
                 cache_len[b] = length
@@ -177,6 +184,8 @@ class BatchStep:
                 parents[b, 1:k + 1] = torch.tensor(d.parents)
                 packed[b, :k + 1] = pk[0]
             positions[b, :k + 1] = s.cache_len + depth
+            if s.logprobs is not None:
+                path_len[b] = int(depth.max()) + 1
             positions[b, k + 1:] = s.cache_len  # padding: the root's position (attends only itself)
             uniform[b, :k + 1] = s.uniform()
             temperature[b], top_k[b], top_p[b] = s.params.temperature, s.params.top_k, s.params.top_p
@@ -198,7 +207,17 @@ class BatchStep:
                 None if probs is None else st.to_device("probs", probs), st.to_device("uniform", uniform),
                 st.to_device("temperature", temperature), st.to_device("top_k", top_k), st.to_device("top_p", top_p))
             parts = (accept_len, emitted.flatten()) + ((logits.argmax(-1).flatten(),) if self.node_argmax else ())
-            host = torch.cat(parts).tolist()  # the one host read of the step
+            if not path_len:
+                host = torch.cat(parts).tolist()  # the one host read of the step
+            else:  # with the log-probabilities of the rows that asked: one float64 read
+                lps = [path_logprobs(logits[b, accept_index[b, :m].clamp(min=0)], emitted[b, :m], rows[b].params,
+                                     rows[b].logprobs) for b, m in path_len.items()]
+                host = torch.cat([p.double() for p in parts] + lps).tolist()
+                n_int = sum(p.numel() for p in parts)
+                lp_host, lp_at, at = host[n_int:], {}, 0
+                for b, t in zip(path_len, lps):
+                    lp_at[b], at = at, at + t.numel()
+                host = [int(v) for v in host[:n_int]]
         if trees:
             with nvtx.range("compact"):
                 ops.compact_kv(self.cache.rows(0, bsz).tensors(), cache_len_d, accept_index, accept_len)
@@ -208,7 +227,7 @@ class BatchStep:
             if n_acc < 0:  # this row's failure only: the scheduler fails its request, the others go on
                 results[b] = (NonFiniteLogitsError(
                     f"the target produced non-finite logits (NaN/inf) for the request in slot {b} at position "
-                    f"{rows[b].cache_len}; no token was emitted"), n_acc, None, None)
+                    f"{rows[b].cache_len}; no token was emitted"), n_acc, None, None, None)
                 continue
             toks = host[bsz + b * n: bsz + b * n + n_acc + 1]
             f = None if feats is None else feats[b, accept_index[b, : n_acc + 1]]
@@ -216,7 +235,10 @@ class BatchStep:
             if self.node_argmax:
                 k = 0 if rows[b].draft is None else len(rows[b].draft)
                 amax = host[bsz + bsz * n + b * n: bsz + bsz * n + b * n + k + 1]
-            results[b] = (toks, n_acc, f, amax)
+            lp = None
+            if b in path_len:
+                lp = read_logprobs(lp_host[lp_at[b]:], toks, rows[b].params, rows[b].logprobs, logits.shape[-1])
+            results[b] = (toks, n_acc, f, amax, lp)
         return results
 
 
@@ -233,6 +255,8 @@ class Request:
     seed: int | None = None
     speculate: bool = True  # False: plain decoding for this request (no drafts)
     stop_token_ids: object = None  # token ids that end the request as EOS does (kept as its last token)
+    logprobs: bool | None = None  # each token's log-probability on its Generation (``ops.sampling``)
+    top_logprobs: int | None = None  # and this many alternatives (0-20; needs logprobs=True)
 
 
 @dataclass
@@ -358,14 +382,15 @@ class Scheduler:
         if self.budget is not None:
             n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in decoding.values())
             self.budget.record((max(decoding) + 1) * n, seconds)
-        for slot, (toks, n_acc, feats, node_argmax) in results.items():
+        for slot, (toks, n_acc, feats, node_argmax, lps) in results.items():
             job = self.active[slot]
             if isinstance(toks, Exception):
                 self.leave(job, toks)
                 out.append(StepOutput(job, []))
                 continue
             proposed = 0 if job.seq.draft is None else len(job.seq.draft)
-            kept = job.seq.commit(toks, n_acc, feats, verify_seconds=seconds, node_argmax=node_argmax)
+            kept = job.seq.commit(toks, n_acc, feats, verify_seconds=seconds, node_argmax=node_argmax,
+                                  logprobs=lps)
             finished = job.seq.finish is not None
             out.append(StepOutput(job, kept, proposed, n_acc, finished))
             if finished:

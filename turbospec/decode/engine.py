@@ -20,13 +20,13 @@ from ..model.loader import default_model_path, load_model, load_tokenizer, parse
 from ..model.quant import weight_mode
 from ..model.transformer import Transformer
 from ..ops.reference import MAX_TREE_NODES
-from ..ops.sampling import SamplingParams
+from ..ops.sampling import SamplingParams, TokenLogprob, check_logprobs
 from . import loop, text
 from .batch import BatchStep, Job, Request, run_batch
 from .loop import Generation
 from .step import NonFiniteLogitsError, VerifyStep
 
-__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "DRAFTERS"]
+__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "TokenLogprob", "DRAFTERS"]
 
 
 class Engine:
@@ -181,8 +181,10 @@ class Engine:
         ``chat=False``; a list of {"role", "content"} dicts is a conversation; ids pass through."""
         return text.encode(self.tokenizer, self.target.cfg.vocab_size, prompt, chat)
 
-    def _request(self, prompt, chat, max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids=None):
+    def _request(self, prompt, chat, max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids=None,
+                 logprobs=False, top_logprobs=0):
         params = SamplingParams(temperature, top_k, top_p)
+        top = check_logprobs(logprobs, top_logprobs)
         stop = text.stop_strings(stop, self.tokenizer)
         stop_ids = self._check_stop_token_ids(stop_token_ids)
         ids = self.encode(prompt, chat)
@@ -193,7 +195,7 @@ class Engine:
                              f"{len(ids) + max_new_tokens} exceeds the KV cache (max_seq_len "
                              f"{self.max_seq_len}); shorten the prompt, lower max_new_tokens or build "
                              f"the Engine with a larger max_seq_len")
-        return ids, params, (stop, stop_ids)
+        return ids, params, (stop, stop_ids, top)
 
     def _check_stop_token_ids(self, stop_token_ids) -> frozenset[int]:
         """Extra token ids that end a request as EOS does (kept as its last token): a list of ids
@@ -209,7 +211,7 @@ class Engine:
     def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
              seed: int | None, stats: dict) -> Iterator[list[int]]:
         seq = self._sequence(ids, max_new_tokens, params, stop, seed, stats, self.drafter, carry_over=True)
-        return loop.run(self.verifier, seq)
+        return seq, loop.run(self.verifier, seq)
 
     def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
                   seed: int | None, stats: dict, drafter: Drafter | None, carry_over: bool = False) -> loop.Sequence:
@@ -225,15 +227,15 @@ class Engine:
         if carry_over and budget.timed:  # what the last generation measured (the machine's costs)
             budget.carry_over(self._last_budget)
             self._last_budget = budget
-        stop, stop_ids = stop  # (stop strings, stop token ids)
+        stop, stop_ids, top = stop  # (stop strings, stop token ids, logprobs: None or alternatives per token)
         matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
         ends = self.eos_token_ids | stop_ids if stop_ids else self.eos_token_ids
         return loop.Sequence(ids, max_new_tokens, params, drafter, budget, self.num_draft,
-                             self.target.cfg.vocab_size, ends, matcher, generator, stats)
+                             self.target.cfg.vocab_size, ends, matcher, generator, stats, logprobs=top)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
-                 stop_token_ids=None) -> Generation | list[Generation]:
+                 stop_token_ids=None, logprobs: bool = False, top_logprobs: int = 0) -> Generation | list[Generation]:
         """Generate a completion. ``prompt``: text (chat template applied unless chat=False),
         a list of messages, or token ids. Greedy when temperature == 0.
 
@@ -247,25 +249,38 @@ class Engine:
         ``stop_token_ids``: token ids that end the completion as EOS does (the token is its last one,
         finish_reason "eos"), with speculation as without.
 
+        ``logprobs=True``: ``Generation.logprobs`` holds, for every generated token in order, a
+        ``TokenLogprob`` (token id, log-probability, and the ``top_logprobs`` (0-20) likeliest
+        alternatives as (id, logprob) pairs) under the distribution the token was drawn from:
+        greedy, the log_softmax of the target's logits; sampling, the log of the processed
+        distribution (temperature, top-k, top-p) ``verify`` samples from, -inf for a filtered-out
+        token (see ``turbospec.ops.sampling``). The numbers are the same with speculation as without
+        (fp32 greedy on CPU: bit for bit); they come back with each step's one host read, and a
+        request without logprobs computes none of them.
+
         Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
         verify_steps, tau (mean tokens emitted per verify step, bonus included),
         accept_per_position, tokens_per_s, draft_s / verify_s / prefill_s, finish_reason.
         """
         if _is_batch(prompt):
             return self._generate_batch(list(prompt), Request(None, max_new_tokens, temperature, top_k, top_p, stop,
-                                                              seed, stop_token_ids=stop_token_ids), chat)
+                                                              seed, stop_token_ids=stop_token_ids, logprobs=logprobs,
+                                                              top_logprobs=top_logprobs), chat)
         ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
-                                          stop_token_ids)
+                                          stop_token_ids, logprobs, top_logprobs)
         stats: dict = {}
         out: list[int] = []
-        for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
+        seq, steps = self._run(ids, max_new_tokens, params, stop, seed, stats)
+        for new in steps:
             out.extend(new)
-        return self._generation(ids, out, stats)
+        return self._generation(ids, out, stats, seq.token_logprobs)
 
-    def _generation(self, ids: list[int], out: list[int], stats: dict) -> Generation:
+    def _generation(self, ids: list[int], out: list[int], stats: dict,
+                    logprobs: list[TokenLogprob] | None = None) -> Generation:
         stop_end = stats.pop("stop_text_end", None)
         completion = None if self.tokenizer is None else text.final_text(self.tokenizer, out, stop_end)
-        return Generation(completion, out, ids, stats["finish_reason"], stats)
+        return Generation(completion, out, ids, stats["finish_reason"], stats,
+                          None if logprobs is None else list(logprobs[: len(out)]))
 
     def _generate_batch(self, prompts: list, defaults: Request, chat) -> list[Generation]:
         jobs = []
@@ -289,7 +304,7 @@ class Engine:
         ValueError naming the bad field."""
         defaults = defaults or Request(None)
         base = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None,
-                    stop_token_ids=None)
+                    stop_token_ids=None, logprobs=False, top_logprobs=0)
         pick = {}
         for f, v in base.items():
             for source in (request, defaults):
@@ -298,7 +313,8 @@ class Engine:
                     break
             pick[f] = v
         ids, params, stop = self._request(request.prompt, chat, pick["max_new_tokens"], pick["temperature"],
-                                          pick["top_k"], pick["top_p"], pick["stop"], pick["stop_token_ids"])
+                                          pick["top_k"], pick["top_p"], pick["stop"], pick["stop_token_ids"],
+                                          pick["logprobs"], pick["top_logprobs"])
         speculate = bool(request.speculate) and self.drafter is not None
         # the drafter is the slot's, set when the request takes a slot (Scheduler)
         seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], {},
@@ -321,7 +337,7 @@ class Engine:
 
     def generation(self, job: Job, out: list[int]) -> Generation:
         """A finished job's ``Generation`` (``out``: the tokens it kept)."""
-        return self._generation(job.seq.ids, out, job.seq.stats)
+        return self._generation(job.seq.ids, out, job.seq.stats, job.seq.token_logprobs)
 
     def slot_drafter(self, slot: int) -> Drafter | None:
         """The drafter of batch slot ``slot`` (one per slot, built on first use)."""
@@ -331,24 +347,34 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
-               stats: dict | None = None, stop_token_ids=None) -> Iterator[str]:
+               stats: dict | None = None, stop_token_ids=None, logprobs: bool = False,
+               top_logprobs: int = 0) -> Iterator[str] | Iterator[tuple[str, list[TokenLogprob]]]:
         """Yield the completion's text as tokens are accepted (needs a tokenizer). Pass a dict as
-        ``stats`` to receive the statistics when the stream ends."""
+        ``stats`` to receive the statistics when the stream ends.
+
+        With ``logprobs=True`` (see ``generate``) it yields (text, logprobs) pairs instead: after
+        every verify step that kept tokens, the text they complete (possibly "", while a character
+        or a possible stop string is undecided) and those tokens' ``TokenLogprob``s; text still held
+        back when the stream ends comes last as (text, [])."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use generate() with token ids instead")
         ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
-                                          stop_token_ids)
+                                          stop_token_ids, logprobs, top_logprobs)
         stats = {} if stats is None else stats
         out: list[int] = []
         shown = text.TextStream(self.tokenizer, stop[0])
-        for new in self._run(ids, max_new_tokens, params, stop, seed, stats):
+        seq, steps = self._run(ids, max_new_tokens, params, stop, seed, stats)
+        for new in steps:
             out.extend(new)
             delta = shown.push(out, stats.get("stop_text_end"))
-            if delta:
+            if seq.token_logprobs is not None:
+                if new or delta:
+                    yield delta, seq.token_logprobs[len(out) - len(new): len(out)]
+            elif delta:
                 yield delta
         delta = shown.finish(out, stats.pop("stop_text_end", None))
         if delta:
-            yield delta
+            yield (delta, []) if seq.token_logprobs is not None else delta
 
 
 def _is_batch(prompt) -> bool:

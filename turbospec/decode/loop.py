@@ -12,7 +12,7 @@ from torch import Tensor
 from ..drafters.base import Draft, Drafter
 from ..drafters.budget import DraftBudget
 from ..ops import nvtx
-from ..ops.sampling import SamplingParams
+from ..ops.sampling import SamplingParams, TokenLogprob
 from .step import VerifyStep
 from .text import StopMatcher
 
@@ -24,6 +24,10 @@ class Generation:
     prompt_token_ids: list[int]
     finish_reason: str            # "eos", "stop", "length"
     stats: dict = field(default_factory=dict)
+    # with logprobs=True: one ``TokenLogprob`` per token of ``token_ids`` (its log-probability under
+    # the distribution it was drawn from and the top_logprobs alternatives; ``ops.sampling``); None
+    # when not asked for
+    logprobs: list[TokenLogprob] | None = None
 
 
 def check_draft(draft: Draft, max_tokens: int, vocab: int) -> None:
@@ -58,8 +62,12 @@ class Sequence:
 
     def __init__(self, ids: list[int], max_new_tokens: int, params: SamplingParams, drafter: Drafter | None,
                  budget: DraftBudget, num_draft: int, vocab: int, eos_token_ids: set[int],
-                 stop: StopMatcher | None, generator: torch.Generator | None, stats: dict):
+                 stop: StopMatcher | None, generator: torch.Generator | None, stats: dict,
+                 logprobs: int | None = None):
         self.ids, self.max_new_tokens, self.params = ids, max_new_tokens, params
+        # log-probabilities: None (off) or the number of alternatives per token; one entry per kept token
+        self.logprobs = logprobs
+        self.token_logprobs: list[TokenLogprob] | None = None if logprobs is None else []
         self.drafter, self.budget, self.vocab = drafter, budget, vocab
         self.eos_token_ids, self.stop, self.generator, self.stats = eos_token_ids, stop, generator, stats
         self.tokens = list(ids)
@@ -131,10 +139,11 @@ class Sequence:
         return torch.rand(1, k + 1, generator=self.generator)[0]
 
     def commit(self, new: list[int], n_acc: int, features: Tensor | None, verify_seconds: float | None = None,
-               node_argmax: list[int] | None = None) -> list[int]:
+               node_argmax: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Take the step's emitted tokens (``n_acc`` accepted drafts + 1); returns those kept (cut at
         max_new_tokens and after an EOS). Sets ``finish`` when the request is done. ``node_argmax``:
-        the target's argmax at every node of the step, for a drafter that reads it."""
+        the target's argmax at every node of the step, for a drafter that reads it. ``logprobs``:
+        the emitted tokens' log-probabilities (when the request asked for them), kept as the tokens are."""
         draft = self.draft
         t3 = time.perf_counter()
         verify_seconds = t3 - self._t_plan if verify_seconds is None else verify_seconds
@@ -153,6 +162,8 @@ class Sequence:
                 new, self.finish = new[: j + 1], "eos"
                 break
         self.tokens.extend(new)
+        if self.token_logprobs is not None:
+            self.token_logprobs.extend(logprobs[: len(new)])
         self.emitted += len(new)
         if self.stop is not None and self.finish is None:
             end = self.stop.find(self.tokens[len(self.ids):])
@@ -189,5 +200,6 @@ def run(step: VerifyStep, seq: Sequence) -> Iterator[list[int]]:
     seq.start(*step.prefill(seq.ids))
     while seq.finish is None:
         draft = seq.plan()
-        new, n_acc, feats, node_argmax = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator)
-        yield seq.commit(new, n_acc, feats, node_argmax=node_argmax)
+        new, n_acc, feats, node_argmax, lps = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator,
+                                                        logprobs=seq.logprobs)
+        yield seq.commit(new, n_acc, feats, node_argmax=node_argmax, logprobs=lps)

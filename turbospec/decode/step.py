@@ -11,7 +11,15 @@ The LM head's rows are batch-invariant there, so every row read has the bits the
 it and the step's result is the same; SmolLM2's LM head over 64 rows costs 49 ms, as much as six
 one-token steps, and over 4 rows 2.5 ms. A drafter that reads the target's argmax at every node
 (``Drafter.wants_node_argmax``: lookahead decoding) gets every row's logits instead, and the argmax
-of each comes back in the same host read as ``accept_len``."""
+of each comes back in the same host read as ``accept_len``.
+
+Log-probabilities (a request's ``logprobs``; ``ops.sampling``): after ``verify``, still on the
+device, the rows of the accepted path (``accept_index``, as deep as the draft; padded entries point
+at the root) give each emitted token's log-probability and the top alternatives
+(``path_logprobs``), and they come back in the same host read as ``accept_len`` (one float64 copy:
+token ids are exact there); the host keeps the ``accept_len + 1`` nodes that emitted. On the lazy
+path those rows are exactly the ones computed, so nothing more of the LM head runs. A request
+without logprobs does none of this."""
 from __future__ import annotations
 
 import torch
@@ -24,7 +32,7 @@ from ..model.runner import TargetRunner
 from ..model.transformer import Transformer
 from ..ops import nvtx
 from ..ops.reference import MAX_TREE_NODES
-from ..ops.sampling import SamplingParams
+from ..ops.sampling import SamplingParams, TokenLogprob, path_logprobs, read_logprobs
 
 
 # A pass over more nodes than this computes its LM head lazily on CPU, this many rows per round: on
@@ -84,11 +92,15 @@ class VerifyStep:
         return prefill(self.target, self.cache, ids, self.features)
 
     def step(self, tokens: list[int], cache_len: int, draft: Draft | None, params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[list[int], int, Tensor | None, list[int] | None]:
+             generator: torch.Generator | None, logprobs: int | None = None
+             ) -> tuple[list[int], int, Tensor | None, list[int] | None, list[TokenLogprob] | None]:
         """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts, the
         target features of the root and the accepted nodes [n + 1, F] when the drafter reads them,
-        the target's argmax at the root and every draft node [k + 1] when ``node_argmax`` is set)."""
+        the target's argmax at the root and every draft node [k + 1] when ``node_argmax`` is set,
+        each emitted token's ``TokenLogprob`` with ``logprobs`` alternatives when ``logprobs`` is
+        not None)."""
         k = 0 if draft is None else len(draft)
+        path_len = k + 1  # the most nodes an accepted path can have (the draft's depth + 1)
         dev = self.target.device
         # The step's inputs are built on the host (drafts come from there) and copied over once.
         node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
@@ -100,6 +112,8 @@ class VerifyStep:
             parents = torch.tensor([[-1] + draft.parents])
             tree_mask, packed, depth, _ = ops.build_tree(parents)
             positions = cache_len + depth
+            if logprobs is not None:
+                path_len = int(depth.max()) + 1  # host tensors: no sync
         if params.greedy:
             uniform = torch.zeros(1, k + 1)
         else:
@@ -121,9 +135,19 @@ class VerifyStep:
                 accept_len, accept_index, out = ops.verify(
                     logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
             # The one host read per step: accept_len and the emitted tokens (and each node's argmax,
-            # when the drafter reads them) in one copy.
+            # when the drafter reads them; and the accepted path's log-probabilities, when asked) in
+            # one copy.
             parts = (accept_len, out[0]) + ((logits[0].argmax(-1),) if self.node_argmax else ())
-            host = torch.cat(parts).tolist()
+            if logprobs is None:
+                host = torch.cat(parts).tolist()
+            else:
+                full = self._lazy.logits if lazy else logits  # lazy: the path's rows are computed
+                vocab = full.shape[-1]
+                rows = accept_index[0, :path_len].clamp(min=0)
+                lp = path_logprobs(full[0, rows], out[0, :path_len], params, logprobs)
+                host = torch.cat([p.double() for p in parts] + [lp]).tolist()
+                n_int = sum(p.numel() for p in parts)
+                host, lp_host = [int(v) for v in host[:n_int]], host[n_int:]
         n = host[0]
         if n < 0:
             raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) at position "
@@ -138,7 +162,9 @@ class VerifyStep:
             # a copy either way: with CUDA graphs, feats is the graph's output buffer, which the next
             # replay overwrites while a drafter may still hold these rows (steps without a proposal)
             feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1].clone()
-        return host[1: n + 2], n, feats, (host[k + 2:] if self.node_argmax else None)
+        emitted = host[1: n + 2]
+        lps = None if logprobs is None else read_logprobs(lp_host, emitted, params, logprobs, vocab)
+        return emitted, n, feats, (host[k + 2:] if self.node_argmax else None), lps
 
     def _stage(self, node_ids: Tensor, positions: Tensor, parents: Tensor, packed: Tensor | None,
                uniform: Tensor) -> tuple[Tensor, ...]:
@@ -170,6 +196,7 @@ class LazyLogits:
     def __init__(self, target: Transformer):
         self.target = target
         self._buf: Tensor | None = None
+        self.logits: Tensor | None = None  # the last walk's logits [1, n, V] (rows off its path: stale)
         self.rows = self.rounds = 0
 
     def verify(self, hidden: Tensor, parents: Tensor, node_ids: Tensor, probs: Tensor | None,
@@ -178,7 +205,7 @@ class LazyLogits:
         vocab = self.target.cfg.vocab_size
         if self._buf is None:
             self._buf = torch.zeros(1, MAX_TREE_NODES, vocab)
-        logits = self._buf[:, :n]
+        logits = self.logits = self._buf[:, :n]  # (read by the step for the path's log-probabilities)
         first_child = [-1] * n
         for i, p in enumerate(parents[0].tolist()[1:], start=1):
             if first_child[p] < 0:

@@ -114,3 +114,61 @@ def eos_token_ids(model_eos: list[int], tokenizer) -> set[int]:
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         eos.add(int(tokenizer.eos_token_id))
     return eos
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``), inverted: character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+class TokenPieces:
+    """A token id's own text and bytes, for reporting log-probabilities (OpenAI's ``token`` and
+    ``bytes``): byte-level BPE pieces (GPT-2, Llama 3, SmolLM2) map back to their exact bytes, a
+    SentencePiece byte-fallback piece ``<0xNN>`` to its byte and ``▁`` to a space; other tokenizers
+    give ``decode([id])``. A piece that is part of a multi-byte character has its bytes, and its
+    text shows U+FFFD for what is not a whole character. Cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        return self(token_id)[1]
+
+    def text(self, token_id: int) -> str:
+        return self(token_id)[0]
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        got = self._cache.get(token_id)
+        if got is None:
+            got = self._cache[token_id] = self._piece(token_id)
+        return got
+
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if not isinstance(piece, str):
+            raw = self.tokenizer.decode([token_id]).encode()
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and \
+                all(c in "0123456789abcdefABCDEF" for c in piece[3:5]):
+            raw = bytes([int(piece[3:5], 16)])
+        elif self.byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+            raw = bytes(_BYTE_LEVEL[c] for c in piece)
+        elif "\u2581" in piece:
+            raw = piece.replace("\u2581", " ").encode()
+        else:
+            raw = self.tokenizer.decode([token_id]).encode()
+        return raw.decode("utf-8", errors="replace"), raw
