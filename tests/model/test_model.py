@@ -573,3 +573,97 @@ def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
     junk.write_bytes(b"GGUF" + b"\xff" * 60)
     with pytest.raises(ValueError, match=r"junk\.gguf: corrupt or truncated GGUF header"):
         loader.read_gguf_weights(str(junk), None, torch.float32)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# A GGUF's config and tokenizer, converted once into the cache (issue 37: first load)
+# ------------------------------------------------------------------------------------------------
+_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+           "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _fields(cfg) -> dict:
+    return {k: getattr(cfg, k, None) for k in _FIELDS}
+
+
+def test_default_gguf_config_and_tokenizer_equal_transformers_conversion(tmp_path, monkeypatch):
+    """resolve_model_dir builds the config from the GGUF's metadata itself and the tokenizer through
+    transformers' GGUF tokenizer builder without its whole-file read: the same config fields, and
+    the same ids, text and chat template as AutoConfig / AutoTokenizer(gguf_file=...) give."""
+    from transformers import AutoConfig, AutoTokenizer
+    from turbospec.model.gguf import read_gguf
+    path = turbospec.default_model_path()
+    d, f = os.path.split(path)
+    meta, tensors = read_gguf(path)
+    mine = loader.gguf_hf_config(meta, tensors)
+    assert mine is not None and _fields(mine) == _fields(AutoConfig.from_pretrained(d, gguf_file=f))
+    monkeypatch.setenv("TURBOSPEC_CACHE", str(tmp_path))
+    tok = turbospec.load_tokenizer(path)
+    ref = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    texts = ["Hello world!", "  two spaces\n\ttab 1234567 ünïcödé 日本語 🙂", "<|im_start|>user\nhi<|im_end|>",
+             "def f(x):\n    return x ** 2  # ok\n", "<|endoftext|> trailing   ", ""]
+    for t in texts:
+        assert tok.encode(t) == ref.encode(t), t
+        assert tok.decode(tok.encode(t)) == ref.decode(ref.encode(t)), t
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        assert getattr(tok, name) == getattr(ref, name), name
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+        ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_gguf_config_from_metadata_equals_transformers(tmp_path, arch):
+    """A GGUF written the way llama.cpp writes one (metadata only matters here): turbospec's config
+    has the fields transformers' conversion gives; RoPE scaling and Mistral-named files are left to
+    transformers (None)."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig
+    from turbospec.model.gguf import read_gguf
+
+    def write(name: str, extra=None, untied: bool = False) -> str:
+        path = str(tmp_path / name)
+        w = gguf.GGUFWriter(path, arch)
+        w.add_name(name)
+        w.add_context_length(512)
+        w.add_embedding_length(64)
+        w.add_block_count(2)
+        w.add_feed_forward_length(96)
+        w.add_head_count(4)
+        w.add_head_count_kv(2)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(50000.0)
+        if arch == "qwen3":
+            w.add_key_length(32)
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(40)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        for k, v in (extra or {}).items():
+            w.add_string(k, v) if isinstance(v, str) else w.add_float32(k, v)
+        w.add_tensor("token_embd.weight", np.zeros((40, 64), dtype=np.float32))
+        if untied:
+            w.add_tensor("output.weight", np.zeros((40, 64), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    for untied in (False, True):
+        path = write(f"m{int(untied)}.gguf", untied=untied)
+        mine = loader.gguf_hf_config(*read_gguf(path))
+        ref = AutoConfig.from_pretrained(str(tmp_path), gguf_file=os.path.basename(path))
+        got, want = _fields(mine), _fields(ref)
+        if arch == "qwen3":  # the file's attention.key_length; transformers' conversion ignores it (its
+            assert got["head_dim"] == 32 and want["head_dim"] == 128  # default, 128, is right for real Qwen3)
+            got["head_dim"] = want["head_dim"] = None
+        assert got == want
+        assert mine.tie_word_embeddings == (not untied)
+    scaled = write("scaled.gguf", {f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": 2.0})
+    assert loader.gguf_hf_config(*read_gguf(scaled)) is None
+    if arch == "llama":
+        assert loader.gguf_hf_config(*read_gguf(write("Mistral-7B.gguf"))) is None

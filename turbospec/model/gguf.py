@@ -29,7 +29,8 @@ class GGUFTensor:
 
 
 def read_gguf(path: str) -> tuple[dict, dict[str, GGUFTensor]]:
-    """(scalar metadata {key: value} (strings and numbers; arrays skipped), {name: GGUFTensor})."""
+    """(scalar metadata {key: value} (strings and numbers; an array only as its length, under
+    ``key + "#count"``), {name: GGUFTensor})."""
     if os.path.getsize(path) < 24:
         raise ValueError(f"{path}: not a GGUF file ({os.path.getsize(path)} bytes: shorter than a GGUF header)")
     mm = np.memmap(path, dtype=np.uint8, mode="r")
@@ -80,6 +81,8 @@ def _parse(path: str, mm) -> tuple[dict, dict[str, GGUFTensor]]:
             (meta[key],) = struct.unpack_from(fmt[t], buf, pos)
             pos += _SCALARS[t]
         else:
+            if t == _ARRAY:  # kept as its length only (a vocabulary's token count)
+                meta[key + "#count"] = struct.unpack_from("<IQ", buf, pos)[1]
             pos = skip_value(t, pos)
     infos = []
     for _ in range(n_tensors):
