@@ -44,7 +44,7 @@ from ..ops import nvtx
 from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import path_logprobs, read_logprobs
 from .loop import Sequence
-from .step import NonFiniteLogitsError, prefill
+from .step import NonFiniteLogitsError, draft_depth, prefill
 
 
 class _Staging:
@@ -185,7 +185,7 @@ class BatchStep:
                 packed[b, :k + 1] = pk[0]
             positions[b, :k + 1] = s.cache_len + depth
             if s.logprobs is not None:
-                path_len[b] = int(depth.max()) + 1
+                path_len[b] = draft_depth(d) + 1
             positions[b, k + 1:] = s.cache_len  # padding: the root's position (attends only itself)
             uniform[b, :k + 1] = s.uniform()
             temperature[b], top_k[b], top_p[b] = s.params.temperature, s.params.top_k, s.params.top_p

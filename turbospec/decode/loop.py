@@ -13,7 +13,7 @@ from ..drafters.base import Draft, Drafter
 from ..drafters.budget import DraftBudget
 from ..ops import nvtx
 from ..ops.sampling import SamplingParams, TokenLogprob
-from .step import VerifyStep
+from .step import VerifyStep, draft_depth
 from .text import StopMatcher
 
 
@@ -40,18 +40,6 @@ def check_draft(draft: Draft, max_tokens: int, vocab: int) -> None:
     if draft.draft_probs is not None and tuple(draft.draft_probs.shape) != (k + 1, vocab):
         raise ValueError(f"drafter returned draft_probs of shape {tuple(draft.draft_probs.shape)}; "
                          f"expected ({k + 1}, {vocab})")
-
-
-def draft_depth(draft: Draft | None) -> int:
-    """The number of draft tokens on the longest root-to-leaf path."""
-    if draft is None:
-        return 0
-    if draft.parents is None:
-        return len(draft)
-    depth = [0]
-    for p in draft.parents:
-        depth.append(depth[p] + 1)
-    return max(depth)
 
 
 class Sequence:

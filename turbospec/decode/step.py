@@ -45,6 +45,18 @@ class NonFiniteLogitsError(RuntimeError):
     """The target produced NaN/inf logits; no token was emitted from them."""
 
 
+def draft_depth(draft: Draft | None) -> int:
+    """The number of draft tokens on the longest root-to-leaf path (from the host-side draft)."""
+    if draft is None:
+        return 0
+    if draft.parents is None:
+        return len(draft)
+    depth = [0]
+    for p in draft.parents:
+        depth.append(depth[p] + 1)
+    return max(depth)
+
+
 def prefill(target: Transformer, cache: KVCache, ids: list[int], features=None) -> tuple[int, Tensor | None]:
     """Write K/V for every prompt token but the last (the first root) into ``cache`` (one row).
     Returns the cache length and, when ``features`` is set (what the drafter reads), those of the
@@ -100,7 +112,6 @@ class VerifyStep:
         each emitted token's ``TokenLogprob`` with ``logprobs`` alternatives when ``logprobs`` is
         not None)."""
         k = 0 if draft is None else len(draft)
-        path_len = k + 1  # the most nodes an accepted path can have (the draft's depth + 1)
         dev = self.target.device
         # The step's inputs are built on the host (drafts come from there) and copied over once.
         node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
@@ -112,8 +123,6 @@ class VerifyStep:
             parents = torch.tensor([[-1] + draft.parents])
             tree_mask, packed, depth, _ = ops.build_tree(parents)
             positions = cache_len + depth
-            if logprobs is not None:
-                path_len = int(depth.max()) + 1  # host tensors: no sync
         if params.greedy:
             uniform = torch.zeros(1, k + 1)
         else:
@@ -143,6 +152,7 @@ class VerifyStep:
             else:
                 full = self._lazy.logits if lazy else logits  # lazy: the path's rows are computed
                 vocab = full.shape[-1]
+                path_len = draft_depth(draft) + 1  # the most nodes an accepted path can have
                 rows = accept_index[0, :path_len].clamp(min=0)
                 lp = path_logprobs(full[0, rows], out[0, :path_len], params, logprobs)
                 host = torch.cat([p.double() for p in parts] + [lp]).tolist()
