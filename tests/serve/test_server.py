@@ -13,12 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 openai = pytest.importorskip("openai", reason="the serving extras are not installed (.ci/run installs them)")
 uvicorn = pytest.importorskip("uvicorn", reason="the serving extras are not installed (.ci/run installs them)")
 pytest.importorskip("fastapi", reason="the serving extras are not installed (.ci/run installs them)")
 from turbospec import Engine
+from turbospec.decode.text import TokenPieces
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.serve.server import create_app
 
@@ -253,7 +255,12 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     ({"model": MODEL, "prompt": "w5", "n": 2}, "n"),
     ({"model": MODEL, "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": MODEL, "prompt": "w5", "stop": 3}, "stop"),
-    ({"model": MODEL, "prompt": "w5", "logprobs": 2}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": -1}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": "2"}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": True}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "logprobs": 1.5}, "logprobs"),
+    ({"model": MODEL, "prompt": "w5", "top_logprobs": 2}, "top_logprobs"),  # chat's (completions: logprobs=k)
     # implemented nowhere yet: refused, never silently ignored
     ({"model": MODEL, "prompt": "w5", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "w5", "presence_penalty": -1}, "presence_penalty"),
@@ -507,3 +514,143 @@ def test_failing_step_answers_500_and_the_server_goes_on(server, client, engine,
     r = client.completions.create(model=MODEL, prompt=prompt(8), max_tokens=8, temperature=0)
     assert r.choices[0].text == alone(engine, prompt(8), max_new_tokens=8).text
     assert metrics(base)["turbospec_requests_finished_total"]["error"] >= 2
+
+
+# ------------------------------------------------------------------------------------------------
+# logprobs (issue 38 §1)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cyc_engine():
+    """A tiny target whose attention outputs are zeroed (its continuations cycle: n-gram drafts are
+    accepted often), drafting with n-grams."""
+    tok = make_tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    hf = make_tiny_model(seed=1, num_hidden_layers=3)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    return Engine(hf, drafter="ngram", tokenizer=tok, max_batch=MAX_BATCH, max_seq_len=256, adaptive=False)
+
+
+@pytest.fixture(scope="module")
+def cyc_server(cyc_engine):
+    yield from _serving(create_app(cyc_engine, MODEL, max_waiting=64))
+
+
+@pytest.fixture(scope="module")
+def cyc_client(cyc_server):
+    return openai.OpenAI(base_url=cyc_server[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _chat_content(engine, g) -> list[dict]:
+    """OpenAI chat's logprobs.content for a Generation, built from its TokenLogprobs."""
+    pieces = TokenPieces(engine.tokenizer)
+
+    def one(t, lp):
+        return {"token": pieces.text(t), "logprob": lp, "bytes": list(pieces.bytes(t))}
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in g.logprobs]
+
+
+def _dump(content) -> list[dict]:
+    return [c.model_dump() if hasattr(c, "model_dump") else c for c in content]
+
+
+def test_chat_logprobs_streamed_and_not_equal_plain(cyc_server, cyc_client, cyc_engine):
+    """Chat logprobs + top_logprobs through the openai client: the engine's numbers alone without
+    drafts, the same streamed (each chunk carries its tokens'), speculation on and off."""
+    messages = [{"role": "user", "content": prompt(9)}]
+    plain = Engine(cyc_engine.target, drafter="none", tokenizer=cyc_engine.tokenizer, max_seq_len=256)
+    want = plain.generate(messages, max_new_tokens=40, logprobs=True, top_logprobs=3)
+    content = _chat_content(cyc_engine, want)
+    assert len(content) == 40 and all(len(c["top_logprobs"]) == 3 for c in content)
+    before = metrics(cyc_server[0])["turbospec_draft_tokens_accepted_total"]
+    r = cyc_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    assert r.choices[0].message.content == want.text
+    assert _dump(r.choices[0].logprobs.content) == content
+    assert metrics(cyc_server[0])["turbospec_draft_tokens_accepted_total"] > before  # drafts were accepted
+    off = cyc_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                         logprobs=True, top_logprobs=3, extra_body={"speculate": False})
+    assert _dump(off.choices[0].logprobs.content) == content
+    chunks = list(cyc_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = []
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            assert c.choices[0].delta.content or c.choices[0].finish_reason  # logprobs ride chunks with text
+            streamed += _dump(c.choices[0].logprobs.content)
+    assert streamed == content
+    assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs) > 1  # spread over the chunks
+    # logprobs without alternatives; and off
+    r = cyc_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True)
+    assert [c.logprob for c in r.choices[0].logprobs.content] == [e.logprob for e in want.logprobs[:6]]
+    assert all(c.top_logprobs == [] for c in r.choices[0].logprobs.content)
+    r = cyc_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert r.choices[0].logprobs is None
+
+
+def test_completion_logprobs_streamed_and_not(cyc_server, cyc_client, cyc_engine):
+    """Legacy completions ``logprobs: k``: tokens, token_logprobs, top_logprobs (the k alternatives
+    and the sampled token), text_offset; the same streamed and with speculation off."""
+    plain = Engine(cyc_engine.target, drafter="none", tokenizer=cyc_engine.tokenizer, max_seq_len=256)
+    want = plain.generate(prompt(10), max_new_tokens=20, chat=False, logprobs=True, top_logprobs=2)
+    pieces = TokenPieces(cyc_engine.tokenizer)
+    before = metrics(cyc_server[0])["turbospec_draft_tokens_accepted_total"]
+    r = cyc_client.completions.create(model=MODEL, prompt=prompt(10), max_tokens=20, temperature=0, logprobs=2)
+    assert metrics(cyc_server[0])["turbospec_draft_tokens_accepted_total"] > before  # drafts were accepted
+    assert r.choices[0].text == want.text
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [pieces.text(e.token_id) for e in want.logprobs]
+    assert lp.token_logprobs == [e.logprob for e in want.logprobs]
+    assert lp.top_logprobs == [{**{pieces.text(t): v for t, v in e.top}, pieces.text(e.token_id): e.logprob}
+                               for e in want.logprobs]
+    assert all(2 <= len(d) <= 3 for d in lp.top_logprobs)
+    offsets = [0]
+    for t in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp.text_offset == offsets
+    off = cyc_client.completions.create(model=MODEL, prompt=prompt(10), max_tokens=20, temperature=0, logprobs=2,
+                                    extra_body={"speculate": False})
+    assert off.choices[0].logprobs.model_dump() == lp.model_dump()
+    chunks = list(cyc_client.completions.create(model=MODEL, prompt=prompt(10), max_tokens=20, temperature=0,
+                                            logprobs=2, stream=True))
+    merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in chunks:
+        if c.choices and c.choices[0].logprobs is not None:
+            for k in merged:
+                merged[k] += getattr(c.choices[0].logprobs, k)
+    assert merged == lp.model_dump(include=set(merged))
+    # logprobs: 0: the sampled token's logprob (and itself as its only "top" entry)
+    r = cyc_client.completions.create(model=MODEL, prompt=prompt(10), max_tokens=5, temperature=0, logprobs=0)
+    assert r.choices[0].logprobs.token_logprobs == lp.token_logprobs[:5]
+    assert [list(d) for d in r.choices[0].logprobs.top_logprobs] == [[t] for t in lp.tokens[:5]]
+
+
+def test_sampled_logprobs_through_the_server(cyc_server, cyc_client, cyc_engine):
+    """Seeded sampling with top-k 3 (alternatives filtered out are not listed): the numbers of the
+    engine alone with the same seed."""
+    want = alone(cyc_engine, prompt(11), max_new_tokens=16, temperature=0.9, top_k=3, seed=5, logprobs=True,
+                 top_logprobs=5)
+    assert any(len(e.top) == 3 for e in want.logprobs)
+    r = cyc_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt(11)}],
+                                       max_tokens=16, temperature=0.9, seed=5, logprobs=True, top_logprobs=5,
+                                       extra_body={"top_k": 3})
+    g = alone(cyc_engine, [{"role": "user", "content": prompt(11)}], chat=True, max_new_tokens=16, temperature=0.9,
+              top_k=3, seed=5, logprobs=True, top_logprobs=5)
+    assert r.choices[0].message.content == g.text
+    assert _dump(r.choices[0].logprobs.content) == _chat_content(cyc_engine, g)
+    assert all(len(c.top_logprobs) <= 3 for c in r.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": "yes"}, "logprobs"), ({"logprobs": 1}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"), ({"logprobs": True, "top_logprobs": "3"}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": False, "top_logprobs": 3}, "top_logprobs"),
+])
+def test_bad_chat_logprobs(cyc_server, extra, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 2, **extra}
+    r = httpx.post(cyc_server[0] + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"], err

@@ -46,11 +46,13 @@ class StreamDelta:
     """What one verify step added to a request: its new token ids and the text they complete (empty
     while a multi-byte character or a possible stop string is undecided, and without a tokenizer).
     The last delta of a request has ``finish_reason`` ("eos", "stop", "length") and ``generation``
-    (the whole result with its statistics)."""
+    (the whole result with its statistics). ``logprobs``: the ``TokenLogprob`` of each of
+    ``token_ids`` when the request asked for them."""
     token_ids: list[int]
     text: str = ""
     finish_reason: str | None = None
     generation: Generation | None = None
+    logprobs: list | None = None
 
 
 @dataclass
@@ -225,15 +227,17 @@ class AsyncEngine:
                     ended = True
                     return
                 out.extend(tokens)
+                # (the worker recorded these tokens' log-probabilities before it sent them)
+                lps = None if job.seq.token_logprobs is None else job.seq.token_logprobs[len(out) - len(tokens): len(out)]
                 if not done:
                     delta = "" if shown is None else shown.push(out, None)
                     if tokens or delta:
-                        yield StreamDelta(tokens, delta)
+                        yield StreamDelta(tokens, delta, logprobs=lps)
                     continue
                 ended = True
                 stop_end = job.seq.stats.get("stop_text_end")
                 delta = "" if shown is None else shown.finish(out, stop_end)
-                yield StreamDelta(tokens, delta, job.seq.finish, self.engine.generation(job, out))
+                yield StreamDelta(tokens, delta, job.seq.finish, self.engine.generation(job, out), logprobs=lps)
                 return
         finally:
             if not ended:

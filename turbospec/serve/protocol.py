@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..decode.batch import Request
+from ..ops.sampling import MAX_TOP_LOGPROBS
 
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}  # turbospec -> OpenAI
 
@@ -49,12 +50,12 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 # The fields each endpoint implements (a null counts as absent, as OpenAI's API treats it).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
            "n", "speculate", "user", "stop_token_ids"}
-_FIELDS = {True: _COMMON | {"messages", "max_completion_tokens"},
-           False: _COMMON | {"prompt", "best_of"}}
+_FIELDS = {True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+           False: _COMMON | {"prompt", "best_of", "logprobs"}}
 # Fields of the OpenAI API (and vLLM's extras) that are accepted only at the value that changes
 # nothing: anything else would be silently ignored, so it is refused, naming the field.
 _NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-            "min_p": (0, 0.0), "logit_bias": ({},), "logprobs": (False, 0), "top_logprobs": (0,),
+            "min_p": (0, 0.0), "logit_bias": ({},), "top_logprobs": (0,),  # (completions: logprobs=k)
             "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
             "parallel_tool_calls": (True, False), "store": (False,),
             "response_format": ({"type": "text"},), "ignore_eos": (False,), "min_tokens": (0,)}
@@ -151,25 +152,86 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
     if stop_ids is not None and not (isinstance(stop_ids, list) and len(stop_ids) <= 64 and all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
         raise APIError(f"stop_token_ids must be a list of up to 64 token ids, got {stop_ids!r}", param="stop_token_ids")
+    logprobs, top_logprobs = _logprobs(body, chat)
     request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate,
-                      stop_token_ids=stop_ids or None)
+                      stop_token_ids=stop_ids or None, logprobs=logprobs, top_logprobs=top_logprobs)
     return Parsed(request, chat, stream, bool(options.get("include_usage")), model)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """Chat: ``logprobs`` (true / false) and ``top_logprobs`` (0-20, needs logprobs: true);
+    completions: ``logprobs`` (null or 0-20 alternatives; false: off). -> (on, alternatives)."""
+    v = body.get("logprobs")
+    if chat:
+        if v is not None and not isinstance(v, bool):
+            raise APIError(f"logprobs must be true or false, got {v!r}", param="logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise APIError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                           param="top_logprobs")
+        if top and not v:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return bool(v), top or 0
+    if v is None or v is False:
+        return False, 0
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS:
+        raise APIError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or "
+                       f"null, got {v!r}", param="logprobs")
+    return True, v
+
+
+LOGPROB_FLOOR = -9999.0  # what a -inf log-probability (a token filtered out) is reported as (JSON has no -inf)
+
+
+def _lp(v: float) -> float:
+    return max(v, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries, pieces) -> dict:
+    """OpenAI chat's ``logprobs`` object for ``entries`` (``TokenLogprob``s; ``pieces``: a
+    ``decode.text.TokenPieces``): {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(t: int, lp: float) -> dict:
+        text, raw = pieces(t)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(raw)}
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries, pieces, offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object: {tokens, token_logprobs, top_logprobs (per
+    token a {text: logprob} map of the alternatives and the sampled token), text_offset (each
+    token's offset in the concatenated token texts, from ``offset``)}."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = pieces.text(e.token_id)
+        top: dict[str, float] = {}
+        for t, lp in e.top:
+            top.setdefault(pieces.text(t), _lp(lp))
+        top.setdefault(text, _lp(e.logprob))
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(e.logprob))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
 
 
 def completion_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def chunk(cid: str, model: str, chat: bool, text: str | None, finish: str | None, role: bool = False) -> dict:
-    """One streamed chunk (``text`` None: no content in this chunk)."""
+def chunk(cid: str, model: str, chat: bool, text: str | None, finish: str | None, role: bool = False,
+          logprobs: dict | None = None) -> dict:
+    """One streamed chunk (``text`` None: no content in this chunk; ``logprobs``: those of the
+    chunk's tokens, ``chat_logprobs`` / ``completion_logprobs``)."""
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice]}
 
@@ -180,14 +242,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion(cid: str, model: str, chat: bool, text: str, finish: str, prompt_tokens: int,
-               completion_tokens: int) -> dict:
+               completion_tokens: int, logprobs: dict | None = None) -> dict:
     """A whole (non-streamed) response."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens)}

@@ -2,7 +2,9 @@
 server-sent events for streaming, Prometheus metrics).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not; ``usage``;
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``n=1``; the extra
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``n=1``, ``logprobs``
+(chat: with ``top_logprobs``; the log-probabilities of the distribution each token was drawn from,
+the same with speculation as without; a stream's chunks carry those of their tokens); the extra
 field ``"speculate": false`` turns speculation off for a request; any other field, or a field such as
 ``frequency_penalty`` / ``response_format`` at a value that would change the output, gets a 400 naming
 it instead of being ignored), ``GET /v1/models``,
@@ -79,6 +81,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
     app = FastAPI(title="turbospec", lifespan=lifespan)
     app.state.served, app.state.metrics, app.state.model_name = served, metrics, model_name
     app.state.tokenizer = tokenizer
+    pieces = text.TokenPieces(engine.tokenizer)  # token id -> its text and bytes, for logprobs
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -185,6 +188,17 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
             raise APIError(str(e), code=code) from None
         cid = protocol.completion_id(chat)
         deltas = served.follow(job, queue)
+        offset = 0  # completions' text_offset, across a stream's chunks
+
+        def logprobs(entries):
+            nonlocal offset
+            if not r.logprobs:
+                return None
+            if chat:
+                return protocol.chat_logprobs(entries, pieces)
+            obj = protocol.completion_logprobs(entries, pieces, offset)
+            offset += sum(len(t) for t in obj["tokens"])
+            return obj
         if not parsed.stream:
             parts, gen = [], None
             try:
@@ -204,10 +218,11 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                 raise APIError("the request was cancelled", status=500, type="server_error")
             metrics.request_seconds.observe(time.perf_counter() - t0)
             return protocol.completion(cid, model_name, chat, gen.text, protocol.FINISH_REASON[gen.finish_reason],
-                                       len(ids), len(gen.token_ids))
+                                       len(ids), len(gen.token_ids), logprobs(gen.logprobs))
 
         async def events():
             n_out, first = 0, True
+            pending = []  # log-probabilities of tokens whose text is not out yet (held back)
             try:
                 if chat:
                     yield _sse(protocol.chunk(cid, model_name, chat, "", None, role=True))
@@ -216,11 +231,15 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                         metrics.ttft_seconds.observe(time.perf_counter() - t0)
                         first = False
                     n_out += len(d.token_ids)
+                    pending += d.logprobs or []
                     if d.text:
-                        yield _sse(protocol.chunk(cid, model_name, chat, d.text, None))
+                        yield _sse(protocol.chunk(cid, model_name, chat, d.text, None, logprobs=logprobs(pending)))
+                        pending = []
                     if d.finish_reason is not None:
                         yield _sse(protocol.chunk(cid, model_name, chat, None if chat else "",
-                                                  protocol.FINISH_REASON[d.finish_reason]))
+                                                  protocol.FINISH_REASON[d.finish_reason],
+                                                  logprobs=logprobs(pending) if pending else None))
+                        pending = []
                 if parsed.include_usage:
                     yield _sse({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model_name, "choices": [],
