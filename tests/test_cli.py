@@ -31,6 +31,30 @@ def test_generate_matches_engine(smollm2_dir, smollm2, capsys, model):
     assert out.rstrip(chr(10)) == ref.text
 
 
+def test_generate_logprobs_table(smollm2_dir, smollm2, capsys):
+    """--logprobs N: the completion, then one line per token with its logprob and N alternatives:
+    the engine's numbers without drafts."""
+    import turbospec
+    from turbospec.decode.text import TokenPieces
+    target, tok = smollm2
+    ref = turbospec.Engine(target, drafter="none", tokenizer=tok).generate(
+        "Name three colours.", max_new_tokens=12, logprobs=True, top_logprobs=2)
+    argv = ["generate", "Name three colours.", "--model", smollm2_dir, "--drafter", "ngram", "--max-new-tokens",
+            "12", "--threads", "1", "--logprobs", "2"]
+    assert cli.main(argv) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith(ref.text + chr(10))
+    lines = out[len(ref.text):].strip().splitlines()
+    assert lines[0].split()[:4] == ["#", "token", "logprob", "prob"]
+    rows = lines[1:]
+    assert len(rows) == len(ref.token_ids) == 12
+    pieces = TokenPieces(tok)
+    for i, (row, e) in enumerate(zip(rows, ref.logprobs)):
+        want = (f"{i:>4}  {repr(pieces.text(e.token_id))}", f"{e.logprob:.4f}",
+                *(f"{repr(pieces.text(t))} {lp:.4f}" for t, lp in e.top))
+        assert row.startswith(want[0]) and all(w in row for w in want[1:]), (row, want)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
@@ -40,6 +64,8 @@ def test_generate_matches_engine(smollm2_dir, smollm2, capsys, model):
     (["--threads", "0"], "--threads"),
     (["--max-seq-len", "1"], "--max-seq-len"),
     (["--max-seq-len", "100000000"], "max_position_embeddings (8192)"),  # refused before loading
+    (["--logprobs", "21"], "--logprobs"),
+    (["--logprobs", "-1"], "--logprobs"),
 ])
 def test_generate_bad_input_exits_2(smollm2_dir, capsys, args, needle):
     rc = cli.main(["generate", "hello", "--model", smollm2_dir, *args])

@@ -300,3 +300,41 @@ def test_logprobs_ride_the_steps_one_host_read(cyc, monkeypatch):
             reads.append(counts["n"])
             assert all(g.token_ids[:len(ref)] == ref[:len(g.token_ids)] for g in out[:1])
         assert reads[0] == reads[1], (batch, reads)
+
+
+def test_fixed_shape_path_equals_plain(cyc):
+    """The fixed-shape verify forward (what CUDA graphs capture; on CPU with static_shapes=True)."""
+    _, target, ref, vocab = cyc
+    plain = Engine(target, drafter="none", max_seq_len=256).generate(PROMPT, N_NEW, logprobs=True, top_logprobs=TOP)
+    for name in ("ngram", "eagle3"):
+        g = spec_engine(name, target, ref, vocab, static_shapes=True).generate(PROMPT, N_NEW, logprobs=True,
+                                                                              top_logprobs=TOP)
+        assert g.stats["draft_accepted"] > 0
+        assert g.logprobs == plain.logprobs, name
+
+
+def test_smollm2_gguf_shipped_head_equals_plain_and_hf(smollm2_hf):
+    """The default model as users run it: its GGUF's quantized LM head (computed lazily over the
+    shipped EAGLE head's trees), a byte-level BPE tokenizer. Speculative == plain bit for bit; ==
+    HF's log_softmax within 1e-4; the tokens' bytes make up the text, split characters included."""
+    from turbospec.decode.text import TokenPieces
+    prompt = "List the numbers from 1 to 20 separated by commas."
+    from turbospec.heads.shipped import shipped_heads
+    spec = Engine("default", drafter="eagle", head=shipped_heads()["eagle3"], max_seq_len=512, adaptive=False)
+    assert spec.verifier._lazy is not None
+    g = spec.generate(prompt, 48, logprobs=True, top_logprobs=TOP)
+    assert spec.verifier._lazy.rows > 0 and g.stats["tau"] > 1.5
+    plain = Engine(spec.target, drafter="none", tokenizer=spec.tokenizer, max_seq_len=512)
+    want = plain.generate(prompt, 48, logprobs=True, top_logprobs=TOP)
+    assert g.token_ids == want.token_ids and g.logprobs == want.logprobs
+    ids = g.prompt_token_ids + g.token_ids
+    theirs = torch.log_softmax(hf_logits(smollm2_hf, ids), -1)[len(g.prompt_token_ids) - 1:]
+    worst = max(abs(e.logprob - float(theirs[j, e.token_id])) for j, e in enumerate(g.logprobs))
+    assert worst < 1e-4, worst
+    pieces = TokenPieces(spec.tokenizer)
+    assert pieces.byte_level
+    for text in (spec.tokenizer.decode(g.token_ids), "naïve 日本語 ✓ <|im_end|>"):
+        toks = spec.tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(pieces.bytes(t) for t in toks).decode("utf-8") == text
+    split = [t for t in spec.tokenizer.encode("日本語", add_special_tokens=False) if len(pieces.bytes(t)) < 3]
+    assert split and all("\ufffd" in pieces.text(t) for t in split)  # part of a character: its bytes
