@@ -83,6 +83,8 @@ struct AttnParams {
   int B, n, Hq, Hkv, G, D, R, row_groups, splits, min_chunk;
   int64_t S;
   float scale_log2;
+  float softcap_log2;  // 0, or the logit soft-cap in log2 units (cap * log2(e)): s -> cap tanh(s / cap)
+  int64_t window;      // 0, or the sliding window: a query at cache_len + depth attends positions > its own - window
   bool include_prefix, vec_kv;
 };
 
@@ -146,6 +148,10 @@ __device__ __forceinline__ AttnChunks attn_chunks(const AttnParams& P, int b) {
   AttnChunks c{0, 0, kAttnChunkAlign, 0};
   if (len < 0 || len > P.S - P.n) return c;  // out-of-range row: read nothing
   c.start = P.include_prefix ? 0 : len;
+  if (P.window > 0 && P.include_prefix) {  // no query attends a key before the root's window
+    const int64_t lo = len + 1 - P.window;
+    c.start = lo > 0 ? lo : 0;
+  }
   c.end = len + P.n;
   const int64_t total = c.end - c.start;
   int64_t chunk = (total + P.splits - 1) / P.splits;
@@ -273,6 +279,13 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(DP)) tree_attent
     qrow[rr] = static_cast<const E*>(P.q) + b * P.qs0 + qi[rr] * P.qs1 + head[rr] * P.qs2;
     bits[rr] = static_cast<uint64_t>(P.mask[static_cast<int64_t>(b) * P.n + qi[rr]]);
   }
+  // Sliding window: a new token's position is len + its depth (its mask bits, itself included, less one);
+  // row rr attends keys at positions >= lo[rr].
+  // (int32: positions stay below S)
+  const uint64_t keep = P.n >= 64 ? ~0ull : (1ull << P.n) - 1;
+  int lo[2] = {0, 0};
+  if (P.window > 0)
+    for (int rr = 0; rr < 2; ++rr) lo[rr] = static_cast<int>(len - P.window) + __popcll(bits[rr] & keep);
 
   // Q fragments (16-bit path): held in registers for D <= 128, reloaded per tile for D = 256 (L1 hits).
   constexpr bool kHoldQ = DP <= 128;
@@ -386,8 +399,16 @@ __global__ void __launch_bounds__(kAttnThreads, attn_min_blocks(DP)) tree_attent
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int key = 8 * j + 2 * t + c;
-            const bool ok = key < lim && (key < tree0 || ((bits[rr] >> (key - tree0)) & 1u));
-            const float x = ok ? s[j][2 * rr + c] * P.scale_log2 : attn_neg_inf();
+            bool ok = key < lim && (key < tree0 || ((bits[rr] >> (key - tree0)) & 1u));
+            if (ok && P.window > 0) {  // position: the key's slot, or len + its depth for a tree key
+              const int slot = static_cast<int>(p0) + key;
+              const int pos = key < tree0 ? slot
+                  : static_cast<int>(len) - 1 + __popcll(static_cast<uint64_t>(P.mask[b * P.n + (slot - len)]) & keep);
+              ok = pos >= lo[rr];
+            }
+            float x = s[j][2 * rr + c] * P.scale_log2;
+            if (P.softcap_log2 > 0.f) x = P.softcap_log2 * tanhf(x / P.softcap_log2);
+            x = ok ? x : attn_neg_inf();
             s[j][2 * rr + c] = x;
             tile_max = fmaxf(tile_max, x);
           }
@@ -615,10 +636,8 @@ void tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache, cons
                          int64_t window, double softcap) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                TS_KERNEL_DEVICE);
-  TORCH_CHECK(window == 0, "tree_attention: sliding-window attention (window = ", window, ") is not implemented "
-              "in the CUDA kernel (the CPU kernel has it)");
-  TORCH_CHECK(softcap == 0, "tree_attention: attention logit soft-capping (softcap = ", softcap, ") is not "
-              "implemented in the CUDA kernel (the CPU kernel has it)");
+  TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
+  TORCH_CHECK(softcap >= 0, "tree_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(d.D % 8 == 0, "tree_attention: the CUDA kernel needs a head dim D that is a multiple of 8 "
               "(128-bit loads), got D = ", d.D);
   if (d.B == 0) return;
@@ -663,6 +682,8 @@ void tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache, cons
   P.S = d.S;
   P.scale_log2 = static_cast<float>(scale) * kAttnLog2e;
   P.include_prefix = include_prefix;
+  P.window = window;
+  P.softcap_log2 = static_cast<float>(softcap) * kAttnLog2e;
 
   // Splits: about two blocks per SM over all units, no chunk shorter than min_chunk keys (twice a
   // row group's rows, so that a chunk's partial results stay smaller than its K/V), at most what

@@ -246,13 +246,14 @@ def test_compact_kv_strided_unordered_and_out_of_range(emu):
 # attn_mma), cp.async is a plain copy. Splits and the minimum chunk are forced small so that a few
 # dozen keys already span several blocks and the merge kernel.
 # ----------------------------------------------------------------------------------------------
-def attn_emu(emu, q, k, v, cache_len, packed, scale, include_prefix=True, sms=4, splits=0, min_chunk=0):
+def attn_emu(emu, q, k, v, cache_len, packed, scale, include_prefix=True, sms=4, splits=0, min_chunk=0, window=0,
+             softcap=0.0):
     bsz, n, hq, _ = q.shape
     out = torch.full(q.shape, 7.0, dtype=q.dtype)    # garbage: every entry must be written
     lse = torch.full((bsz, hq, n), 7.0)
     emu.set_tree_attention_splits(sms, splits, min_chunk)
     try:
-        emu.tree_attention(q, k, v, cache_len, packed, scale, include_prefix, out, lse)
+        emu.tree_attention(q, k, v, cache_len, packed, scale, include_prefix, out, lse, window, softcap)
     finally:
         emu.set_tree_attention_splits(4, 0, 0)
     return out, lse
@@ -274,6 +275,24 @@ def test_tree_attention(emu, dtype, case, include_prefix):
     scale = 1 / d ** 0.5
     out, lse = attn_emu(emu, *inputs, scale, include_prefix, splits=splits, min_chunk=32)
     assert_close(out, lse, *reference.tree_attention(*inputs, scale, include_prefix), dtype, f"case {case}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,softcap", [(3, 0.0), (20, 0.0), (0, 2.0), (9, 2.0)])
+@pytest.mark.parametrize("case,include_prefix", [(0, True), (2, True), (2, False), (3, True)])
+def test_tree_attention_window_and_softcap(emu, dtype, window, softcap, case, include_prefix):
+    """Sliding windows (keys before a query's window masked; the prefix before the root's skipped,
+    which moves the split boundaries) and Gemma 2's logit soft-capping, against the reference."""
+    bsz, n, hq, hkv, seq, d, cache_len, kind, splits = ATTN_CASES[case]
+    inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=case + window)
+    scale = 1 / d ** 0.5 * (4.0 if softcap else 1.0)  # scores large enough for the cap to matter
+    out, lse = attn_emu(emu, *inputs, scale, include_prefix, splits=splits, min_chunk=32, window=window,
+                        softcap=softcap)
+    want = reference.tree_attention(*inputs, scale, include_prefix, window=window, softcap=softcap)
+    assert_close(out, lse, *want, dtype, f"case {case} window {window} softcap {softcap}")
+    if softcap or include_prefix or window < n:  # (a tree of n tokens spans fewer than n positions)
+        plain = reference.tree_attention(*inputs, scale, include_prefix)[0]
+        assert (plain.float() - want[0].float()).abs().max() > 1e-3  # the window / cap changes the result
 
 
 def test_tree_attention_float16_d128_and_split_heuristic(emu):

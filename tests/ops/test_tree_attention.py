@@ -286,17 +286,19 @@ def test_reference_window_matches_brute_force(window, kind):
         torch.testing.assert_close(out, reference.tree_attention(*inputs, 0.3)[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("include_prefix", [True, False], ids=["prefix", "tree_only"])
 @pytest.mark.parametrize("window", [1, 3, 9, 40, 130])
 @pytest.mark.parametrize("case", ["chain_gqa2", "tree_gqa4", "n64_gqa4"])
-def test_cpu_window_matches_reference(dtype, include_prefix, window, case):
-    dev = need_op("cpu")
+def test_window_matches_reference(device, dtype, include_prefix, window, case):
+    dev = need_op(device)
     bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
     inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=window)
     lse = torch.full((bsz, hq, n), 123.0)
-    out, lse = ops.tree_attention(*[t.to(dev) for t in inputs], 0.2, include_prefix, lse=lse, window=window)
+    out, lse = ops.tree_attention(*[t.to(dev) for t in inputs], 0.2, include_prefix, lse=lse.to(dev), window=window)
     ref_out, ref_lse = reference.tree_attention(*inputs, 0.2, include_prefix, window=window)
+    out, lse = out.cpu(), lse.cpu()
     assert_close(out, lse, ref_out, ref_lse, dtype, f"{case} window {window}")
 
 
@@ -318,17 +320,19 @@ def test_cpu_window_token_in_tree_equals_token_alone():
         assert torch.equal(alone[0, -1], tree_out[0, i])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("case", ["chain_gqa2", "tree_gqa4"])
-def test_cpu_softcap_matches_reference(dtype, window, case):
+def test_softcap_matches_reference(device, dtype, window, case):
     """Attention logit soft-capping (Gemma 2): the kernel (log2 units) against the reference, and the
     reference against the scores capped by hand through SDPA-free attention."""
-    dev = need_op("cpu")
+    dev = need_op(device)
     bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
     inputs = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=7)
-    lse = torch.full((bsz, hq, n), 123.0)
+    lse = torch.full((bsz, hq, n), 123.0, device=dev)
     out, lse = ops.tree_attention(*[t.to(dev) for t in inputs], 0.5, lse=lse, window=window, softcap=2.0)
+    out, lse = out.cpu(), lse.cpu()
     ref_out, ref_lse = reference.tree_attention(*inputs, 0.5, window=window, softcap=2.0)
     assert_close(out, lse, ref_out, ref_lse, dtype, f"{case} softcap")
     plain, _ = reference.tree_attention(*inputs, 0.5, window=window)

@@ -115,8 +115,6 @@ class Engine:
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)
         self.tokenizer = tokenizer
-        if self.target.device.type != "cpu":  # sliding windows are implemented on CPU only
-            self.target.cfg.check_window(max_seq_len, "max_seq_len")
         self.max_seq_len = max_seq_len
         self.num_draft = num_draft
         self.adaptive = adaptive

@@ -46,10 +46,9 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     model_type: str = "llama"
     eos_token_ids: list[int] = field(default_factory=list)
-    # sliding-window attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window): each query attends
-    # the last ``sliding_window`` positions in the layers ``layer_windows`` marks (0: full attention;
-    # None: every layer). Implemented on CPU (tree_attention's window); elsewhere a sequence may not
-    # outgrow the window (within it, full attention is the same computation).
+    # sliding-window attention (Mistral, Phi-3, Qwen2/3 with use_sliding_window, Gemma): each query
+    # attends the last ``sliding_window`` positions in the layers ``layer_windows`` marks (0: full
+    # attention; None: every layer), through tree_attention's window.
     sliding_window: int | None = None
     layer_windows: list[int] | None = None
     # RMS norms of q and k before the rotary embedding: "head" over each head (weights [head_dim]:
@@ -81,15 +80,6 @@ class ModelConfig:
         if self.sliding_window is None:
             return [0] * self.num_layers
         return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
-
-    def check_window(self, length: int, what: str = "the sequence", where: str = "on this device") -> None:
-        """Refuse ``length`` tokens when the model's sliding window is shorter, for a path that has no
-        sliding-window attention (CUDA, batched self-distillation; see ``sliding_window``)."""
-        if self.sliding_window is not None and length > self.sliding_window:
-            raise ValueError(f"{what} ({length} tokens) is longer than this {self.model_type} model's "
-                             f"sliding_window ({self.sliding_window}): sliding-window attention is not "
-                             f"implemented {where} (only on CPU), so turbospec runs such a model there only "
-                             f"up to its window (use max_seq_len <= {self.sliding_window})")
 
     @classmethod
     def from_hf(cls, cfg) -> "ModelConfig":
@@ -345,9 +335,6 @@ class Transformer:
                        for i in range(cfg.num_layers)]
         head = weights.get("lm_head", embed)
         self.lm_head = Linear(head) if cfg.final_softcap is None else CappedLinear(head, cap=cfg.final_softcap)
-        if cfg.attn_softcap is not None and self.device.type != "cpu":
-            raise ValueError(f"attention logit soft-capping ({cfg.model_type}: attn_logit_softcapping "
-                             f"{cfg.attn_softcap}) is implemented on CPU only, not on {self.device.type}")
         # [V, H] dense; draft heads share it (tied: the embedding itself)
         self.lm_head_weight = self.embed if head is embed else (head.dequantize(self.dtype)
                                                                 if isinstance(head, QuantWeight) else head)
@@ -460,8 +447,6 @@ class Transformer:
         if logits not in LOGITS_MODES:
             raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
         bsz, n = input_ids.shape
-        if self.device.type != "cpu":
-            self.cfg.check_window(cache_len + n)
         if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
                              f"{cache.max_seq_len}")
@@ -708,7 +693,8 @@ class Transformer:
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
                 kc, vc = cache.k[li], cache.v[li]
                 q = ops.rope_cache(qkv, cos, sin, cache_len, cfg.num_heads, kc, vc)
-                return ops.tree_attention(q, kc, vc, cache_len, tree_mask_packed, self.scale)[0]
+                return ops.tree_attention(q, kc, vc, cache_len, tree_mask_packed, self.scale,
+                                          window=self.windows[li], softcap=cfg.attn_softcap or 0.0)[0]
 
             x, captured = self._decoder_fused(self.embed_tokens(input_ids), attend_qkv, capture)
             return self._head(x, features, captured, last)

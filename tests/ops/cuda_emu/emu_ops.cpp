@@ -23,11 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          const at::Tensor& accept_len) {
     turbospec::gpu::compact_kv_cuda(caches, prefix_len, accept_index, accept_len);
   });
-  m.def("tree_attention", [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& len,
-                             const at::Tensor& mask, double scale, bool include_prefix, const at::Tensor& out,
-                             const std::optional<at::Tensor>& lse) {
-    turbospec::gpu::tree_attention_cuda(q, k, v, len, mask, scale, include_prefix, out, lse, 0, 0.0);
-  });
+  m.def("tree_attention", &turbospec::gpu::tree_attention_cuda);
   m.def("add_rms_norm", &turbospec::gpu::add_rms_norm_cuda);
   m.def("set_norm_loop", [](bool on) { turbospec::gpu::norm_emu_loop = on; },
         "add_rms_norm: long rows always by the loop kernel (the register kernel's twin).");
