@@ -1,0 +1,104 @@
+"""Same-run A/B of plain decode speed between two checkouts (a regression check for a change).
+
+  python bench/bench_ab.py --tree before=/work/before --tree after=. --rounds 5
+
+Each round runs every checkout once, in turn (A B A B ...), each in its own process importing that
+checkout's ``turbospec`` (its own built ``_C``): the default model (SmolLM2-135M-Instruct, the
+GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
+(no drafts), at ``--threads`` threads, per ``--dtype``; and a verify pass of ``--nodes`` tokens.
+Prints each checkout's median decode tok/s and verify ms, and their ratio; writes JSON with
+--out. Only same-run ratios mean anything (machines and their load differ).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, sys, time, torch
+import turbospec
+from turbospec import Engine
+dtype, tokens, threads, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512)
+prompt = "Explain in a few sentences why the sky is blue."
+eng.generate(prompt, max_new_tokens=8)  # warm-up
+g = eng.generate(prompt, max_new_tokens=tokens)
+t = eng.target
+cache = t.new_cache(256)
+ids = torch.randint(0, t.cfg.vocab_size, (1, 100))
+t.forward(ids, torch.arange(100)[None], cache, 0, logits="none")
+x = torch.randint(0, t.cfg.vocab_size, (1, nodes))
+pos = torch.arange(100, 100 + nodes)[None]
+times = []
+for _ in range(7):
+    s = time.perf_counter()
+    t.forward(x, pos, cache, 100, logits="normed")
+    times.append(time.perf_counter() - s)
+print(json.dumps({"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
+                  "verify_ms": sorted(times)[3] * 1e3, "ids": g.token_ids[:16]}))
+"""
+
+
+def run(tree: str, dtype: str, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(args.threads))
+    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(args.tokens), str(args.threads), str(args.nodes)],
+                         env=env, cwd=os.path.abspath(tree), capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a checkout with _C built")
+    p.add_argument("--dtype", action="append", default=None, help="float32 / bfloat16 (default: both)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--nodes", type=int, default=16, help="tokens of the timed verify pass")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    trees = [t.split("=", 1) for t in args.tree]
+    if any(len(t) != 2 for t in trees):
+        p.error("--tree takes NAME=PATH")
+    dtypes = args.dtype or ["float32", "bfloat16"]
+    res = {d: {name: [] for name, _ in trees} for d in dtypes}
+    start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for r in range(args.rounds):
+        for d in dtypes:
+            for name, path in trees:
+                res[d][name].append(run(path, d, args))
+                print(f"round {r + 1} {d} {name}: {res[d][name][-1]['tok_s']:.1f} tok/s, "
+                      f"verify {res[d][name][-1]['verify_ms']:.2f} ms", flush=True)
+    summary = {}
+    for d in dtypes:
+        base = None
+        for name, _ in trees:
+            runs = res[d][name]
+            if len({tuple(x["ids"]) for x in runs}) != 1:
+                raise SystemExit(f"{name} {d}: the rounds decoded different tokens")
+            tok = statistics.median(x["tok_s"] for x in runs)
+            ver = statistics.median(x["verify_ms"] for x in runs)
+            base = base or (tok, ver)
+            summary[f"{d} {name}"] = {"tok_s": tok, "verify_ms": ver, "tok_s_ratio": tok / base[0],
+                                      "verify_ratio": ver / base[1]}
+            print(f"{d:9s} {name:10s} decode {tok:7.1f} tok/s ({tok / base[0]:.3f}x)  "
+                  f"verify {args.nodes} nodes {ver:6.2f} ms ({ver / base[1]:.3f}x)")
+        ids = {name: res[d][name][0]["ids"] for name, _ in trees}
+        if len({tuple(v) for v in ids.values()}) != 1:
+            print(f"WARNING {d}: the checkouts decoded different tokens: {ids}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": " ".join(sys.argv), "date": start, "machine": platform.processor() or
+                       platform.machine(), "summary": summary, "runs": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
