@@ -5,7 +5,8 @@
 Install torch first and build with ``--no-build-isolation`` (otherwise pip may fetch another torch
 into an isolated build environment). The CUDA kernels (csrc/cuda/*.cu) are built when torch has
 CUDA and nvcc is found; ``TURBOSPEC_CUDA=0`` / ``=1`` forces them off / on. ``MAX_JOBS`` limits the
-parallel compile jobs, ``TORCH_CUDA_ARCH_LIST`` the GPU architectures (e.g. "8.0;9.0").
+parallel compile jobs, ``TORCH_CUDA_ARCH_LIST`` the GPU architectures (e.g. "8.0;9.0"),
+``TURBOSPEC_DEBUG_INFO=1`` keeps debug info in the C++ objects (off by default: faster to build).
 """
 from __future__ import annotations
 
@@ -77,7 +78,10 @@ def _extension():
     opt = os.environ.get("TURBOSPEC_BUILD_OPT", "-O3").strip()
     if opt not in ("-O0", "-O1", "-O2", "-O3"):
         sys.exit(f"turbospec: TURBOSPEC_BUILD_OPT={opt!r}; allowed: -O0, -O1, -O2, -O3")
-    cxx_flags = [opt, "-fopenmp", "-ffp-contract=off"]
+    # No debug info unless TURBOSPEC_DEBUG_INFO=1 (Python's own CFLAGS carry -g): the same machine code,
+    # built faster and a much smaller _C (measured: bench/results/2026-11-28-build-time.md).
+    debug = ["-g"] if os.environ.get("TURBOSPEC_DEBUG_INFO", "").strip() == "1" else ["-g0"]
+    cxx_flags = [opt, *debug, "-fopenmp", "-ffp-contract=off"]
     link_flags = ["-fopenmp"] + _shared_cxx_runtime_flags()
     if _use_cuda():
         cuda_sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
