@@ -31,6 +31,17 @@ def test_generate_matches_engine(smollm2_dir, smollm2, capsys, model):
     assert out.rstrip(chr(10)) == ref.text
 
 
+@pytest.mark.parametrize("drafter", ["suffix", "lookahead"])
+def test_generate_with_model_free_drafter_equals_plain(smollm2_dir, capsys, drafter):
+    from turbospec import Engine
+    prompt = "Repeat exactly: red green blue red green blue"
+    assert cli.main(["generate", prompt, "--model", smollm2_dir, "--drafter", drafter, "--max-new-tokens", "16",
+                     "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert f"drafter {drafter}" in err
+    assert out.rstrip("\n") == Engine(smollm2_dir, drafter="none", max_seq_len=4096).generate(prompt, 16).text
+
+
 def test_generate_logprobs_table(smollm2_dir, smollm2, capsys):
     """--logprobs N: the completion, then one line per token with its logprob and N alternatives:
     the engine's numbers without drafts."""

@@ -148,13 +148,3 @@ def test_sampling_passes_the_audit():
     s = r.sampling
     assert r.greedy.ok and s.draft_tokens_proposed > 0 and s.draft_tokens_accepted > 0
     assert not s.rejected and s.control_rejected, r.table()
-
-
-def test_cli_generate_with_suffix(smollm2_dir, capsys):
-    from turbospec import cli
-    assert cli.main(["generate", "Repeat exactly: red green blue red green blue", "--model", smollm2_dir,
-                     "--drafter", "suffix", "--max-new-tokens", "16", "--threads", "1"]) == 0
-    out, err = capsys.readouterr()
-    assert "drafter suffix" in err
-    eng = Engine(smollm2_dir, drafter="none", max_seq_len=4096)
-    assert out.rstrip("\n") == eng.generate("Repeat exactly: red green blue red green blue", 16).text
