@@ -176,6 +176,34 @@ def test_seeded_sampling_stop_and_speculate_off(server, client, engine):
     assert metrics(server[0])["turbospec_draft_tokens_proposed_total"] == before  # no drafts
 
 
+def test_n_choices_streamed_and_not(server, client, engine):
+    """n > 1: n requests of the batch side by side. Greedy: n copies of the one answer; seeded
+    sampling: choice i is the request with seed + i alone; streamed: each choice's chunks (by index)
+    make up the same text; usage counts every choice's tokens, the prompt once."""
+    greedy = alone(engine, prompt(4), max_new_tokens=12)
+    r = client.completions.create(model=MODEL, prompt=prompt(4), max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.text == greedy.text for c in r.choices)
+    assert r.usage.completion_tokens == 36 and r.usage.prompt_tokens == len(greedy.prompt_token_ids)
+    messages = [{"role": "user", "content": prompt(5)}]
+    want = [alone(engine, messages, chat=True, max_new_tokens=16, temperature=0.9, seed=11 + i).text for i in range(3)]
+    assert len(set(want)) > 1  # the seeds give different samples, so the check below can tell them apart
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.9, seed=11, n=3)
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == want
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.9,
+                                            seed=11, n=3, stream=True, stream_options={"include_usage": True})
+    texts, roles, finishes = ["", "", ""], [0, 0, 0], [None, None, None]
+    chunks = list(stream)
+    for c in chunks:
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            roles[ch.index] += ch.delta.role == "assistant"
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert texts == want and roles == [1, 1, 1] and all(f in ("length", "stop") for f in finishes)
+    assert chunks[-1].usage.completion_tokens == sum(
+        len(alone(engine, messages, chat=True, max_new_tokens=16, temperature=0.9, seed=11 + i).token_ids)
+        for i in range(3))
+
+
 def slow_steps(app, seconds: float):
     """Slow every batch step down (so a long request is still running when the test acts)."""
     served = app.state.served
@@ -252,7 +280,10 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     ({"model": MODEL, "prompt": "w5", "top_k": 1.5}, "top_k"),
     ({"model": MODEL, "prompt": "w5", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "w5", "max_tokens": 10_000}, "max_tokens"),
-    ({"model": MODEL, "prompt": "w5", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "w5", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "w5", "n": 17}, "n"),
+    ({"model": MODEL, "prompt": "w5", "n": "2"}, "n"),
+    ({"model": MODEL, "prompt": "w5", "n": True}, "n"),
     ({"model": MODEL, "prompt": "w5", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": MODEL, "prompt": "w5", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "w5", "logprobs": -1}, "logprobs"),

@@ -33,6 +33,10 @@ class Parsed:
     stream: bool
     include_usage: bool         # stream_options.include_usage
     model: str
+    n: int = 1                  # choices: n requests decoded side by side (seed + i each, when seeded)
+
+
+MAX_N = 16  # choices per request (each is a request of the batch)
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -114,9 +118,7 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
         if not ok:
             raise APIError("prompt must be a non-empty string or a non-empty list of token ids (one prompt)",
                            param="prompt")
-    n = body.get("n", 1)
-    if n != 1:
-        raise APIError(f"n must be 1 (one choice per request), got {n!r}", param="n")
+    n = _number(body, "n", 1, 1, MAX_N, integer=True)
     if body.get("best_of") not in (None, 1):
         raise APIError(f"best_of must be 1, got {body.get('best_of')!r}", param="best_of")
     limit = max_seq_len - 1
@@ -155,7 +157,7 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
     logprobs, top_logprobs = _logprobs(body, chat)
     request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate,
                       stop_token_ids=stop_ids or None, logprobs=logprobs, top_logprobs=top_logprobs)
-    return Parsed(request, chat, stream, bool(options.get("include_usage")), model)
+    return Parsed(request, chat, stream, bool(options.get("include_usage")), model, n)
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
@@ -221,17 +223,17 @@ def completion_id(chat: bool) -> str:
 
 
 def chunk(cid: str, model: str, chat: bool, text: str | None, finish: str | None, role: bool = False,
-          logprobs: dict | None = None) -> dict:
+          logprobs: dict | None = None, index: int = 0) -> dict:
     """One streamed chunk (``text`` None: no content in this chunk; ``logprobs``: those of the
     chunk's tokens, ``chat_logprobs`` / ``completion_logprobs``)."""
     if chat:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [choice]}
-    choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [choice]}
 
@@ -241,15 +243,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(cid: str, model: str, chat: bool, text: str, finish: str, prompt_tokens: int,
-               completion_tokens: int, logprobs: dict | None = None) -> dict:
-    """A whole (non-streamed) response."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": cid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+def completion(cid: str, model: str, chat: bool, choices: list[tuple[str, str, int, dict | None]],
+               prompt_tokens: int) -> dict:
+    """A whole (non-streamed) response; ``choices``: (text, finish reason, completion tokens,
+    logprobs or None) per choice, in index order."""
+    out = []
+    for i, (text, finish, _, logprobs) in enumerate(choices):
+        if chat:
+            out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                        "finish_reason": finish})
+        else:
+            out.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
+    return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": out, "usage": usage(prompt_tokens, sum(c[2] for c in choices))}

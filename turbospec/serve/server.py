@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import json
 import logging
@@ -180,66 +181,110 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
             if r.max_new_tokens is None:  # as many as the cache holds after the prompt
                 r.max_new_tokens = max(1, engine.max_seq_len - len(ids))
             r.prompt = ids
-            job, queue = served.submit(r, chat=False)
+            # n choices: n requests of the batch, side by side (a seeded one: seed + i for choice i)
+            reqs = [r] + [dataclasses.replace(r, seed=None if r.seed is None else r.seed + i)
+                          for i in range(1, parsed.n)]
+            jobs = []
+            try:
+                for q in reqs:
+                    jobs.append(served.submit(q, chat=False))
+            except BaseException:
+                for job, _ in jobs:
+                    served.cancel(job)
+                raise
         except QueueFullError as e:
             raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
         except ValueError as e:
             code = "context_length_exceeded" if "exceeds the KV cache" in str(e) else None
             raise APIError(str(e), code=code) from None
         cid = protocol.completion_id(chat)
-        deltas = served.follow(job, queue)
-        offset = 0  # completions' text_offset, across a stream's chunks
+        first_token = [True]
 
-        def logprobs(entries):
-            nonlocal offset
-            if not r.logprobs:
-                return None
-            if chat:
-                return protocol.chat_logprobs(entries, pieces)
-            obj = protocol.completion_logprobs(entries, pieces, offset)
-            offset += sum(len(t) for t in obj["tokens"])
-            return obj
+        def logprobs_of():  # one per choice: completions' text_offset runs across a choice's chunks
+            offset = 0
+
+            def logprobs(entries):
+                nonlocal offset
+                if not r.logprobs:
+                    return None
+                if chat:
+                    return protocol.chat_logprobs(entries, pieces)
+                obj = protocol.completion_logprobs(entries, pieces, offset)
+                offset += sum(len(t) for t in obj["tokens"])
+                return obj
+            return logprobs
+
+        def saw_tokens(d) -> None:
+            if d.token_ids and first_token[0]:
+                metrics.ttft_seconds.observe(time.perf_counter() - t0)
+                first_token[0] = False
+
+        def cancel_all() -> None:
+            for job, _ in jobs:
+                if not job.done:
+                    served.cancel(job)
+
         if not parsed.stream:
-            parts, gen = [], None
-            try:
-                async for d in deltas:
-                    if d.token_ids and not parts and gen is None:
-                        metrics.ttft_seconds.observe(time.perf_counter() - t0)
-                    parts.append(d.text)
+            async def collect(job, queue):
+                gen = None
+                async for d in served.follow(job, queue):
+                    saw_tokens(d)
                     gen = d.generation or gen
                     if gen is None and await http.is_disconnected():
                         break  # nobody will read the answer: free the slot now, not at max_tokens
+                return gen
+            try:
+                gens = await asyncio.gather(*(collect(job, queue) for job, queue in jobs))
             finally:
-                if not job.done:
-                    served.cancel(job)
-            if gen is None and await http.is_disconnected():
+                cancel_all()
+            if any(g is None for g in gens) and await http.is_disconnected():
                 return Response(status_code=499)  # (the client is gone; nothing reads this)
-            if gen is None:
+            if any(g is None for g in gens):
                 raise APIError("the request was cancelled", status=500, type="server_error")
             metrics.request_seconds.observe(time.perf_counter() - t0)
-            return protocol.completion(cid, model_name, chat, gen.text, protocol.FINISH_REASON[gen.finish_reason],
-                                       len(ids), len(gen.token_ids), logprobs(gen.logprobs))
+            return protocol.completion(cid, model_name, chat, [
+                (g.text, protocol.FINISH_REASON[g.finish_reason], len(g.token_ids), logprobs_of()(g.logprobs))
+                for g in gens], len(ids))
 
         async def events():
-            n_out, first = 0, True
-            pending = []  # log-probabilities of tokens whose text is not out yet (held back)
+            n_out = 0
+            merged: asyncio.Queue = asyncio.Queue()  # (choice, delta or None when it ended or failed)
+
+            async def pump(i, job, queue):
+                try:
+                    async for d in served.follow(job, queue):
+                        await merged.put((i, d))
+                    await merged.put((i, None))
+                except Exception as e:  # noqa: BLE001 - reported in the stream below
+                    await merged.put((i, e))
+            tasks = []
             try:
                 if chat:
-                    yield _sse(protocol.chunk(cid, model_name, chat, "", None, role=True))
-                async for d in deltas:
-                    if d.token_ids and first:
-                        metrics.ttft_seconds.observe(time.perf_counter() - t0)
-                        first = False
+                    for i in range(len(jobs)):
+                        yield _sse(protocol.chunk(cid, model_name, chat, "", None, role=True, index=i))
+                tasks = [asyncio.ensure_future(pump(i, job, queue)) for i, (job, queue) in enumerate(jobs)]
+                lps = [logprobs_of() for _ in jobs]
+                pending = [[] for _ in jobs]  # log-probabilities of tokens whose text is not out yet
+                live = len(jobs)
+                while live:
+                    i, d = await merged.get()
+                    if d is None:
+                        live -= 1
+                        continue
+                    if isinstance(d, Exception):
+                        raise d
+                    saw_tokens(d)
                     n_out += len(d.token_ids)
-                    pending += d.logprobs or []
+                    pending[i] += d.logprobs or []
                     if d.text:
-                        yield _sse(protocol.chunk(cid, model_name, chat, d.text, None, logprobs=logprobs(pending)))
-                        pending = []
+                        yield _sse(protocol.chunk(cid, model_name, chat, d.text, None, logprobs=lps[i](pending[i]),
+                                                  index=i))
+                        pending[i] = []
                     if d.finish_reason is not None:
                         yield _sse(protocol.chunk(cid, model_name, chat, None if chat else "",
                                                   protocol.FINISH_REASON[d.finish_reason],
-                                                  logprobs=logprobs(pending) if pending else None))
-                        pending = []
+                                                  logprobs=lps[i](pending[i]) if pending[i] else None, index=i))
+                        pending[i] = []
                 if parsed.include_usage:
                     yield _sse({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model_name, "choices": [],
@@ -251,9 +296,10 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                 log.error("streamed request %s failed (error id %s)", cid, rid, exc_info=e)
                 yield _sse(APIError(f"the request failed (error id {rid})", status=500, type="server_error",
                                     code=rid).body())
-            finally:  # a client that went away: its request leaves the batch at the next step
-                if not job.done:
-                    served.cancel(job)
+            finally:  # a client that went away: its requests leave the batch at the next step
+                for t in tasks:
+                    t.cancel()
+                cancel_all()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
