@@ -65,14 +65,6 @@ def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
     return ("medusa" if method == "medusa" else "eagle"), (head or loaded), tree, num_draft, draft_dtype
 
 
-def make_drafter(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
-                 tree: dict | None = None) -> Drafter | None:
-    """``drafter``: "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa", a
-    ``Drafter`` (returned as is) or a callable returning one. None for no drafter."""
-    return drafter_builder(drafter, s, draft_model=draft_model, draft_tokenizer=draft_tokenizer, head=head,
-                           tree=tree)()
-
-
 def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
                     tree: dict | None = None) -> Callable[[], Drafter | None]:
     """Checks the options and loads what they name (a draft model, a head) once; returns a function
@@ -155,11 +147,6 @@ def draft_activations(s: DraftSettings, dm: Transformer) -> str:
     if mode is None:
         return "int8" if dm.device.type == "cpu" else s.activations
     return mode
-
-
-def head_drafter(kind: str, s: DraftSettings, head, tree: dict) -> Drafter:
-    """An EAGLE or Medusa drafter; see ``head_drafter_builder``."""
-    return head_drafter_builder(kind, s, head, tree)()
 
 
 def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Callable[[], Drafter]:

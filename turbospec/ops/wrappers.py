@@ -632,12 +632,11 @@ if _EXTENSION:
         _check_compact_kv_fake(caches, prefix_len, accept_index, accept_len)
         return None
 
-    if hasattr(torch.ops.turbospec, "tree_attention"):  # an older build may lack the op
-        @torch.library.register_fake("turbospec::tree_attention")
-        def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse,
-                                 window=0, softcap=0.0):
-            _check_tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, out, lse)
-            return None
+    @torch.library.register_fake("turbospec::tree_attention")
+    def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse,
+                             window=0, softcap=0.0):
+        _check_tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, out, lse)
+        return None
 
     if has_op("small_linear"):
         @torch.library.register_fake("turbospec::small_linear")
