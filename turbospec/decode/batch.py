@@ -45,6 +45,7 @@ from ..ops.reference import MAX_TREE_NODES
 from ..ops.sampling import path_logprobs, read_logprobs
 from .loop import Sequence
 from .step import NonFiniteLogitsError, draft_depth, prefill
+from ..ops.checks import is_int
 
 
 class _Staging:
@@ -97,7 +98,7 @@ class BatchStep:
 
     def __init__(self, target: Transformer, max_batch: int, max_seq_len: int, features=None,
                  node_argmax: bool = False):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.target, self.max_batch, self.features = target, max_batch, features
         # the drafters read the target's argmax at every node (``Drafter.wants_node_argmax``)
@@ -310,7 +311,7 @@ class Scheduler:
 
     def __init__(self, step: BatchStep, drafter_for_slot: Callable[[int], Drafter | None],
                  budget: BatchBudget | None = None, prefill_chunk: int | None = None):
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+        if prefill_chunk is not None and (not is_int(prefill_chunk)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
                              f"got {prefill_chunk!r}")

@@ -25,6 +25,7 @@ from . import loop, text
 from .batch import BatchStep, Job, Request, run_batch
 from .loop import Generation
 from .step import NonFiniteLogitsError, VerifyStep
+from ..ops.checks import is_int
 
 __all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "TokenLogprob", "DRAFTERS"]
 
@@ -89,7 +90,7 @@ class Engine:
                  weights: str = "auto", activations: str = "exact", max_batch: int = 8,
                  draft_activations: str | None = None):
         dtype = parse_dtype(dtype)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
         self.weights = weight_mode(weights)
@@ -102,9 +103,9 @@ class Engine:
                                                                        draft_dtype)
         if num_draft is None:
             num_draft = 8
-        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 0 <= num_draft < MAX_TREE_NODES:
+        if not is_int(num_draft) or not 0 <= num_draft < MAX_TREE_NODES:
             raise ValueError(f"num_draft must be an integer in [0, {MAX_TREE_NODES - 1}], got {num_draft!r}")
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+        if not is_int(max_seq_len) or max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
         if default_target:
             target = default_model_path()
@@ -186,7 +187,7 @@ class Engine:
         stop = text.stop_strings(stop, self.tokenizer)
         stop_ids = self._check_stop_token_ids(stop_token_ids)
         ids = self.encode(prompt, chat)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if len(ids) + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} + max_new_tokens {max_new_tokens} = "

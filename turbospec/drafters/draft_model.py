@@ -27,6 +27,7 @@ from ..model.runner import chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops.reference import MAX_TREE_NODES, logits_are_valid
 from ..ops.sampling import SamplingParams, draft_sample
+from ..ops.checks import is_int
 
 CHUNK = 16  # committed tokens a pooled request feeds per forward (a longer catch-up takes several)
 MAX_CATCHUP = 2 * CHUNK  # default: the most committed tokens a proposal reads to catch up
@@ -63,7 +64,7 @@ class DraftPool:
     doubling, up to ``slots``), so an engine that never batches keeps one row."""
 
     def __init__(self, model: Transformer, max_seq_len: int, slots: int):
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if not is_int(slots) or slots < 1:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         self.model, self.slots = model, slots
         # slack after max_seq_len: a chain of drafts (<= MAX_TREE_NODES) and a padded chunk after it
@@ -152,7 +153,7 @@ class DraftModelDrafter(Drafter):
                  graphs: bool | None = None, pool: DraftPool | None = None,
                  max_catchup: int | None = MAX_CATCHUP):
         from ..model.runner import TargetRunner
-        if max_catchup is not None and (isinstance(max_catchup, bool) or not isinstance(max_catchup, int)
+        if max_catchup is not None and (not is_int(max_catchup)
                                         or max_catchup < 1):
             raise ValueError(f"max_catchup must be an integer >= 1 or None (no limit), got {max_catchup!r}")
         self.model, self.max_catchup = model, max_catchup

@@ -18,6 +18,7 @@ from torch import Tensor
 from .base import Draft, Drafter
 from .ngram import NgramDrafter
 from ..ops.sampling import SamplingParams
+from ..ops.checks import is_int
 
 
 def merge_chain(draft: Draft | None, chain: list[int], max_tokens: int) -> Draft | None:
@@ -53,7 +54,7 @@ class HybridDrafter(Drafter):
     """``head`` (an EAGLE or Medusa drafter) plus up to ``ngram_tokens`` prompt-lookup tokens."""
 
     def __init__(self, head: Drafter, ngram_tokens: int = 8, ngram: NgramDrafter | None = None):
-        if isinstance(ngram_tokens, bool) or not isinstance(ngram_tokens, int) or not 1 <= ngram_tokens <= 62:
+        if not is_int(ngram_tokens) or not 1 <= ngram_tokens <= 62:
             raise ValueError(f"ngram_tokens must be an integer in [1, 62], got {ngram_tokens!r}")
         self.head, self.ngram_tokens = head, ngram_tokens
         self.ngram = ngram or NgramDrafter()

@@ -52,10 +52,11 @@ import torch
 
 from .base import Draft, Drafter
 from ..ops.sampling import SamplingParams
+from ..ops.checks import is_int
 
 
 def _check_int(name: str, value, lo: int, hi: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise ValueError(f"lookahead {name} ({what}) must be an integer in [{lo}, {hi}], got {value!r}")
 
 

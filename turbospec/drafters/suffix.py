@@ -31,6 +31,7 @@ import torch
 
 from .base import Draft, Drafter
 from ..ops.sampling import SamplingParams
+from ..ops.checks import is_int
 
 
 class SuffixCache:
@@ -40,7 +41,7 @@ class SuffixCache:
     # the default bound of 131,072 tokens is ~240 MB at worst. ``cache_tokens`` in ``tree=`` sets it.
     def __init__(self, max_tokens: int = 1 << 17, max_ngram: int = 8, min_ngram: int = 2):
         for name, v, lo in (("max_tokens", max_tokens, 1), ("min_ngram", min_ngram, 1), ("max_ngram", max_ngram, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            if not is_int(v) or v < lo:
                 raise ValueError(f"suffix {name} must be an integer >= {lo}, got {v!r}")
         if min_ngram > max_ngram:
             raise ValueError(f"suffix min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
@@ -120,9 +121,9 @@ class SuffixDrafter(Drafter):
 
     def __init__(self, cache: SuffixCache | None = None, depth: int = 16, max_occurrences: int = 64,
                  min_prob: float = 0.1, nodes_per_match: float = 4.0):
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        if not is_int(depth) or depth < 1:
             raise ValueError(f"suffix depth must be an integer >= 1, got {depth!r}")
-        if isinstance(max_occurrences, bool) or not isinstance(max_occurrences, int) or max_occurrences < 1:
+        if not is_int(max_occurrences) or max_occurrences < 1:
             raise ValueError(f"suffix max_occurrences must be an integer >= 1, got {max_occurrences!r}")
         if not 0 <= min_prob <= 1:
             raise ValueError(f"suffix min_prob must be in [0, 1], got {min_prob!r}")

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .reference import logits_to_probs
+from .checks import is_int
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class SamplingParams:
         t, k, p = self.temperature, self.top_k, self.top_p
         if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        if not is_int(k) or k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {k!r}")
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p!r}")
@@ -84,7 +85,7 @@ def check_logprobs(logprobs, top_logprobs) -> int | None:
         top_logprobs = 0
     if not isinstance(logprobs, bool):
         raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
-    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or \
+    if not is_int(top_logprobs) or \
             not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
     if top_logprobs and not logprobs:

@@ -35,6 +35,7 @@ from ..decode import text
 from ..decode.batch import Job, Request, Scheduler, StepOutput
 from ..decode.engine import Engine
 from ..decode.loop import Generation, draft_depth
+from ..ops.checks import is_int
 
 
 class QueueFullError(RuntimeError):
@@ -102,12 +103,12 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, max_waiting: int = 64,
                  on_step: Callable[[list[StepOutput], float], None] | None = None, prefill_chunk: int | None = 64):
-        if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
+        if not is_int(max_waiting) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         if engine._shared_drafter and engine.max_batch > 1:
             raise ValueError("a Drafter instance holds one request's state: build the Engine with the drafter's "
                              "name ('ngram', 'suffix', 'lookahead', 'draft_model', 'eagle', 'medusa') to serve a batch, or max_batch=1")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+        if prefill_chunk is not None and (not is_int(prefill_chunk)
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
                              f"got {prefill_chunk!r}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..decode.batch import Request
 from ..ops.sampling import MAX_TOP_LOGPROBS
+from ..ops.checks import is_int
 
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}  # turbospec -> OpenAI
 
@@ -168,7 +169,7 @@ def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
         if v is not None and not isinstance(v, bool):
             raise APIError(f"logprobs must be true or false, got {v!r}", param="logprobs")
         top = body.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        if top is not None and (not is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
             raise APIError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
                            param="top_logprobs")
         if top and not v:
@@ -176,7 +177,7 @@ def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
         return bool(v), top or 0
     if v is None or v is False:
         return False, 0
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_TOP_LOGPROBS:
+    if not is_int(v) or not 0 <= v <= MAX_TOP_LOGPROBS:
         raise APIError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token) or "
                        f"null, got {v!r}", param="logprobs")
     return True, v

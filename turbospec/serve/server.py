@@ -38,6 +38,7 @@ from . import protocol
 from .async_engine import AsyncEngine, QueueFullError
 from .metrics import ServerMetrics
 from .protocol import APIError
+from ..ops.checks import is_int
 
 
 def _sse(obj) -> str:
@@ -61,7 +62,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
     request bodies get 413 before they are read whole."""
     if api_key is not None and not api_key:
         raise ValueError("api_key must be a non-empty string (or None for no key)")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+    if not is_int(max_body_bytes) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
     served = AsyncEngine(engine, max_waiting=max_waiting, prefill_chunk=prefill_chunk)
     metrics = ServerMetrics(served)

@@ -13,6 +13,7 @@ import torch
 
 from .data import FEATURE_DTYPES
 from ..heads.config import METHODS
+from ..ops.checks import is_int
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_DATA = os.path.join(_REPO_ROOT, "..", "shared", "data", "train_prompts.jsonl")
@@ -90,7 +91,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.warmup_steps is not None:
         ints["warmup_steps"] = (cfg.warmup_steps, 0)
     for name, (v, lo) in ints.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        if not is_int(v) or v < lo:
             raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
     for name, v in (("lr", cfg.lr), ("grad_clip", cfg.grad_clip)):
         if v is not None and not v > 0:

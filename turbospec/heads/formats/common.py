@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from ..config import HeadConfig
 from ...model.rope import rope_parameters
 from ...model.transformer import ModelConfig
+from ...ops.checks import is_int
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -109,7 +110,7 @@ def get_int(raw: dict, key: str, cfg_file: str, default: int | None = None) -> i
     v = raw.get(key, default)
     if v is None:
         raise ValueError(f"{cfg_file}: missing field {key!r}")
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    if not is_int(v) or v < 0:
         raise ValueError(f"{cfg_file}: field {key!r} = {v!r}, expected a non-negative integer")
     return v
 
