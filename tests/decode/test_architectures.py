@@ -6,6 +6,8 @@ real ``transformers`` config,
   automatically) == an oracle tree == HF ``generate``, token for token;
 * bfloat16: speculative == plain bit for bit (n-gram, draft model, EAGLE-3 tree);
 * the batched engine: a mixed batch == each request alone (greedy and seeded sampling);
+* each of those on the CPU's dynamic path, its fixed-shape path (what CUDA graphs capture) and a GPU
+  where there is one (on CUDA a batch's greedy rows are held to HF's greedy output instead);
 * heads train on it (a few steps of ``turbospec train``), save, load and draft exactly.
 
 (The forward against HF, the C++ layer loop against its Python specification and GGUF tensor names
@@ -56,10 +58,26 @@ def _drafter_options(name: str, kind: str, target) -> dict:
     return {}
 
 
+# where an engine runs: the CPU's dynamic path, its fixed-shape path (what CUDA graphs capture, run
+# eagerly on CPU) and, where there is one, a GPU
+MODES = ["cpu", "cpu-static", "cuda"]
+
+
+def _on(mode: str, hf, target) -> tuple[object, dict]:
+    """(the target to give Engine, its device options) for ``mode``."""
+    if mode == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        return hf, dict(device="cuda")  # Engine loads the transformers model onto the GPU
+    return target, (dict(static_shapes=True) if mode == "cpu-static" else {})
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", [d for d in DRAFTERS if d != "auto"])
-def test_greedy_every_drafter_equals_hf(arch, name):
+def test_greedy_every_drafter_equals_hf(arch, name, mode):
     kind, hf, target, ref = arch
-    g = Engine(target, drafter=name, num_draft=8, adaptive=False, max_seq_len=96,
+    tgt, where = _on(mode, hf, target)
+    g = Engine(tgt, drafter=name, num_draft=8, adaptive=False, max_seq_len=96, **where,
                **_drafter_options(name, kind, target)).generate(REPEAT_PROMPT, N_NEW)
     assert g.token_ids == ref, (kind, name)
     if name not in ("none", "draft_model"):
@@ -89,16 +107,23 @@ def test_bfloat16_speculative_equals_plain_bit_for_bit(arch):
         assert g.token_ids == plain.token_ids, (kind, name)
 
 
-def test_batch_equals_alone(arch):
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_equals_alone(arch, mode):
     kind, hf, target, ref = arch
-    eng = Engine(target, drafter="eagle", head=make_head("eagle3", target, seed=2), tree={"depth": 3, "top_k": 3},
-                 num_draft=8, adaptive=False, max_seq_len=96, max_batch=3)
+    tgt, where = _on(mode, hf, target)
+    eng = Engine(tgt, drafter="eagle", head=make_head("eagle3", target, seed=2), tree={"depth": 3, "top_k": 3},
+                 num_draft=8, adaptive=False, max_seq_len=96, max_batch=3, **where)
     prompts = [REPEAT_PROMPT, REPEAT_PROMPT[:9], REPEAT_PROMPT[4:], [7, 1, 200, 3, 99]]
     reqs = [Request(p, max_new_tokens=N_NEW - 3 * i) for i, p in enumerate(prompts)]
     reqs += [Request(REPEAT_PROMPT[2:], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=7)]
     out = eng.generate(reqs)
     assert out[0].token_ids == ref
     for r, g in zip(reqs, out):
+        if mode == "cuda":  # cuBLAS may round differently by row count: greedy rows against HF's greedy
+            assert len(g.token_ids) == r.max_new_tokens
+            if not r.temperature:
+                assert g.token_ids == hf_greedy(hf, r.prompt, r.max_new_tokens), r
+            continue
         alone = eng.generate(r.prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature or 0.0,
                              top_p=r.top_p or 1.0, seed=r.seed)
         assert g.token_ids == alone.token_ids, r
