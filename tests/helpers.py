@@ -73,20 +73,15 @@ def make_tiny_model(kind: str = "llama", seed: int = 0, randomize_norms: bool = 
             kw.setdefault("moe_intermediate_size", 48)
             kw.setdefault("mlp_only_layers", [0])
             kw.setdefault("norm_topk_prob", True)
-    if kind == "gemma2":  # soft-capped attention and logits (caps low enough to matter), windows of 8
+    if kind in ("gemma2", "gemma3_text"):  # sliding (window 8; Gemma 3: own rotary table) and full layers
         kw.setdefault("head_dim", 16)
         kw.setdefault("query_pre_attn_scalar", 24)
         kw.setdefault("sliding_window", 8)
+        kw.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
+                                      for i in range(kw["num_hidden_layers"])])
+    if kind == "gemma2":  # soft-capped attention and logits (caps low enough to matter)
         kw.setdefault("attn_logit_softcapping", 3.0)
         kw.setdefault("final_logit_softcapping", 5.0)
-        kw.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
-                                      for i in range(kw["num_hidden_layers"])])
-    if kind == "gemma3_text":  # sliding (window 8, local rotary table) and full layers alternating
-        kw.setdefault("head_dim", 16)
-        kw.setdefault("query_pre_attn_scalar", 24)
-        kw.setdefault("sliding_window", 8)
-        kw.setdefault("layer_types", ["full_attention" if i % 2 else "sliding_attention"
-                                      for i in range(kw["num_hidden_layers"])])
     cfg = cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(cfg).eval()

@@ -162,23 +162,24 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
                 return sd[k]
         raise KeyError(f"checkpoint lacks weight {name!r}")
 
+    def has(name: str) -> bool:
+        return name in sd or "model." + name in sd
+
     out = {"embed": get("embed_tokens.weight"), "norm": get("norm.weight")}
     if not cfg.tie_word_embeddings and "lm_head.weight" in sd:
         out["lm_head"] = sd["lm_head.weight"]
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         # Phi-3 stores q/k/v and gate/up fused (qkv_proj, gate_up_proj: the same rows in the same order)
-        fused = any(k in sd for k in (p + "self_attn.qkv_proj.weight", "model." + p + "self_attn.qkv_proj.weight"))
-        out[p + "qkv"] = [get(p + "self_attn.qkv_proj.weight")] if fused else \
+        out[p + "qkv"] = [get(p + "self_attn.qkv_proj.weight")] if has(p + "self_attn.qkv_proj.weight") else \
             [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
         if cfg.qkv_bias:
             out[p + "qkv_bias"] = torch.cat([get(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
         out[p + "o"] = get(p + "self_attn.o_proj.weight")
         if cfg.num_experts and i in cfg.moe_layers:
-            out.update(_hf_experts(sd, get, p, cfg))
+            out.update(_hf_experts(get, has, p, cfg))
         else:
-            fused = any(k in sd for k in (p + "mlp.gate_up_proj.weight", "model." + p + "mlp.gate_up_proj.weight"))
-            out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if fused else \
+            out[p + "gate_up"] = [get(p + "mlp.gate_up_proj.weight")] if has(p + "mlp.gate_up_proj.weight") else \
                 [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]
             out[p + "down"] = get(p + "mlp.down_proj.weight")
         for dst, src in _HF_NORMS[cfg.norm_layout].items():
@@ -190,13 +191,12 @@ def convert_hf_state_dict(sd: dict[str, Tensor], cfg: ModelConfig) -> dict:
     return out
 
 
-def _hf_experts(sd: dict, get, p: str, cfg: ModelConfig) -> dict:
+def _hf_experts(get, has, p: str, cfg: ModelConfig) -> dict:
     """A mixture-of-experts layer's router and experts in turbospec names (``{p}router``,
     ``{p}experts.{e}.gate_up`` / ``.down``), from transformers' fused layout (``mlp.experts.gate_up_proj``
     [E, 2 I, H], ``down_proj`` [E, H, I]) or the per-expert names of published checkpoints (Mixtral's
     ``block_sparse_moe.experts.{e}.w1 / w3 / w2``; Qwen3-MoE's and OLMoE's ``mlp.experts.{e}.gate_proj /
     up_proj / down_proj``)."""
-    has = lambda name: name in sd or "model." + name in sd  # noqa: E731
     out = {}
     if has(p + "block_sparse_moe.gate.weight"):  # Mixtral as published
         out[p + "router"] = get(p + "block_sparse_moe.gate.weight")
@@ -233,7 +233,6 @@ def _norm_shift(cfg: ModelConfig) -> bool:
 
 
 # GGUF tensor names (llama.cpp) -> turbospec names; lists are the parts of a fused linear.
-_GGUF_LAYER = {"attn_output": "o", "ffn_down": "down"}
 _GGUF_NORMS = {  # per ``ModelConfig.norm_layout``
     "pre": {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm"},
     "post": {"post_attention_norm": "attn_post_norm", "post_ffw_norm": "mlp_post_norm"},  # OLMo 2
@@ -288,16 +287,16 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
         out["lm_head"] = load("output.weight")
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
-        for src, dst in {**_GGUF_LAYER, **_GGUF_NORMS[cfg.norm_layout]}.items():
-            if src == "ffn_down" and cfg.num_experts and i in cfg.moe_layers:
-                continue  # the experts' (below)
+        moe = cfg.num_experts and i in cfg.moe_layers
+        for src, dst in {"attn_output": "o", **({} if moe else {"ffn_down": "down"}),
+                         **_GGUF_NORMS[cfg.norm_layout]}.items():
             out[f"layers.{i}.{dst}"] = load(b + src + ".weight")
         heads = (cfg.num_heads, cfg.num_kv_heads, None)  # q and k rows are permuted per head, v not
         if b + "attn_qkv.weight" in tensors:  # Phi-3: q/k/v in one tensor (no permutation: NeoX rotary)
             out[f"layers.{i}.qkv"] = [load(b + "attn_qkv.weight")]
         else:
             out[f"layers.{i}.qkv"] = [load(b + n + ".weight", h) for n, h in zip(_GGUF_PARTS["qkv"], heads)]
-        if cfg.num_experts and i in cfg.moe_layers:  # the router, and each expert's rows of the 3-D tensors
+        if moe:  # the router, and each expert's rows of the 3-D tensors
             out[f"layers.{i}.router"] = load(b + "ffn_gate_inp.weight")
             for e in range(cfg.num_experts):
                 out[f"layers.{i}.experts.{e}.gate_up"] = [load(b + f"ffn_{x}_exps.weight", expert=e) for x in ("gate", "up")]

@@ -346,6 +346,8 @@ class Transformer:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.windows = cfg.windows()  # per layer: its sliding window (0: none)
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self._embed_scale = None if cfg.embed_scale is None else \
+            torch.tensor(cfg.embed_scale, dtype=self.dtype, device=self.device)  # (made once: no per-step tensor)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
@@ -420,9 +422,7 @@ class Transformer:
         """The embeddings of ``input_ids`` as the first layer reads them (Gemma scales them by sqrt(hidden),
         rounded to the model's dtype as transformers does)."""
         x = self.embed[input_ids]
-        if self.cfg.embed_scale is not None:
-            x = x * torch.tensor(self.cfg.embed_scale, dtype=self.dtype, device=x.device)
-        return x
+        return x if self._embed_scale is None else x * self._embed_scale
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: int,
@@ -525,10 +525,10 @@ class Transformer:
         total = cache_len + n
         if mask is None:
             mask = torch.ones(n, total, dtype=torch.bool, device=x.device).tril_(cache_len)[None, None]
-        windowed = {}
-        for w in set(self.windows) - {0}:  # query slot cache_len + i attends key slots > its own - w
-            q_slot = torch.arange(cache_len, total, device=x.device)[:, None]
-            windowed[w] = mask & (torch.arange(total, device=x.device)[None, :] > q_slot - w)
+        q_slot = torch.arange(cache_len, total, device=x.device)[:, None]
+        k_slot = torch.arange(total, device=x.device)[None, :]
+        # query slot cache_len + i attends key slots > its own - w
+        windowed = {w: mask & (k_slot > q_slot - w) for w in set(self.windows) - {0}}
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]

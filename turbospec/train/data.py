@@ -22,6 +22,7 @@ the held-out split; ``manifest.json`` lists finished shards, so this stage resum
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from ..model.transformer import Transformer, rms_norm
+from ..model.transformer import ModelConfig, Transformer, rms_norm
 
 PROMPT_KEYS = ("prompt", "text", "instruction", "question")
 EVAL_DATA_NAMES = ("specbench", "spec_bench", "spec-bench", "humaneval", "human_eval", "human-eval")
@@ -61,13 +62,16 @@ def file_sha1(path: str) -> str:
     return h.hexdigest()
 
 
+# ModelConfig fields added after fingerprints were first stored: left out while at their defaults
+_LATER_FIELDS = {"sliding_window", "layer_windows", "qk_norm", "norm_layout", "activation", "embed_scale", "attn_scale",
+                 "rope_local_theta", "rope_local_scaling", "num_experts", "experts_per_token", "moe_intermediate_size",
+                 "moe_norm_topk", "moe_layers", "attn_softcap", "final_softcap"}
+
+
 def target_fingerprint(target: Transformer) -> str:
     """Identifies the target's weights cheaply (config + a few embedding rows + final norm)."""
     # (a config field added later is left out at its default, so earlier runs' fingerprints hold)
-    later = {"sliding_window": None, "layer_windows": None, "qk_norm": None, "norm_layout": "pre", "activation": "silu",
-             "embed_scale": None, "attn_scale": None, "rope_local_theta": None, "rope_local_scaling": None,
-             "num_experts": 0, "experts_per_token": 0, "moe_intermediate_size": 0, "moe_norm_topk": False,
-             "moe_layers": None, "attn_softcap": None, "final_softcap": None}
+    later = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in _LATER_FIELDS}
     h = hashlib.sha1(repr(sorted((k, v) for k, v in vars(target.cfg).items()
                                  if not (k in later and v == later[k]))).encode())
     for t in (target.embed[:8], target.embed[-8:], target.norm):
