@@ -168,10 +168,10 @@ def ts_verify_curve(model, context: int = 128, reps: int = 5) -> dict[str, dict[
     it lazily: a quantized LM head on CPU) to the final norm, then the LM head over the first
     min(N, LAZY_ROWS) rows: what a step whose accepted path ends within them costs."""
     import torch
-    from turbospec.decode.step import LAZY_ROWS, VerifyStep
+    from turbospec.decode.step import LAZY_ROWS, TargetStep
     cache = model.new_cache(context + max(VERIFY_TOKENS))
     model.forward(torch.arange(context)[None] % 1000 + 10, torch.arange(context)[None], cache, 0, logits="none")
-    lazy = VerifyStep(model, 8)._lazy is not None
+    lazy = TargetStep(model, 8)._lazy is not None
 
     def lazy_pass(ids, pos):
         h = model.forward(ids, pos, cache, context, logits="normed")

@@ -60,11 +60,12 @@ def test_greedy_divergence_is_reported(tiny, monkeypatch):
     reported with the prompt, the position, both tokens and the target's logits of both."""
     real = loop.Sequence.commit
 
-    def buggy(self, new, n_acc, features, verify_seconds=None, **kw):
+    def buggy(self, result, verify_seconds=None):
+        new = result.tokens
         if self.drafter is not None and self.emitted <= 5 < self.emitted + len(new):
             new = list(new)
             new[5 - self.emitted] = (new[5 - self.emitted] + 1) % 256
-        return real(self, new, n_acc, features, verify_seconds, **kw)
+        return real(self, result._replace(tokens=new), verify_seconds)
 
     monkeypatch.setattr(loop.Sequence, "commit", buggy)
     r = run(tiny, sampling=False, prompts=GREEDY[:2])

@@ -75,13 +75,13 @@ def test_requests_join_and_leave_between_steps(tiny, monkeypatch):
     _, target = tiny
     eng = Engine(target, drafter="ngram", max_seq_len=256, max_batch=2)
     joins = []
-    real = batch_mod.BatchStep.prefill
+    real = batch_mod.TargetStep.prefill
 
     def spy(self, slot, ids):
         joins.append(slot)
         return real(self, slot, ids)
 
-    monkeypatch.setattr(batch_mod.BatchStep, "prefill", spy)
+    monkeypatch.setattr(batch_mod.TargetStep, "prefill", spy)
     prompts = prompts_mixed(5, seed=2)
     lengths = [3, 20, 5, 9, 2]
     out = eng.generate([Request(p, max_new_tokens=m) for p, m in zip(prompts, lengths)])
@@ -187,7 +187,7 @@ def chunked_prefill_run(eng, base):
     reqs = [Request(base[:6], max_new_tokens=N_NEW), Request(base[:29], max_new_tokens=N_NEW),
             Request(base[2:9], max_new_tokens=6), Request(base[3:26], max_new_tokens=N_NEW)]
     jobs = [eng.job(r, index=i) for i, r in enumerate(reqs)]
-    sched = batch_mod.Scheduler(eng.batch_step(), eng.slot_drafter, eng.batch_budget(), prefill_chunk=5)
+    sched = eng.scheduler(prefill_chunk=5)
     sched.add(jobs[0])
     sched.add(jobs[2])
     out = {i: [] for i in range(4)}
@@ -215,5 +215,5 @@ def chunked_prefill_run(eng, base):
         assert out[i] == alone.token_ids, i
         assert eng.generation(jobs[i], out[i]).stats["tau"] == alone.stats["tau"], i
     with pytest.raises(ValueError, match="prefill_chunk must be None or an integer >= 1"):
-        batch_mod.Scheduler(eng.batch_step(), eng.slot_drafter, prefill_chunk=0)
+        eng.scheduler(prefill_chunk=0)
     return jobs, out

@@ -7,7 +7,7 @@ import torch
 
 from turbospec import ops
 from turbospec.decode import step as step_mod
-from turbospec.decode.step import LazyLogits, VerifyStep
+from turbospec.decode.step import LazyLogits, TargetStep
 from turbospec.model import loader
 from turbospec.ops.sampling import SamplingParams
 
@@ -89,8 +89,8 @@ def test_lazy_non_finite_rows(model):
 
 def test_step_lazy_only_on_quantized_cpu_lm_head(model):
     dense = loader.load_model(make_tiny_model("llama"), dtype=torch.float32)
-    assert VerifyStep(model, 64)._lazy is not None
-    assert VerifyStep(dense, 64)._lazy is None  # a dense LM head is read once for all rows
+    assert TargetStep(model, 64)._lazy is not None
+    assert TargetStep(dense, 64)._lazy is None  # a dense LM head is read once for all rows
 
 
 def test_engine_lazy_equals_eager(model, monkeypatch):
@@ -107,5 +107,5 @@ def test_engine_lazy_equals_eager(model, monkeypatch):
         outs[lazy_rows] = [eng.generate(prompt, max_new_tokens=40).token_ids,
                            eng.generate(prompt, max_new_tokens=40, temperature=0.8, seed=7).token_ids]
         if lazy_rows == 4:
-            assert eng.verifier._lazy.rows > 0
+            assert eng.target_step._lazy.rows > 0
     assert outs[4] == outs[1000]

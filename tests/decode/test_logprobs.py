@@ -164,7 +164,7 @@ def test_lazy_lm_head_logprobs_equal_plain():
             for j, e in enumerate(g.logprobs):
                 p = reference.logits_to_probs(logits[j], 0.7, 0, 0.9)
                 assert e.logprob == math.log(float(p[e.token_id])), j
-    lazy = eng.verifier._lazy
+    lazy = eng.target_step._lazy
     assert lazy is not None and lazy.rows > 0
     assert g.stats["tau"] > 1.0
 
@@ -263,7 +263,6 @@ def test_no_logprob_work_when_not_asked(cyc, monkeypatch):
         calls.append(tuple(logits.shape))
         return real(logits, tokens, params, top)
     monkeypatch.setattr(step_mod, "path_logprobs", spy)
-    monkeypatch.setattr(batch_mod, "path_logprobs", spy)
     eng = spec_engine("ngram", target, ref, vocab, max_batch=3)
     g = eng.generate(PROMPT, 20)
     assert g.logprobs is None and calls == []
@@ -321,9 +320,9 @@ def test_smollm2_gguf_shipped_head_equals_plain_and_hf(smollm2_hf):
     prompt = "List the numbers from 1 to 20 separated by commas."
     from turbospec.heads.shipped import shipped_heads
     spec = Engine("default", drafter="eagle", head=shipped_heads()["eagle3"], max_seq_len=512, adaptive=False)
-    assert spec.verifier._lazy is not None
+    assert spec.target_step._lazy is not None
     g = spec.generate(prompt, 48, logprobs=True, top_logprobs=TOP)
-    assert spec.verifier._lazy.rows > 0 and g.stats["tau"] > 1.5
+    assert spec.target_step._lazy.rows > 0 and g.stats["tau"] > 1.5
     plain = Engine(spec.target, drafter="none", tokenizer=spec.tokenizer, max_seq_len=512)
     want = plain.generate(prompt, 48, logprobs=True, top_logprobs=TOP)
     assert g.token_ids == want.token_ids and g.logprobs == want.logprobs

@@ -118,7 +118,7 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
     head = make_head(method, target, vocab=vocab)
     eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
     assert_batch_drafts_as_alone(eng, drafts, [rows] if method == "medusa" else [rows, layer_rows])
-    slots = [eng.slot_drafter(i) for i in range(4)]
+    slots = [eng._slot_drafter(i) for i in range(4)]
     shared = "heads" if method == "medusa" else "head"
     assert all(getattr(d, shared) is getattr(slots[0], shared) for d in slots)
     if method != "medusa":
@@ -141,7 +141,7 @@ def test_batched_draft_model_drafts_equal_the_drafts_alone(cyc, monkeypatch):  #
     assert eng.drafter.pool.cache.k[0].shape[0] == 1  # no batch yet: one row of draft cache
     drafts.clear(), rows.clear()
     assert_batch_drafts_as_alone(eng, drafts, [rows])
-    slots = [eng.slot_drafter(i) for i in range(4)]
+    slots = [eng._slot_drafter(i) for i in range(4)]
     assert all(d.pool is slots[0].pool for d in slots) and len({d.slot for d in slots}) == 4
 
 

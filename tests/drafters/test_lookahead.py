@@ -266,7 +266,7 @@ def test_quantized_lm_head_computes_every_row():
     eng = Engine(q8, drafter=rec, num_draft=16, adaptive=False, max_seq_len=256)
     ref = Engine(q8, drafter="none", max_seq_len=256).generate(PROMPTS[0], 16).token_ids
     assert eng.generate(PROMPTS[0], 16).token_ids == ref
-    assert eng.verifier._lazy is not None and eng.verifier._lazy.rows == 0  # never lazy
+    assert eng.target_step._lazy is not None and eng.target_step._lazy.rows == 0  # never lazy
     with torch.no_grad():  # the node argmax against a plain forward of each node's context
         for ctx, draft, amax, _ in rec.log:
             for i, p in enumerate([[]] + paths(draft)):

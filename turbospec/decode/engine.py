@@ -19,15 +19,17 @@ from ..drafters.factory import DRAFTERS, DraftSettings, auto_drafter, drafter_bu
 from ..model.loader import default_model_path, load_model, load_tokenizer, parse_dtype
 from ..model.quant import weight_mode
 from ..model.transformer import Transformer
-from ..ops.reference import MAX_TREE_NODES
+from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams, TokenLogprob, check_logprobs
 from . import loop, text
-from .batch import BatchStep, Job, Request, run_batch
+from .batch import Job, Request, Scheduler, run_batch
+from .errors import ContextLengthError, NonFiniteLogitsError
 from .loop import Generation
-from .step import NonFiniteLogitsError, VerifyStep
+from .step import TargetStep
 from ..ops.checks import is_int
 
-__all__ = ["Engine", "Generation", "NonFiniteLogitsError", "Request", "TokenLogprob", "DRAFTERS"]
+__all__ = ["Engine", "Generation", "ContextLengthError", "NonFiniteLogitsError", "Request", "TokenLogprob",
+           "DRAFTERS"]
 
 
 class Engine:
@@ -134,11 +136,13 @@ class Engine:
                                             draft_tokenizer=draft_tokenizer, head=head, tree=tree)
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time
         self.drafter = self._new_drafter()
-        self._batch: BatchStep | None = None  # built by the first batch
         self._batch_budget: BatchBudget | None = None
         self._slot_drafters: dict[int, Drafter | None] = {}
-        self.verifier = VerifyStep(self.target, max_seq_len, None if self.drafter is None else self.drafter.features,
-                                   static=static, graphs=cuda_graphs, node_argmax=self._node_argmax)
+        # one target step for one request (slot 0) and for a batch (its cache grows to max_batch
+        # slots when a batch first runs)
+        self.target_step = TargetStep(self.target, max_seq_len, max_batch,
+                                      None if self.drafter is None else self.drafter.features,
+                                      static=static, graphs=cuda_graphs, node_argmax=self._node_argmax)
 
     @property
     def _node_argmax(self) -> bool:
@@ -147,13 +151,13 @@ class Engine:
 
     @property
     def cache(self):
-        """The target's KV cache."""
-        return self.verifier.cache
+        """The target's KV cache (one slot, or ``max_batch`` once a batch has run)."""
+        return self.target_step.cache
 
     @property
     def runner(self):
         """The target's verify forward (dynamic, fixed-shape or CUDA graphs)."""
-        return self.verifier.runner
+        return self.target_step.runner
 
     @staticmethod
     def _device(target, device) -> torch.device:
@@ -190,7 +194,7 @@ class Engine:
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if len(ids) + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt length {len(ids)} + max_new_tokens {max_new_tokens} = "
+            raise ContextLengthError(f"prompt length {len(ids)} + max_new_tokens {max_new_tokens} = "
                              f"{len(ids) + max_new_tokens} exceeds the KV cache (max_seq_len "
                              f"{self.max_seq_len}); shorten the prompt, lower max_new_tokens or build "
                              f"the Engine with a larger max_seq_len")
@@ -210,7 +214,7 @@ class Engine:
     def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
              seed: int | None, stats: dict) -> Iterator[list[int]]:
         seq = self._sequence(ids, max_new_tokens, params, stop, seed, stats, self.drafter, carry_over=True)
-        return seq, loop.run(self.verifier, seq)
+        return seq, loop.run(self.target_step, seq)
 
     def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
                   seed: int | None, stats: dict, drafter: Drafter | None, carry_over: bool = False) -> loop.Sequence:
@@ -289,11 +293,9 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         if self._shared_drafter and self.max_batch > 1 and sum(j.speculate for j in jobs) > 1:
-            raise ValueError("a Drafter instance holds one request's state: pass drafter by name ('ngram', "
-                             "'suffix', 'lookahead', 'draft_model', 'eagle', 'medusa') to draft for a batch, "
-                             "or max_batch=1")
+            raise ValueError(_SHARED_DRAFTER)
         outs: list[list[int]] = [[] for _ in jobs]
-        for i, new in run_batch(self.batch_step(), jobs, self.slot_drafter, self.batch_budget()):
+        for i, new in run_batch(self._scheduler(), jobs):
             outs[i].extend(new)
         return [self.generation(j, outs[j.index]) for j in jobs]
 
@@ -320,25 +322,26 @@ class Engine:
                              self.drafter if speculate else None)
         return Job(index, seq, speculate)
 
-    def batch_step(self) -> BatchStep:
-        """The target side of batched decoding (built on first use: a KV cache of max_batch slots)."""
-        if self._batch is None:
-            self._batch = BatchStep(self.target, self.max_batch, self.max_seq_len,
-                                    None if self.drafter is None else self.drafter.features,
-                                    node_argmax=self._node_argmax)
-        return self._batch
+    def scheduler(self, prefill_chunk: int | None = None) -> Scheduler:
+        """A continuous-batching scheduler over this engine (``decode.batch.Scheduler``): up to
+        ``max_batch`` of its ``job``s decode at once, each slot with a drafter of its own, the draft
+        length of every step from one batch budget (kept across schedulers: it holds the measured
+        pass costs). ``prefill_chunk``: prompt tokens prefilled per step while others decode (None:
+        whole prompts). The server's ``AsyncEngine`` runs one; while it does, it owns the engine."""
+        if self._shared_drafter and self.max_batch > 1:
+            raise ValueError(_SHARED_DRAFTER)
+        return self._scheduler(prefill_chunk)
 
-    def batch_budget(self) -> BatchBudget:
-        """The draft length of batched steps (kept across calls: it holds the measured pass costs)."""
+    def _scheduler(self, prefill_chunk: int | None = None) -> Scheduler:
         if self._batch_budget is None:
             self._batch_budget = BatchBudget(self.num_draft if self.drafter is not None else 0, self.adaptive)
-        return self._batch_budget
+        return Scheduler(self.target_step, self._slot_drafter, self._batch_budget, prefill_chunk)
 
     def generation(self, job: Job, out: list[int]) -> Generation:
         """A finished job's ``Generation`` (``out``: the tokens it kept)."""
         return self._generation(job.seq.ids, out, job.seq.stats, job.seq.token_logprobs)
 
-    def slot_drafter(self, slot: int) -> Drafter | None:
+    def _slot_drafter(self, slot: int) -> Drafter | None:
         """The drafter of batch slot ``slot`` (one per slot, built on first use)."""
         if slot not in self._slot_drafters:
             self._slot_drafters[slot] = self._new_drafter()
@@ -374,6 +377,10 @@ class Engine:
         delta = shown.finish(out, stats.pop("stop_text_end", None))
         if delta:
             yield (delta, []) if seq.token_logprobs is not None else delta
+
+
+_SHARED_DRAFTER = ("a Drafter instance holds one request's state: pass drafter by name ('ngram', 'suffix', "
+                   "'lookahead', 'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")
 
 
 def _is_batch(prompt) -> bool:

@@ -13,7 +13,7 @@ from ..drafters.base import Draft, Drafter
 from ..drafters.budget import DraftBudget
 from ..ops import nvtx
 from ..ops.sampling import SamplingParams, TokenLogprob
-from .step import VerifyStep, draft_depth
+from .step import StepResult, TargetStep, draft_depth
 from .text import StopMatcher
 
 
@@ -126,12 +126,12 @@ class Sequence:
             return torch.zeros(k + 1)
         return torch.rand(1, k + 1, generator=self.generator)[0]
 
-    def commit(self, new: list[int], n_acc: int, features: Tensor | None, verify_seconds: float | None = None,
-               node_argmax: list[int] | None = None, logprobs: list[TokenLogprob] | None = None) -> list[int]:
-        """Take the step's emitted tokens (``n_acc`` accepted drafts + 1); returns those kept (cut at
-        max_new_tokens and after an EOS). Sets ``finish`` when the request is done. ``node_argmax``:
-        the target's argmax at every node of the step, for a drafter that reads it. ``logprobs``:
-        the emitted tokens' log-probabilities (when the request asked for them), kept as the tokens are."""
+    def commit(self, result: StepResult, verify_seconds: float | None = None) -> list[int]:
+        """Take what the verify step emitted for this request (its accepted drafts + 1 tokens, and
+        with them the drafter's features, the target's argmax at every node when the drafter reads
+        them, the tokens' log-probabilities when asked); returns the tokens kept (cut at
+        max_new_tokens and after an EOS). Sets ``finish`` when the request is done."""
+        new, n_acc, features, node_argmax, logprobs = result
         draft = self.draft
         t3 = time.perf_counter()
         verify_seconds = t3 - self._t_plan if verify_seconds is None else verify_seconds
@@ -181,13 +181,14 @@ class Sequence:
             prompt_tokens=len(self.ids), finish_reason=self.finish)
 
 
-def run(step: VerifyStep, seq: Sequence) -> Iterator[list[int]]:
-    """Generate ``seq`` alone on ``step``: yields each step's kept tokens. Fills ``seq.stats`` when
-    done; ``stats["stop_text_end"]``: where a stop string begins in the generated text, when one
-    matched."""
-    seq.start(*step.prefill(seq.ids))
+def run(step: TargetStep, seq: Sequence) -> Iterator[list[int]]:
+    """Generate ``seq`` alone on ``step`` (in slot 0): yields each step's kept tokens. Fills
+    ``seq.stats`` when done; ``stats["stop_text_end"]``: where a stop string begins in the generated
+    text, when one matched."""
+    seq.start(*step.prefill(0, seq.ids))
     while seq.finish is None:
-        draft = seq.plan()
-        new, n_acc, feats, node_argmax, lps = step.step(seq.tokens, seq.cache_len, draft, seq.params, seq.generator,
-                                                        logprobs=seq.logprobs)
-        yield seq.commit(new, n_acc, feats, node_argmax=node_argmax, logprobs=lps)
+        seq.plan()
+        result = step.step({0: seq})[0]
+        if isinstance(result, Exception):
+            raise result
+        yield seq.commit(result)

@@ -1,26 +1,51 @@
-"""One speculative step on the target: the verify pass over root + drafts under the tree mask,
-``verify`` (the one host read per step is ``accept_len`` with the emitted tokens), ``compact_kv``
-for trees. ``VerifyStep`` owns the target's KV cache, the runner (dynamic or fixed-shape / CUDA
-graphs) and, off CPU, the pinned staging buffer the step's inputs go over in.
+"""The target's side of speculative decoding: ``TargetStep``, one verify step for one request or many.
 
-On CPU a wide verify pass computes the LM head lazily (``LazyLogits``): ``verify`` reads the logits
-of the nodes on the accepted path only (the root, each accepted node, the last one's bonus or
-recovered token), so the pass stops at the final norm and the LM head runs over the likeliest path
-(each node's first child, ``LAZY_ROWS`` rows at a time) until the walk stays on computed rows.
-The LM head's rows are batch-invariant there, so every row read has the bits the full pass gives
-it and the step's result is the same; SmolLM2's LM head over 64 rows costs 49 ms, as much as six
-one-token steps, and over 4 rows 2.5 ms. A drafter that reads the target's argmax at every node
-(``Drafter.wants_node_argmax``: lookahead decoding) gets every row's logits instead, and the argmax
-of each comes back in the same host read as ``accept_len``.
+A step takes the planned drafts of the requests in its rows (batch slots: a request keeps its slot
+from prefill to finish; one request alone is slot 0) and runs: the target over every row's root +
+drafts under its tree mask (a chain or a tree, each row its own length; shorter rows are padded with
+nodes that attend only themselves and carry draft id -1, which ``verify`` never accepts), one
+``verify`` with per-row sampling parameters, one ``compact_kv`` when a row is a tree, and one host
+read for all rows (``accept_len`` with the emitted tokens). The step's inputs are built on the host
+in one staging buffer (drafts come from there) and go to the device in one copy.
+
+The target pass takes one of two paths, with the same results:
+
+* dynamic (CPU default, one row): ``Transformer.forward`` on exactly the step's n tokens (the C++
+  layer loop), with the LM head computed lazily (``LazyLogits``, below);
+* fixed-shape (``TargetRunner``: any row count; the only path off CPU): ``Transformer.forward_static``
+  on a (rows, nodes) bucket with per-row prefix lengths on the device, replayed from one CUDA graph
+  per bucket on a GPU. Rows past the batch's highest slot and up to its bucket ride along as
+  one-node padding rows, as do idle slots below it.
+
+The pass covers the slots up to the highest active one (requests take the lowest free slot); a slot
+whose prompt is being prefilled in chunks (``parked``) rides along writing after its prefix, never
+over it.
+
+On CPU a wide verify pass of one row computes the LM head lazily: ``verify`` reads the logits of the
+nodes on the accepted path only (the root, each accepted node, the last one's bonus or recovered
+token), so the pass stops at the final norm and the LM head runs over the likeliest path (each
+node's first child, ``LAZY_ROWS`` rows at a time) until the walk stays on computed rows. The LM
+head's rows are batch-invariant there, so every row read has the bits the full pass gives it and the
+step's result is the same (costs: bench/results/, the lazy LM head's run). A drafter that reads the
+target's argmax at every node (``Drafter.wants_node_argmax``: lookahead decoding) gets every row's
+logits instead, and the argmax of each comes back in the same host read as ``accept_len``.
 
 Log-probabilities (a request's ``logprobs``; ``ops.sampling``): after ``verify``, still on the
-device, the rows of the accepted path (``accept_index``, as deep as the draft; padded entries point
-at the root) give each emitted token's log-probability and the top alternatives
-(``path_logprobs``), and they come back in the same host read as ``accept_len`` (one float64 copy:
-token ids are exact there); the host keeps the ``accept_len + 1`` nodes that emitted. On the lazy
-path those rows are exactly the ones computed, so nothing more of the LM head runs. A request
-without logprobs does none of this."""
+device, the rows of each asking request's accepted path (``accept_index``, as deep as its draft;
+padded entries point at the root) give each emitted token's log-probability and the top alternatives
+(``path_logprobs``), computed with that request's own sampling parameters, and they come back in the
+same host read (one float64 copy then: token ids are exact there). On the lazy path those rows are
+exactly the ones computed, so nothing more of the LM head runs. Without such a request, none of this
+runs.
+
+Every row's numbers are its own: the linears, norms and attention reduce in one order per row
+whatever else is in the pass, and a request's coins come from its own generator, so a request's
+output does not depend on its neighbours or on the path its pass took (greedy: identical to decoding
+it alone; seeded sampling: the same tokens as alone with the same seed).
+"""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,21 +53,29 @@ from torch import Tensor
 from .. import ops
 from ..drafters.base import Draft
 from ..model.kv_cache import KVCache
-from ..model.runner import TargetRunner
+from ..model.runner import TargetRunner, cache_slots, chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops import nvtx
-from ..ops.reference import MAX_TREE_NODES
+from ..ops.checks import is_int
+from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams, TokenLogprob, path_logprobs, read_logprobs
+from .errors import NonFiniteLogitsError
 
-
-# A pass over more nodes than this computes its LM head lazily on CPU, this many rows per round: on
-# the AVX2 machine of bench/RESULTS.md the Q8_0 LM head of SmolLM2 costs 1.7 / 2.0 / 2.2 / 2.5 ms
-# over 1 / 2 / 3 / 4 rows and 3.4 / 4.6 / 10 / 49 ms over 5 / 8 / 16 / 64 (2 threads).
+# A one-row pass over more nodes than this computes its LM head lazily on CPU, this many rows per
+# round (the LM head's cost by row count: bench/results/, the lazy LM head's run).
 LAZY_ROWS = 4
 
 
-class NonFiniteLogitsError(RuntimeError):
-    """The target produced NaN/inf logits; no token was emitted from them."""
+class StepResult(NamedTuple):
+    """What a verify step gave one row: the emitted tokens (accepted drafts + the bonus or recovered
+    token), how many drafts were accepted, the drafter's features of the root and the accepted
+    nodes [n + 1, F] (when it reads them), the target's argmax at the root and every draft node
+    (when the drafter reads them), each emitted token's ``TokenLogprob`` (when the request asked)."""
+    tokens: list[int]
+    accepted: int
+    features: Tensor | None = None
+    node_argmax: list[int] | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 def draft_depth(draft: Draft | None) -> int:
@@ -71,126 +104,268 @@ def prefill(target: Transformer, cache: KVCache, ids: list[int], features=None) 
     return n, (None if features is None else torch.zeros(0, 1))
 
 
-class VerifyStep:
-    """The target side of a generation: ``prefill`` a prompt, then ``step`` once per draft.
+class _Staging:
+    """A step's host-built inputs, allocated once in one buffer: ``rows`` x ``MAX_TREE_NODES`` nodes
+    per node field, ``rows`` values per row field, each step viewing a contiguous [rows, n] / [rows]
+    prefix of every field (draft probabilities: their own buffer, grown to the largest
+    [rows, n, vocab] seen, then reused). Off the CPU the buffer is pinned and ``to_device`` copies it
+    whole (a few KB) into a device twin of the same layout in one transfer, so a step allocates
+    nothing on either side once warm (the host buffer is refilled only after the step's one host
+    read, by which time the copy has completed)."""
+    NODES = dict(ids=torch.int64, draft_ids=torch.int64, parents=torch.int64, positions=torch.int64,
+                 packed=torch.int64, uniform=torch.float32)
+    ROWS = dict(cache_len=torch.int64, temperature=torch.float64, top_k=torch.int64, top_p=torch.float64)
+
+    def __init__(self, rows: int, device: torch.device):
+        self.rows, self.device = rows, torch.device(device)
+        self.pin = self.device.type != "cpu"
+        self._at: dict[str, tuple[int, int, torch.dtype]] = {}
+        at = 0
+        for fields, count in ((self.NODES, rows * MAX_TREE_NODES), (self.ROWS, rows)):
+            for name, dt in fields.items():
+                nbytes = count * torch.empty(0, dtype=dt).element_size()
+                self._at[name] = (at, nbytes, dt)
+                at += (nbytes + 7) // 8 * 8
+        self.host = torch.zeros(at, dtype=torch.uint8, pin_memory=self.pin)
+        self.dev = torch.zeros(at, dtype=torch.uint8, device=self.device) if self.pin else self.host
+        self._probs = self._probs_dev = None
+
+    def views(self, rows: int, n: int, on_device: bool = False) -> dict[str, Tensor]:
+        """Every field's [rows, n] (node fields) or [rows] (row fields) view of the host buffer (or
+        of its device twin)."""
+        buf = self.dev if on_device else self.host
+        out = {}
+        for name, (at, nbytes, dt) in self._at.items():
+            flat = buf[at: at + nbytes].view(dt)
+            out[name] = flat[: rows * n].view(rows, n) if name in self.NODES else flat[:rows]
+        return out
+
+    def probs(self, rows: int, n: int, vocab: int) -> Tensor:
+        numel = rows * n * vocab
+        if self._probs is None or self._probs.numel() < numel:
+            self._probs = torch.empty(numel, pin_memory=self.pin)
+            self._probs_dev = torch.empty(numel, device=self.device) if self.pin else None
+        return self._probs[:numel].view(rows, n, vocab)
+
+    def to_device(self, rows: int, n: int, probs: Tensor | None) -> tuple[dict[str, Tensor], Tensor | None]:
+        """The step's inputs on the device: the whole buffer in one copy (and the probabilities in
+        another); on CPU the host views themselves."""
+        if not self.pin:
+            return self.views(rows, n), probs
+        self.dev.copy_(self.host, non_blocking=True)
+        if probs is not None:
+            dev = self._probs_dev[: probs.numel()].view(probs.shape)
+            dev.copy_(probs, non_blocking=True)
+            probs = dev
+        return self.views(rows, n, on_device=True), probs
+
+
+class TargetStep:
+    """The target side of generation, for one request (slot 0) or a batch of up to ``max_batch``:
+    ``prefill`` a slot's prompt, then ``step`` once per planned draft of the requests in the pass.
 
     Args:
-        target: the model; its cache holds ``max_seq_len`` tokens (plus one bucket of slack on the
-            fixed-shape path, which pads a step to its bucket).
+        target: the model. Its KV cache holds ``max_seq_len`` tokens per slot (plus one tree of
+            slack, where a step's padding nodes write); it is allocated for one slot until
+            ``reserve`` asks for more (a batch), so a single request costs one slot's memory.
+        max_batch: the most slots ``reserve`` may allocate.
         features: what the drafter reads back from the target (None, "final" or layer indices).
         node_argmax: the drafter reads the target's argmax at every node (``Drafter.wants_node_argmax``):
             ``step`` computes every node's logits and returns the argmax of each.
-        static / graphs: the fixed-shape path and its CUDA-graph capture (see ``TargetRunner``).
+        static / graphs: the fixed-shape path for every pass, and its CUDA-graph capture (see
+            ``TargetRunner``; default: off on CPU, on elsewhere).
     """
 
-    def __init__(self, target: Transformer, max_seq_len: int, features=None, static: bool = False,
-                 graphs: bool | None = False, node_argmax: bool = False):
-        self.target, self.features = target, features
+    def __init__(self, target: Transformer, max_seq_len: int, max_batch: int = 1, features=None,
+                 static: bool | None = None, graphs: bool | None = None, node_argmax: bool = False):
+        if not is_int(max_batch) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.target, self.max_seq_len, self.max_batch, self.features = target, max_seq_len, max_batch, features
         self.node_argmax = bool(node_argmax)
-        self.cache = target.new_cache(max_seq_len + (MAX_TREE_NODES if static else 0))
-        self.runner = TargetRunner(target, self.cache, features, static=static, graphs=graphs if static else False)
+        dev = target.device
+        self.static = dev.type != "cpu" if static is None else bool(static)
+        self.graphs = (dev.type == "cuda" if graphs is None else bool(graphs)) and self.static
         # the lazy LM head needs its rows to be batch-invariant (turbospec's CPU linear); it pays
         # where the LM head's cost grows with its rows: GGUF blocks, compute-bound on CPU (a dense
         # one is memory-bound over a few rows, and each extra round would read it again)
         lm = target.lm_head
-        self._lazy = LazyLogits(target) if not static and lm.kernel and lm.quantized else None
-        dev = target.device
-        if dev.type != "cpu":  # the step's inputs go over in one copy from a pinned buffer (_stage)
-            self._host_stage = torch.zeros(5, MAX_TREE_NODES, dtype=torch.int64, pin_memory=True)
-            self._dev_stage = torch.zeros(5, MAX_TREE_NODES, dtype=torch.int64, device=dev)
+        self._lazy = LazyLogits(target) if not self.static and lm.kernel and lm.quantized else None
+        self._chain = chain_mask_packed(MAX_TREE_NODES)[0]  # packed mask rows, built once
+        self._pad = pad_mask_packed(MAX_TREE_NODES)[0]
+        self.cache: KVCache | None = None
+        self.runner: TargetRunner | None = None
+        self._stage: _Staging | None = None
+        self._build(1)
 
-    def prefill(self, ids: list[int]) -> tuple[int, Tensor | None]:
-        """Write K/V for every prompt token but the last; see ``prefill``."""
-        return prefill(self.target, self.cache, ids, self.features)
+    @property
+    def slots(self) -> int:
+        """Slots the KV cache holds now."""
+        return self.cache.k[0].shape[0]
 
-    def step(self, tokens: list[int], cache_len: int, draft: Draft | None, params: SamplingParams,
-             generator: torch.Generator | None, logprobs: int | None = None
-             ) -> tuple[list[int], int, Tensor | None, list[int] | None, list[TokenLogprob] | None]:
-        """Verify ``draft`` after root ``tokens[-1]``; returns (emitted tokens, accepted drafts, the
-        target features of the root and the accepted nodes [n + 1, F] when the drafter reads them,
-        the target's argmax at the root and every draft node [k + 1] when ``node_argmax`` is set,
-        each emitted token's ``TokenLogprob`` with ``logprobs`` alternatives when ``logprobs`` is
-        not None)."""
-        k = 0 if draft is None else len(draft)
+    def _build(self, slots: int) -> None:
+        self.cache = self.target.new_cache(cache_slots(self.max_seq_len), batch_size=slots)
+        self.runner = TargetRunner(self.target, self.cache, self.features, static=self.static,
+                                   graphs=self.graphs)
+        self._stage = _Staging(slots, self.target.device)
+
+    def reserve(self, slots: int) -> None:
+        """Make room for ``slots`` concurrent requests (at most ``max_batch``): the KV cache grows to
+        ``max_batch`` slots the first time more than one is asked for. Call between generations:
+        the cache is allocated anew (what it held is not kept), and the CUDA graphs are captured
+        again against it as their buckets are first used."""
+        if not is_int(slots) or not 1 <= slots <= self.max_batch:
+            raise ValueError(f"slots must be an integer in [1, {self.max_batch}] (max_batch), got {slots!r}")
+        if slots > self.slots:
+            self.cache = self.runner = self._stage = None  # the old cache goes before the new one comes
+            self._build(self.max_batch)
+
+    def _check_slot(self, slot: int) -> None:
+        if not is_int(slot) or not 0 <= slot < self.slots:
+            raise ValueError(f"slot must be an integer in [0, {self.slots}) (the slots reserved), got {slot!r}")
+
+    def prefill(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
+        """A request's prompt (all but its last token) into its slot, alone; see ``prefill``."""
+        self._check_slot(slot)
+        return prefill(self.target, self.cache.rows(slot, slot + 1), ids, self.features)
+
+    @torch.inference_mode()
+    def prefill_part(self, slot: int, ids: list[int], start: int, end: int) -> Tensor | None:
+        """Prompt tokens ``ids[start:end]`` into the slot after the ``start`` already there (chunked
+        prefill: the same K/V and features as one ``prefill``, since every token's numbers are the
+        same whatever shares its pass). Returns their features [end - start, F] when the drafter reads
+        them."""
+        self._check_slot(slot)
         dev = self.target.device
-        # The step's inputs are built on the host (drafts come from there) and copied over once.
-        node_ids = torch.tensor([[tokens[-1]] + ([] if draft is None else draft.token_ids)])
-        if draft is None or draft.parents is None:
-            parents = torch.arange(-1, k)[None]
-            tree_mask = packed = None
-            positions = torch.arange(cache_len, cache_len + k + 1)[None]
-        else:
-            parents = torch.tensor([[-1] + draft.parents])
-            tree_mask, packed, depth, _ = ops.build_tree(parents)
-            positions = cache_len + depth
-        if params.greedy:
-            uniform = torch.zeros(1, k + 1)
-        else:
-            uniform = torch.rand(1, k + 1, generator=generator)
-        probs = None if draft is None or draft.draft_probs is None else draft.draft_probs[None]
-        if dev.type != "cpu":
-            node_ids, positions, parents, packed, uniform = self._stage(node_ids, positions, parents, packed, uniform)
-            probs = None if probs is None else probs.to(dev, non_blocking=True)
-        lazy = self._lazy is not None and k + 1 > LAZY_ROWS and not self.node_argmax
+        x = torch.tensor([ids[start:end]], dtype=torch.int64).to(dev)
+        pos = torch.arange(start, end, device=dev)[None]
+        out = self.target.forward(x, pos, self.cache.rows(slot, slot + 1), start, logits="none",
+                                  features=self.features)
+        return None if self.features is None else out[1][0]
+
+    @torch.inference_mode()
+    def step(self, rows: dict, parked: dict[int, int] | None = None
+             ) -> dict[int, StepResult | NonFiniteLogitsError]:
+        """One verify pass over the planned drafts of ``rows`` (slot -> the request's ``loop.Sequence``,
+        its ``draft`` planned).
+        Returns each slot's ``StepResult``, or a ``NonFiniteLogitsError`` in its place for a row
+        whose logits were not finite (that row only: nothing was emitted for it). ``parked``: slots
+        holding a prompt being prefilled in chunks (slot -> tokens in the cache)."""
+        bsz = max(rows) + 1
+        if bsz > self.slots:
+            raise ValueError(f"slot {bsz - 1} is past the {self.slots} slots reserved (TargetStep.reserve)")
+        n = max(1 + (0 if s.draft is None else len(s.draft)) for s in rows.values())
+        dynamic = bsz == 1 and not self.static
+        rb = self.runner.row_bucket(bsz)  # rows of the pass: bsz, or its bucket on the fixed-shape path
+        st = self._stage
+        v = st.views(rb, n)
+        ids, draft_ids, parents, positions, packed, uniform = (v[k] for k in _Staging.NODES)
+        cache_len, temperature, top_k, top_p = (v[k] for k in _Staging.ROWS)
+        ids.zero_()
+        draft_ids.fill_(-1)
+        draft_ids[:, 0] = 0
+        parents.zero_()
+        parents[:, 0] = -1
+        positions.zero_()
+        packed.copy_(self._pad[:n].expand(rb, n))
+        cache_len.zero_()
+        uniform.zero_()
+        # float64: the Python numbers exactly, as given
+        temperature.zero_()
+        top_k.zero_()
+        top_p.fill_(1.0)
+        with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
+        probs = st.probs(rb, n, self.target.cfg.vocab_size).zero_() if with_probs else None
+        trees = False
+        tree_mask = None  # the dynamic path's bool mask of its one row, when it is a tree
+        path_len: dict[int, int] = {}  # rows that want log-probabilities -> the most nodes on their path
+        for b, length in (parked or {}).items():
+            if b < rb:  # a padding row writes after its prefix, never over it
+                cache_len[b] = length
+                positions[b] = length
+        for b, s in rows.items():
+            d = s.draft
+            k = 0 if d is None else len(d)
+            root = s.tokens[-1]
+            ids[b, 0] = draft_ids[b, 0] = root
+            cache_len[b] = s.cache_len
+            if k:
+                ids[b, 1:k + 1] = draft_ids[b, 1:k + 1] = torch.tensor(d.token_ids)
+            if d is None or d.parents is None:
+                parents[b, 1:k + 1] = torch.arange(k)
+                depth = torch.arange(k + 1)
+                packed[b, :k + 1] = self._chain[:k + 1]
+            else:
+                trees = True
+                mask, pk, depth, _ = ops.build_tree(torch.tensor([[-1] + d.parents]))
+                tree_mask = mask
+                depth = depth[0]
+                parents[b, 1:k + 1] = torch.tensor(d.parents)
+                packed[b, :k + 1] = pk[0]
+            positions[b, :k + 1] = s.cache_len + depth
+            positions[b, k + 1:] = s.cache_len  # padding: the root's position (attends only itself)
+            if s.logprobs is not None:
+                path_len[b] = draft_depth(d) + 1
+            uniform[b, :k + 1] = s.uniform()
+            temperature[b], top_k[b], top_p[b] = s.params.temperature, s.params.top_k, s.params.top_p
+            if with_probs:
+                if d is not None and d.draft_probs is not None:
+                    probs[b, :k + 1] = d.draft_probs
+                elif not s.params.greedy and k:
+                    raise ValueError("a batch mixes sampled rows with point-mass drafts and rows with draft "
+                                     "probabilities; verify takes one kind per pass")
+        v, probs = st.to_device(rb, n, probs)
+        lazy = dynamic and self._lazy is not None and n > LAZY_ROWS and not self.node_argmax
         with nvtx.range("verify"):
-            out = self.runner.forward(node_ids, positions, cache_len, packed, tree_mask,
-                                      logits="normed" if lazy else "all")
+            if dynamic:
+                out = self.runner.forward(v["ids"], v["positions"], int(cache_len[0]), tree_mask=tree_mask,
+                                          logits="normed" if lazy else "all")
+            else:
+                out = self.runner.forward_rows(v["ids"], v["positions"], v["cache_len"], v["packed"])
         logits, feats = (out, None) if self.features is None else out
         with nvtx.range("accept"):
+            args = (v["parents"], v["draft_ids"], probs, v["uniform"], v["temperature"], v["top_k"], v["top_p"])
             if lazy:
-                accept_len, accept_index, out = self._lazy.verify(
-                    logits, parents, node_ids, probs, uniform, params)
+                accept_len, accept_index, emitted = self._lazy.verify(logits, *args)
+                logits = self._lazy.logits  # the accepted path's rows are computed
             else:
-                accept_len, accept_index, out = ops.verify(
-                    logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
-            # The one host read per step: accept_len and the emitted tokens (and each node's argmax,
-            # when the drafter reads them; and the accepted path's log-probabilities, when asked) in
-            # one copy.
-            parts = (accept_len, out[0]) + ((logits[0].argmax(-1),) if self.node_argmax else ())
-            if logprobs is None:
-                host = torch.cat(parts).tolist()
-            else:
-                full = self._lazy.logits if lazy else logits  # lazy: the path's rows are computed
-                vocab = full.shape[-1]
-                path_len = draft_depth(draft) + 1  # the most nodes an accepted path can have
-                rows = accept_index[0, :path_len].clamp(min=0)
-                lp = path_logprobs(full[0, rows], out[0, :path_len], params, logprobs)
-                host = torch.cat([p.double() for p in parts] + [lp]).tolist()
+                accept_len, accept_index, emitted = ops.verify(logits, *args)
+            parts = (accept_len, emitted.flatten()) + ((logits.argmax(-1).flatten(),) if self.node_argmax else ())
+            if not path_len:
+                host = torch.cat(parts).tolist()  # the one host read of the step
+            else:  # with the log-probabilities of the rows that asked: one float64 read
+                lps = [path_logprobs(logits[b, accept_index[b, :m].clamp(min=0)], emitted[b, :m], rows[b].params,
+                                     rows[b].logprobs) for b, m in path_len.items()]
+                host = torch.cat([p.double() for p in parts] + lps).tolist()
                 n_int = sum(p.numel() for p in parts)
-                host, lp_host = [int(v) for v in host[:n_int]], host[n_int:]
-        n = host[0]
-        if n < 0:
-            raise NonFiniteLogitsError(f"the target produced non-finite logits (NaN/inf) at position "
-                                       f"{cache_len}; no token was emitted from them")
-        if tree_mask is not None:
+                lp_host, lp_at, at = host[n_int:], {}, 0
+                for b, t in zip(path_len, lps):
+                    lp_at[b], at = at, at + t.numel()
+                host = [int(x) for x in host[:n_int]]
+        if trees:
             with nvtx.range("compact"):
-                # the static path already holds the prefix length on the device
-                prefix = self.runner.cache_len if self.runner.static else \
-                    torch.full((1,), cache_len, dtype=torch.int64, device=dev)
-                ops.compact_kv(self.cache.tensors(), prefix, accept_index, accept_len)
-        if feats is not None:
-            # a copy either way: with CUDA graphs, feats is the graph's output buffer, which the next
-            # replay overwrites while a drafter may still hold these rows (steps without a proposal)
-            feats = feats[0, accept_index[0, : n + 1]] if tree_mask is not None else feats[0, : n + 1].clone()
-        emitted = host[1: n + 2]
-        lps = None if logprobs is None else read_logprobs(lp_host, emitted, params, logprobs, vocab)
-        return emitted, n, feats, (host[k + 2:] if self.node_argmax else None), lps
-
-    def _stage(self, node_ids: Tensor, positions: Tensor, parents: Tensor, packed: Tensor | None,
-               uniform: Tensor) -> tuple[Tensor, ...]:
-        """The step's host-built inputs -> device, in one asynchronous copy from a pinned buffer
-        (a copy from pageable memory would wait for the stream). Reusing the buffer is safe: the
-        previous step's copy finished before that step's accept_len read."""
-        n = node_ids.shape[1]
-        h = self._host_stage
-        h[0, :n], h[1, :n], h[2, :n] = node_ids[0], positions[0], parents[0]
-        if packed is not None:
-            h[3, :n] = packed[0]
-        h[4, :n] = uniform[0].view(torch.int32).to(torch.int64)  # float32 bits, carried in int64
-        d = self._dev_stage
-        d.copy_(h, non_blocking=True)  # 2.5 KB: one contiguous transfer
-        uni = d[4, :n].to(torch.int32).view(torch.float32)[None]
-        return d[0:1, :n], d[1:2, :n], d[2:3, :n], None if packed is None else d[3:4, :n], uni
+                ops.compact_kv(self.cache.rows(0, rb).tensors(), v["cache_len"], accept_index, accept_len)
+        results: dict[int, StepResult | NonFiniteLogitsError] = {}
+        for b, s in rows.items():
+            n_acc = host[b]
+            if n_acc < 0:  # this row's failure only: the scheduler fails its request, the others go on
+                results[b] = NonFiniteLogitsError(
+                    f"the target produced non-finite logits (NaN/inf) at position {s.cache_len}"
+                    + (f" for the request in slot {b}" if self.slots > 1 else "") + "; no token was emitted from them")
+                continue
+            toks = host[rb + b * n: rb + b * n + n_acc + 1]
+            # a copy: with CUDA graphs, feats is the graph's output buffer, which the next replay
+            # overwrites while a drafter may still hold these rows (steps without a proposal)
+            f = None if feats is None else feats[b, accept_index[b, : n_acc + 1]]
+            amax = None
+            if self.node_argmax:
+                k = 0 if s.draft is None else len(s.draft)
+                at = rb + rb * n + b * n
+                amax = host[at: at + k + 1]
+            lp = None
+            if b in path_len:
+                lp = read_logprobs(lp_host[lp_at[b]:], toks, s.params, s.logprobs, logits.shape[-1])
+            results[b] = StepResult(toks, n_acc, f, amax, lp)
+        return results
 
 
 class LazyLogits:
@@ -210,7 +385,11 @@ class LazyLogits:
         self.rows = self.rounds = 0
 
     def verify(self, hidden: Tensor, parents: Tensor, node_ids: Tensor, probs: Tensor | None,
-               uniform: Tensor, params: SamplingParams) -> tuple[Tensor, Tensor, Tensor]:
+               uniform: Tensor, temperature, top_k=0, top_p=1.0) -> tuple[Tensor, Tensor, Tensor]:
+        """``ops.verify`` with the final-normed hidden states [1, n, hidden] in place of the logits;
+        ``temperature`` may also be a ``SamplingParams``."""
+        if isinstance(temperature, SamplingParams):
+            temperature, top_k, top_p = temperature.temperature, temperature.top_k, temperature.top_p
         n = hidden.shape[1]
         vocab = self.target.cfg.vocab_size
         if self._buf is None:
@@ -230,8 +409,8 @@ class LazyLogits:
                     rows.append(node)
                 node = first_child[node]
             self._compute(hidden, logits, rows, done)
-            accept_len, accept_index, out = ops.verify(
-                logits, parents, node_ids, probs, uniform, params.temperature, params.top_k, params.top_p)
+            accept_len, accept_index, out = ops.verify(logits, parents, node_ids, probs, uniform, temperature,
+                                                       top_k, top_p)
             n_acc = int(accept_len[0])
             if n_acc < 0:
                 if all(done):

@@ -23,9 +23,9 @@ from torch import Tensor
 
 from .base import Draft, Drafter
 from ..heads.lockstep import Rows
-from ..model.runner import chain_mask_packed, pad_mask_packed
+from ..model.runner import cache_slots, chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
-from ..ops.reference import MAX_TREE_NODES, logits_are_valid
+from ..ops.reference import logits_are_valid
 from ..ops.sampling import SamplingParams, draft_sample
 from ..ops.checks import is_int
 
@@ -68,7 +68,7 @@ class DraftPool:
             raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
         self.model, self.slots = model, slots
         # slack after max_seq_len: a chain of drafts (<= MAX_TREE_NODES) and a padded chunk after it
-        self._seq_len = max_seq_len + MAX_TREE_NODES + CHUNK
+        self._seq_len = cache_slots(max_seq_len) + CHUNK
         self.cache = model.new_cache(self._seq_len, batch_size=1)
         model.ensure_rope(self._seq_len)
         self._written: list[int] = []  # per slot taken: 1 + the last position written since its begin
@@ -160,7 +160,7 @@ class DraftModelDrafter(Drafter):
         static = model.device.type != "cpu" if static is None else static
         self.pool, self.slot, self.runner = None, None, None
         if static:
-            self._cache = model.new_cache(max_seq_len + MAX_TREE_NODES)  # a bucket of slack
+            self._cache = model.new_cache(cache_slots(max_seq_len))  # a tree of slack
             self.runner = TargetRunner(model, self._cache, static=True, graphs=graphs)
         else:
             slot = None if pool is None or pool.model is not model else pool.acquire()

@@ -15,7 +15,7 @@ from ..heads.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache
-from ..ops.reference import MAX_TREE_NODES
+from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
 

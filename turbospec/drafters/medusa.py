@@ -17,7 +17,7 @@ from .base import Draft, Drafter
 from ..heads.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
-from ..ops.reference import MAX_TREE_NODES
+from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 from .tree import DraftLMHead, Node, choose_children, inference_copy, to_draft
 

@@ -21,7 +21,8 @@ from ..ops import reference
 from .kv_cache import KVCache
 from .rope import RopeTable, rope_inv_freq, rope_parameters, rotate
 from .quant import QuantWeight
-from ..ops.reference import DENSE_FORMATS, MAX_TREE_NODES, is_block_format
+from ..ops.limits import MAX_TREE_NODES
+from ..ops.reference import DENSE_FORMATS, is_block_format
 
 _CPU_RMS_NORM = ops.has_op("rms_norm")  # the C++ kernel is built (the C++ layer loop uses it too)
 

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-MAX_TREE_NODES = 64
+from .limits import MAX_TREE_NODES
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .limits import MAX_TREE_NODES
 
 _BUILD_HINT = ("turbospec: the C++ extension turbospec._C is not built; using the pure-torch reference "
                "ops (slow). Build it with `pip install --no-build-isolation -e .` or "
@@ -365,7 +366,7 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
 # metadata is read (FakeTensors hold no data); values (parents, token ids, cache_len) are the kernels'.
 # The kernel's own device ("must be a CPU tensor for this kernel") is left to the dispatcher: a fake
 # stands for every backend, and runs the meta device's calls.
-_MAX_TREE_NODES = reference.MAX_TREE_NODES
+_MAX_TREE_NODES = MAX_TREE_NODES
 _MAX_HEAD_DIM = 256  # csrc/checks.h kMaxHeadDim
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INT32_MAX = 2 ** 31 - 1

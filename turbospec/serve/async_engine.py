@@ -105,13 +105,8 @@ class AsyncEngine:
                  on_step: Callable[[list[StepOutput], float], None] | None = None, prefill_chunk: int | None = 64):
         if not is_int(max_waiting) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
-        if engine._shared_drafter and engine.max_batch > 1:
-            raise ValueError("a Drafter instance holds one request's state: build the Engine with the drafter's "
-                             "name ('ngram', 'suffix', 'lookahead', 'draft_model', 'eagle', 'medusa') to serve a batch, or max_batch=1")
-        if prefill_chunk is not None and (not is_int(prefill_chunk)
-                                          or prefill_chunk < 1):
-            raise ValueError(f"prefill_chunk must be None or an integer >= 1 (prompt tokens per step), "
-                             f"got {prefill_chunk!r}")
+        # (checks prefill_chunk, and that the engine's drafter can serve a batch)
+        self._sched: Scheduler = engine.scheduler(prefill_chunk)
         self.engine, self.max_waiting, self.on_step = engine, max_waiting, on_step
         self.prefill_chunk = prefill_chunk
         self.counters = Counters()
@@ -123,7 +118,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None  # the worker thread start() made, if it made one
         self._stopped = threading.Event()  # set when the worker loop has ended
         self._worker: threading.Thread | None = None  # the thread running work(), while it runs
-        self._sched: Scheduler | None = None
         self._error: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -133,8 +127,6 @@ class AsyncEngine:
         if not self._started:
             self._stop, self._started = False, True
             self._stopped.clear()
-            self._sched = Scheduler(self.engine.batch_step(), self.engine.slot_drafter, self.engine.batch_budget(),
-                                    self.prefill_chunk)
             if thread:
                 self._thread = threading.Thread(target=self.work, name="turbospec-engine", daemon=True)
                 self._thread.start()
@@ -165,12 +157,12 @@ class AsyncEngine:
     @property
     def running(self) -> int:
         """Requests holding a batch slot."""
-        return 0 if self._sched is None else len(self._sched.active)
+        return len(self._sched.active)
 
     @property
     def waiting(self) -> int:
         """Requests submitted and not yet in a slot."""
-        return len(self._inbox) + (0 if self._sched is None else len(self._sched.waiting))
+        return len(self._inbox) + len(self._sched.waiting)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, request: Request, chat: bool | None = None) -> tuple[Job, asyncio.Queue]:

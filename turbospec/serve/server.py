@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from ..decode import text
 from ..decode.engine import Engine
+from ..decode.errors import ContextLengthError
 from . import protocol
 from .async_engine import AsyncEngine, QueueFullError
 from .metrics import ServerMetrics
@@ -195,9 +196,10 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                 raise
         except QueueFullError as e:
             raise APIError(str(e), status=429, type="rate_limit_error", code="queue_full") from None
+        except ContextLengthError as e:
+            raise APIError(str(e), code="context_length_exceeded") from None
         except ValueError as e:
-            code = "context_length_exceeded" if "exceeds the KV cache" in str(e) else None
-            raise APIError(str(e), code=code) from None
+            raise APIError(str(e)) from None
         cid = protocol.completion_id(chat)
         first_token = [True]
 
