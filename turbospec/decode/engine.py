@@ -101,8 +101,9 @@ class Engine:
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={str(device)!r}")
         default_target = isinstance(target, str) and target == "default"
         if drafter == "auto":
-            drafter, head, tree, num_draft, draft_dtype = auto_drafter(default_target, head, tree, num_draft,
-                                                                       draft_dtype)
+            auto = auto_drafter(default_target, head, tree, num_draft, draft_dtype)
+            drafter, head, tree, num_draft, draft_dtype = auto.drafter, auto.head, auto.tree, auto.num_draft, \
+                auto.draft_dtype
         if num_draft is None:
             num_draft = 8
         if not is_int(num_draft) or not 0 <= num_draft < MAX_TREE_NODES:

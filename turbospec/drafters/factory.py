@@ -49,20 +49,30 @@ class DraftSettings:
                              f"{self.draft_activations!r}")
 
 
-def auto_drafter(default_target: bool, head, tree, num_draft, draft_dtype):
+@dataclass(frozen=True)
+class AutoChoice:
+    """What ``drafter="auto"`` resolved to: the drafter's name and the options it drafts with (the
+    caller's explicit arguments, else those the shipped head was tuned for; None: the default)."""
+    drafter: str
+    head: object = None
+    tree: dict | None = None
+    num_draft: int | None = None
+    draft_dtype: object = None
+
+
+def auto_drafter(default_target: bool, head=None, tree=None, num_draft=None, draft_dtype=None) -> AutoChoice:
     """drafter="auto": the default model gets its best shipped head with the options it was tuned
-    for (explicit arguments win); anything else gets n-gram lookup. Returns (drafter, head, tree,
-    num_draft, draft_dtype)."""
+    for (explicit arguments win); anything else gets n-gram lookup."""
     best = best_shipped_head(default_only=True) if default_target else None
     if best is None:
-        return "ngram", head, tree, num_draft, draft_dtype
+        return AutoChoice("ngram", head, tree, num_draft, draft_dtype)
     method, path = best
     loaded = load_head(path)
     opts = dict(getattr(loaded, "extra", {}).get("engine", {}))
-    tree = tree if tree is not None else opts.get("tree")
-    num_draft = num_draft if num_draft is not None else opts.get("num_draft")
-    draft_dtype = draft_dtype if draft_dtype is not None else opts.get("draft_dtype")
-    return ("medusa" if method == "medusa" else "eagle"), (head or loaded), tree, num_draft, draft_dtype
+    return AutoChoice("medusa" if method == "medusa" else "eagle", head or loaded,
+                      tree if tree is not None else opts.get("tree"),
+                      num_draft if num_draft is not None else opts.get("num_draft"),
+                      draft_dtype if draft_dtype is not None else opts.get("draft_dtype"))
 
 
 def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokenizer=None, head=None,
