@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default=None,
                    help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
     p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="MiB of prompt K/V kept for later prompts that start the same way (0: off)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
     p.add_argument("--draft-activations", default=None, choices=["exact", "int8"],
                    help="the --draft-model's activations (default: int8 on CPU; they change speed, never "
@@ -52,7 +54,7 @@ def _engine(args, **extra):
                             draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                             adaptive=not args.no_adaptive, head=args.head, device=args.device,
                             cuda_graphs=False if args.no_cuda_graphs else None,
-                            draft_activations=args.draft_activations, **extra)
+                            draft_activations=args.draft_activations, prefix_cache=args.prefix_cache_mb, **extra)
 
 
 def _generate(args) -> int:
@@ -142,6 +144,9 @@ def _check_common(args) -> None:
     threads = getattr(args, "threads", None)
     if threads is not None and (isinstance(threads, bool) or threads < 1):
         raise ValueError(f"--threads must be >= 1 (or left out for torch's default), got {threads}")
+    prefix_mb = getattr(args, "prefix_cache_mb", None)
+    if prefix_mb is not None and prefix_mb < 0:
+        raise ValueError(f"--prefix-cache-mb must be >= 0 (0: off), got {prefix_mb}")
     max_seq = getattr(args, "max_seq_len", None)
     if max_seq is None:
         return

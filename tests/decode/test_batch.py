@@ -162,13 +162,13 @@ def test_chunked_prefill_eagle3_features(cyc, monkeypatch):  # noqa: F811
     from turbospec.decode.loop import Sequence
     _, target, ref, vocab = cyc
     eng = engine(target, "eagle3", make_head("eagle3", target, vocab=vocab), vocab=vocab, max_seq_len=256,
-                 max_batch=3, num_draft=6, adaptive=False)
+                 max_batch=3, num_draft=6, adaptive=False, prefix_cache=0)  # alone: recomputed
     started = {}
     real = Sequence.start
 
-    def spy(self, cache_len, features):
+    def spy(self, cache_len, features, cached=0):
         started.setdefault(tuple(self.ids), []).append((cache_len, features))
-        return real(self, cache_len, features)
+        return real(self, cache_len, features, cached)
 
     monkeypatch.setattr(Sequence, "start", spy)
     jobs, out = chunked_prefill_run(eng, PROMPT + ref)  # (each request also ran alone: a second start)

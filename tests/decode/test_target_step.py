@@ -61,7 +61,7 @@ def _drafts(target, prompts):
 
 def _alone(target, prompt, draft):
     step = TargetStep(target, 96)
-    n, _ = step.prefill(0, prompt)
+    n = step.prefill(0, prompt)[0]
     return step.step({0: Row(prompt, n, draft)})[0], step
 
 
@@ -118,7 +118,7 @@ def test_reserve_and_slots_are_checked(target):
         step.prefill(1, PROMPT)
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
         TargetStep(target, 64, max_batch=0)
-    n, _ = step.prefill(0, PROMPT)
+    n = step.prefill(0, PROMPT)[0]
     with pytest.raises(ValueError, match="slot 1 is past the 1 slots reserved"):
         step.step({1: Row(PROMPT, n)})
 

@@ -205,6 +205,7 @@ def test_long_prompt_joins_in_chunks_while_others_stream(engine):
     reqs = [Request(prompt(1), max_new_tokens=N_NEW), Request(prompt(2), max_new_tokens=N_NEW),
             Request(long_prompt, max_new_tokens=8)]
     alone = [engine.generate(r.prompt, max_new_tokens=r.max_new_tokens).token_ids for r in reqs]
+    engine.target_step.prefix_cache.clear()  # the long prompt is prefilled again, in chunks
     log = []  # per step: (requests decoding that got tokens, prompt tokens of the long one in the cache)
 
     def on_step(outputs, seconds):

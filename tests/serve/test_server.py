@@ -685,3 +685,19 @@ def test_bad_chat_logprobs(cyc_server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"], err
+
+
+def test_prefix_cache_reported_in_usage(client):
+    """A prompt sent again (a chat's next turn resends it): the same answer, and usage says how many
+    prompt tokens came from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."""
+    text = " ".join(f"w{(i * 7) % 250}" for i in range(70))  # 70 words: 4 blocks of 16 tokens and more
+    first = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    streamed = client.completions.create(model=MODEL, prompt=text, max_tokens=6, stream=True, temperature=0,
+                                         stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens_details.cached_tokens

@@ -109,7 +109,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.free = list(range(step.max_batch))  # a heap: the lowest free slot is taken first
         self.active: dict[int, Job] = {}  # slot -> job, prefilling or decoding
-        self.prefilling: dict[int, list] = {}  # slot -> [tokens in the cache, features so far] (in join order)
+        self.prefilling: dict[int, list] = {}  # slot -> [tokens in the cache, features so far, cached] (join order)
 
     def add(self, job: Job) -> None:
         self.waiting.append(job)
@@ -142,7 +142,7 @@ class Scheduler:
                 continue
             job.slot = heapq.heappop(self.free)
             self.active[job.slot] = job
-            self.prefilling[job.slot] = [0, []]
+            self.prefilling[job.slot] = [0, [], None]  # tokens in the cache, their features, from the prefix cache
         self._prefill(out)
         decoding = {slot: job for slot, job in self.active.items() if slot not in self.prefilling}
         k = self._draft_length(decoding)
@@ -199,7 +199,7 @@ class Scheduler:
             ids = job.seq.ids
             n = len(ids) - 1  # every prompt token but the last (the first root)
             try:
-                if state[0] == 0 and (budget is None or n <= budget):  # in one piece: as alone
+                if state[2] is None and (budget is None or n <= budget):  # in one piece: as alone
                     if budget is not None:
                         budget -= n
                     job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
@@ -208,17 +208,25 @@ class Scheduler:
                     continue
                 if budget is not None and budget <= 0:
                     break
-                end = n if budget is None else min(n, state[0] + budget)
-                f = self.batch.prefill_part(slot, ids, state[0], end)
-                if budget is not None:
-                    budget -= end - state[0]
-                state[0] = end
-                if f is not None:
-                    state[1].append(f)
-                if end == n:
+                if state[2] is None:  # its first chunk: the cached prefix first
+                    state[0], f = self.batch.load_prefix(slot, ids)
+                    state[2] = state[0]
+                    if f is not None:
+                        state[1].append(f)
+                if state[0] < n:
+                    end = n if budget is None else min(n, state[0] + budget)
+                    f = self.batch.prefill_part(slot, ids, state[0], end)
+                    if budget is not None:
+                        budget -= end - state[0]
+                    state[0] = end
+                    if f is not None:
+                        state[1].append(f)
+                if state[0] == n:
                     del self.prefilling[slot]
+                    features = torch.cat(state[1]) if state[1] else None
+                    self.batch.store_prefix(slot, ids, features)
                     job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
-                    job.seq.start(n, torch.cat(state[1]) if state[1] else None)
+                    job.seq.start(n, features, state[2])
             except (ValueError, NonFiniteLogitsError) as e:
                 self.leave(job, e)
                 out.append(StepOutput(job, []))

@@ -25,6 +25,7 @@ from . import loop, text
 from .batch import Job, Request, Scheduler, run_batch
 from .errors import ContextLengthError, NonFiniteLogitsError
 from .loop import Generation
+from .prefix_cache import PrefixCache
 from .step import TargetStep
 from ..ops.checks import is_int
 
@@ -80,6 +81,10 @@ class Engine:
             never the output). Default: "int8" on CPU (a GGUF-quantized draft twice as fast as with
             exact activations; dense weights are unaffected), except for a draft sharing the target's
             weights (a layer-skip draft), which computes as the target does.
+        prefix_cache: MiB of prompt K/V (and drafter features) kept to be reused by later prompts
+            that start the same way, e.g. the turns of a chat or a shared system prompt (blocks of 16
+            tokens, least recently used evicted; ``decode.prefix_cache``): a cached prefix gives the
+            same bits as prefilling it again. 0: off.
         static_shapes: run the verify forward with fixed token-count buckets and a device-side
             prefix length (what CUDA graphs capture; default: on off CPU). On CPU it is slower than
             the default path and exists to test that path without a GPU.
@@ -90,7 +95,7 @@ class Engine:
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
                  weights: str = "auto", activations: str = "exact", max_batch: int = 8,
-                 draft_activations: str | None = None):
+                 draft_activations: str | None = None, prefix_cache: int = 512):
         dtype = parse_dtype(dtype)
         if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -108,6 +113,8 @@ class Engine:
             num_draft = 8
         if not is_int(num_draft) or not 0 <= num_draft < MAX_TREE_NODES:
             raise ValueError(f"num_draft must be an integer in [0, {MAX_TREE_NODES - 1}], got {num_draft!r}")
+        if not is_int(prefix_cache) or prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be an integer >= 0 (MiB of prompt K/V kept; 0: off), got {prefix_cache!r}")
         if not is_int(max_seq_len) or max_seq_len < 2:
             raise ValueError(f"max_seq_len must be an integer >= 2, got {max_seq_len!r}")
         if default_target:
@@ -143,7 +150,8 @@ class Engine:
         # slots when a batch first runs)
         self.target_step = TargetStep(self.target, max_seq_len, max_batch,
                                       None if self.drafter is None else self.drafter.features,
-                                      static=static, graphs=cuda_graphs, node_argmax=self._node_argmax)
+                                      static=static, graphs=cuda_graphs, node_argmax=self._node_argmax,
+                                      prefix_cache=PrefixCache(prefix_cache << 20) if prefix_cache else None)
 
     @property
     def _node_argmax(self) -> bool:

@@ -59,7 +59,7 @@ class Sequence:
         self.drafter, self.budget, self.vocab = drafter, budget, vocab
         self.eos_token_ids, self.stop, self.generator, self.stats = eos_token_ids, stop, generator, stats
         self.tokens = list(ids)
-        self.cache_len = 0
+        self.cache_len = self.cached_prompt_tokens = 0
         self.emitted = self.steps = 0
         self.finish: str | None = None
         self.t0 = time.perf_counter()
@@ -68,9 +68,11 @@ class Sequence:
         self.draft: Draft | None = None
         self._t_plan = self._draft_seconds = 0.0
 
-    def start(self, cache_len: int, features: Tensor | None) -> None:
-        """After the prompt's prefill (``cache_len`` tokens in the cache; the drafter's features of them)."""
+    def start(self, cache_len: int, features: Tensor | None, cached: int = 0) -> None:
+        """After the prompt's prefill (``cache_len`` tokens in the cache, ``cached`` of them copied
+        from the prefix cache; the drafter's features of them)."""
         self.cache_len = cache_len
+        self.cached_prompt_tokens = cached
         if self.drafter is not None:
             self.drafter.begin(self.tokens, features=features)
             # a draft model reads the prompt here (part of the prefill) when that is expected to pay
@@ -178,7 +180,8 @@ class Sequence:
             tokens_per_s=self.emitted / elapsed,
             decode_tokens_per_s=self.emitted / max(elapsed - self.t_prefill, 1e-9),
             prefill_s=self.t_prefill, draft_s=self.t_draft, verify_s=self.t_verify, total_s=elapsed,
-            prompt_tokens=len(self.ids), finish_reason=self.finish)
+            prompt_tokens=len(self.ids), cached_prompt_tokens=self.cached_prompt_tokens,
+            finish_reason=self.finish)
 
 
 def run(step: TargetStep, seq: Sequence) -> Iterator[list[int]]:

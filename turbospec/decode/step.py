@@ -60,6 +60,7 @@ from ..ops.checks import is_int
 from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams, TokenLogprob, path_logprobs, read_logprobs
 from .errors import NonFiniteLogitsError
+from .prefix_cache import PrefixCache
 
 # A one-row pass over more nodes than this computes its LM head lazily on CPU, this many rows per
 # round (the LM head's cost by row count: bench/results/, the lazy LM head's run).
@@ -174,14 +175,18 @@ class TargetStep:
             ``step`` computes every node's logits and returns the argmax of each.
         static / graphs: the fixed-shape path for every pass, and its CUDA-graph capture (see
             ``TargetRunner``; default: off on CPU, on elsewhere).
+        prefix_cache: prompt prefixes already computed, copied into a slot instead of prefilled again
+            (``decode.prefix_cache``; None: every prompt is prefilled whole).
     """
 
     def __init__(self, target: Transformer, max_seq_len: int, max_batch: int = 1, features=None,
-                 static: bool | None = None, graphs: bool | None = None, node_argmax: bool = False):
+                 static: bool | None = None, graphs: bool | None = None, node_argmax: bool = False,
+                 prefix_cache: PrefixCache | None = None):
         if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.target, self.max_seq_len, self.max_batch, self.features = target, max_seq_len, max_batch, features
         self.node_argmax = bool(node_argmax)
+        self.prefix_cache = prefix_cache
         dev = target.device
         self.static = dev.type != "cpu" if static is None else bool(static)
         self.graphs = (dev.type == "cuda" if graphs is None else bool(graphs)) and self.static
@@ -223,10 +228,41 @@ class TargetStep:
         if not is_int(slot) or not 0 <= slot < self.slots:
             raise ValueError(f"slot must be an integer in [0, {self.slots}) (the slots reserved), got {slot!r}")
 
-    def prefill(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
-        """A request's prompt (all but its last token) into its slot, alone; see ``prefill``."""
+    def prefill(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None, int]:
+        """A request's prompt (all but its last token, the first root) into its slot, alone: its
+        cached prefix copied in (``load_prefix``), the rest computed, its blocks kept
+        (``store_prefix``). Returns the cache length, the drafter's features of the prompt [n, F]
+        (when it reads them) and how many prompt tokens came from the prefix cache."""
         self._check_slot(slot)
-        return prefill(self.target, self.cache.rows(slot, slot + 1), ids, self.features)
+        m, cached = self.load_prefix(slot, ids)
+        n = len(ids) - 1
+        if m == 0:
+            _, features = prefill(self.target, self.cache.rows(slot, slot + 1), ids, self.features)
+        else:
+            rest = self.prefill_part(slot, ids, m, n) if n > m else None
+            features = None if self.features is None else (cached if rest is None else torch.cat([cached, rest]))
+        self.store_prefix(slot, ids, features)
+        return n, features, m
+
+    def load_prefix(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
+        """Copy the longest cached prefix of the prompt ``ids`` (whole blocks, all but its last
+        token) into ``slot``; returns how many tokens that is and their features (when the drafter
+        reads them). (0, None) without a prefix cache."""
+        self._check_slot(slot)
+        pc = self.prefix_cache
+        if pc is None:
+            return 0, None
+        blocks = pc.match(ids, len(ids) - 1)
+        if blocks and self.features is not None and blocks[0].features is None:
+            blocks = []  # stored by a step whose drafter read no features: recomputed
+        f = pc.load(blocks, self.cache.rows(slot, slot + 1))
+        return len(blocks) * pc.block_tokens, f
+
+    def store_prefix(self, slot: int, ids: list[int], features: Tensor | None) -> None:
+        """Keep the prompt's K/V (and the drafter's ``features`` of it) from ``slot`` in the prefix
+        cache, once the whole prompt but its last token is in the slot."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(ids, len(ids) - 1, self.cache.rows(slot, slot + 1), features)
 
     @torch.inference_mode()
     def prefill_part(self, slot: int, ids: list[int], start: int, end: int) -> Tensor | None:

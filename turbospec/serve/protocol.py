@@ -239,13 +239,15 @@ def chunk(cid: str, model: str, chat: bool, text: str | None, finish: str | None
             "choices": [choice]}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion(cid: str, model: str, chat: bool, choices: list[tuple[str, str, int, dict | None]],
-               prompt_tokens: int) -> dict:
+               prompt_tokens: int, cached_tokens: int = 0) -> dict:
     """A whole (non-streamed) response; ``choices``: (text, finish reason, completion tokens,
     logprobs or None) per choice, in index order."""
     out = []
@@ -256,4 +258,4 @@ def completion(cid: str, model: str, chat: bool, choices: list[tuple[str, str, i
         else:
             out.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish})
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": out, "usage": usage(prompt_tokens, sum(c[2] for c in choices))}
+            "model": model, "choices": out, "usage": usage(prompt_tokens, sum(c[2] for c in choices), cached_tokens)}

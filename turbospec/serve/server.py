@@ -247,7 +247,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
             metrics.request_seconds.observe(time.perf_counter() - t0)
             return protocol.completion(cid, model_name, chat, [
                 (g.text, protocol.FINISH_REASON[g.finish_reason], len(g.token_ids), logprobs_of()(g.logprobs))
-                for g in gens], len(ids))
+                for g in gens], len(ids), gens[0].stats.get("cached_prompt_tokens", 0))
 
         async def events():
             n_out = 0
@@ -291,7 +291,7 @@ def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_c
                 if parsed.include_usage:
                     yield _sse({"id": cid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": int(time.time()), "model": model_name, "choices": [],
-                                "usage": protocol.usage(len(ids), n_out)})
+                                "usage": protocol.usage(len(ids), n_out, jobs[0][0].seq.cached_prompt_tokens)})
                 metrics.request_seconds.observe(time.perf_counter() - t0)
                 yield "data: [DONE]\n\n"
             except Exception as e:  # the request failed inside the engine: say so in the stream

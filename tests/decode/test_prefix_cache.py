@@ -1,0 +1,143 @@
+"""Automatic prefix caching (``decode.prefix_cache``): a prompt's cached prefix gives the same bits
+as prefilling it again (K/V, the drafter's features, the output), alone, in a batch and with
+chunked prefill; blocks are shared by prompts that start the same way and evicted least recently
+used under the byte budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import turbospec
+from turbospec import Engine, Request
+from turbospec.decode.prefix_cache import PrefixCache
+from turbospec.decode.step import TargetStep
+
+from helpers import PROMPT, engine, hf_greedy, make_head, make_tiny_model, prompts_mixed
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    hf = make_tiny_model("llama", seed=31)
+    return hf, turbospec.load_model(hf)
+
+
+def _system(n=40, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("features", [None, "final", (0, 1)])
+def test_cached_prefix_gives_the_bits_of_a_full_prefill(tiny, features):
+    """A second prompt sharing 3 blocks of a first: its slot's K/V and its prompt features equal,
+    bit for bit, those of prefilling it whole without a cache; only the uncached tail is computed."""
+    _, target = tiny
+    sys_ids = _system(50)
+    a, b = sys_ids + [7, 8, 9], sys_ids[:48] + [11, 12, 13, 14]
+    cached = TargetStep(target, 128, features=features, prefix_cache=PrefixCache(1 << 30))
+    plain = TargetStep(target, 128, features=features)
+    cached.prefill(0, a)
+    calls = []
+    real = target.forward
+
+    def spy(x, *args, **kw):
+        calls.append(x.shape[1])
+        return real(x, *args, **kw)
+
+    target.forward = spy
+    try:
+        n, f, hit = cached.prefill(0, b)
+    finally:
+        del target.forward
+    assert hit == 48 and calls == [len(b) - 1 - 48]  # 3 blocks of 16 copied, 3 tokens computed
+    n_ref, f_ref, hit_ref = plain.prefill(0, b)
+    assert n == n_ref and hit_ref == 0
+    for t, r in zip(cached.cache.tensors(), plain.cache.tensors()):
+        assert torch.equal(t[:, :, :n], r[:, :, :n])
+    if features is None:
+        assert f is None and f_ref is None
+    else:
+        assert torch.equal(f, f_ref)
+
+
+def test_engine_output_and_stats_with_the_cache(tiny):
+    """Turns of a chat (each prompt extends the last one): the same tokens as with the cache off and
+    as HF; the stats say how many prompt tokens came from the cache."""
+    hf, target = tiny
+    sys_ids = _system(60, seed=2)
+    on = Engine(target, drafter="ngram", max_seq_len=256)
+    off = Engine(target, drafter="ngram", max_seq_len=256, prefix_cache=0)
+    prompt = sys_ids
+    for turn in range(3):
+        g_on, g_off = on.generate(prompt, 16), off.generate(prompt, 16)
+        assert g_on.token_ids == g_off.token_ids == hf_greedy(hf, prompt, 16), turn
+        assert g_off.stats["cached_prompt_tokens"] == 0
+        if turn == 0:
+            assert g_on.stats["cached_prompt_tokens"] == 0
+        else:
+            # the earlier prompt's full blocks (its generated answer is not cached: see the module)
+            assert g_on.stats["cached_prompt_tokens"] == (len(last) - 1) // 16 * 16, turn
+        last = prompt
+        prompt = prompt + g_on.token_ids + [5, 6, 7]
+
+
+def test_eagle3_batch_and_chunked_prefill_with_the_cache(cyc):  # noqa: F811
+    """EAGLE-3 reads the prompt's features: requests sharing a system prompt, batched with chunked
+    prefill (prefill_chunk=5) and alone, give the same tokens and acceptance as with the cache off."""
+    hf, target, ref, vocab = cyc
+    head = make_head("eagle3", target, vocab=vocab)
+    sys_ids = PROMPT + ref[:20]
+    prompts = [sys_ids + p[:5] for p in prompts_mixed(4, seed=7)]
+    outs = {}
+    for mb in (0, 64):
+        eng = engine(target, "eagle3", head, vocab, max_seq_len=256, max_batch=3, num_draft=6, adaptive=False,
+                     prefix_cache=mb)
+        sched = eng.scheduler(prefill_chunk=5)
+        jobs = [eng.job(Request(p, max_new_tokens=12), index=i) for i, p in enumerate(prompts)]
+        got = {i: [] for i in range(4)}
+        sched.add(jobs[0])
+        for step in range(300):
+            if step == 1:
+                for j in jobs[1:]:
+                    sched.add(j)
+            if not sched.busy:
+                break
+            for o in sched.step():
+                assert o.job.error is None
+                got[o.job.index].extend(o.tokens)
+        gens = [eng.generation(j, got[j.index]) for j in jobs]
+        alone = [eng.generate(p, 12) for p in prompts]
+        outs[mb] = ([g.token_ids for g in gens], [g.stats["tau"] for g in gens],
+                    [g.token_ids for g in alone], [g.stats["cached_prompt_tokens"] for g in gens])
+    assert outs[64][:3] == outs[0][:3]
+    assert outs[0][2] == outs[0][0]
+    assert sum(outs[64][3]) >= 3 * 32 and sum(outs[0][3]) == 0  # the later requests reused the system prompt
+
+
+def test_lru_eviction_under_the_budget(tiny):
+    _, target = tiny
+    step = TargetStep(target, 256, prefix_cache=PrefixCache(1 << 30))
+    step.prefill(0, _system(33))
+    per_block = step.prefix_cache.nbytes // 2
+    pc = PrefixCache(5 * per_block)
+    step = TargetStep(target, 256, prefix_cache=pc)
+    a, b = _system(49, seed=1), _system(49, seed=2)
+    step.prefill(0, a)  # 3 blocks
+    assert len(pc) == 3 and pc.nbytes == 3 * per_block
+    step.prefill(0, b)  # 3 more: a's deepest block goes first (its head stays reachable)
+    assert len(pc) == 5 and pc.nbytes <= pc.budget_bytes
+    assert len(pc.match(a, 48)) == 2 and len(pc.match(b, 48)) == 3
+    step.prefill(0, a[:32] + [1] * 17)  # a's head blocks used again: b's tail is evicted next
+    assert len(pc.match(a, 48)) == 2
+    # a block larger than the whole budget is not kept; nothing breaks
+    tiny_pc = PrefixCache(per_block - 1)
+    TargetStep(target, 256, prefix_cache=tiny_pc).prefill(0, a)
+    assert len(tiny_pc) == 0
+
+
+def test_bad_settings_are_named(tiny):
+    _, target = tiny
+    with pytest.raises(ValueError, match=r"prefix_cache must be an integer >= 0 \(MiB"):
+        Engine(target, drafter="none", prefix_cache=-1)
+    with pytest.raises(ValueError, match="budget_bytes must be an integer >= 0"):
+        PrefixCache(1.5)
+    with pytest.raises(ValueError, match="block_tokens must be an integer >= 1"):
+        PrefixCache(100, block_tokens=0)

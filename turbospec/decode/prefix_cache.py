@@ -1,0 +1,128 @@
+"""Automatic prefix caching: the K/V of prompt prefixes already computed, reused by later prompts.
+
+Chats resend the whole conversation every turn and agents resend long system prompts. A
+``PrefixCache`` keeps the target's K/V (and the drafter's features, when it reads them) of prompts in
+blocks of ``block_tokens`` tokens, each block keyed by its own tokens and the block before it (so a
+block stands for the whole prefix up to its end, compared exactly: no hash can collide). A new
+prompt's longest run of cached blocks is copied into its KV-cache slot and only the rest is
+prefilled. Blocks are evicted least recently used when the cache would pass its byte budget;
+concurrent requests share its blocks (each copies them into its own slot).
+
+Exactness: a cached prefix gives the same bits as recomputing it. Prefill computes every prompt
+token with the same forward whatever else shares its pass (the chunked-prefill property the batch
+scheduler already relies on), so the K/V read back from a block are the ones a whole prefill would
+write, and the rest of the prompt, prefilled after them, sees the same numbers. Only prompt tokens
+are cached: a generated token's K/V come from a verify pass (another attention over a tree), which
+may differ in the last bits from a prefill's, so a later prompt that contains an earlier answer
+recomputes that part.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ..model.kv_cache import KVCache
+from ..ops.checks import is_int
+
+
+class _Block:
+    __slots__ = ("key", "kv", "features", "nbytes")
+
+    def __init__(self, key, kv: list[Tensor], features: Tensor | None):
+        self.key, self.kv, self.features = key, kv, features
+        self.nbytes = sum(t.numel() * t.element_size() for t in kv) + (
+            0 if features is None else features.numel() * features.element_size())
+
+
+class PrefixCache:
+    """Blocks of prompt K/V keyed by token prefix, LRU under ``budget_bytes``.
+
+    ``match`` finds how many leading tokens of a prompt are cached, ``load`` copies them into a
+    KV-cache row, ``store`` keeps a row's prompt blocks. ``hits`` / ``lookups`` count prompt tokens
+    served from the cache and prompt tokens looked up."""
+
+    def __init__(self, budget_bytes: int, block_tokens: int = 16):
+        if not is_int(budget_bytes) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be an integer >= 0 (0: no prefix cache), got {budget_bytes!r}")
+        if not is_int(block_tokens) or block_tokens < 1:
+            raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+        self.budget_bytes, self.block_tokens = budget_bytes, block_tokens
+        self._blocks: OrderedDict = OrderedDict()  # key -> _Block, least recently used first
+        self.nbytes = 0
+        self.hits = self.lookups = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _keys(self, ids: list[int], upto: int):
+        """The keys of the full blocks of ``ids[:upto]``: (previous key, this block's tokens)."""
+        key = None
+        b = self.block_tokens
+        for s in range(0, upto - upto % b, b):
+            key = (key, tuple(ids[s:s + b]))
+            yield key
+
+    def match(self, ids: list[int], upto: int) -> list[_Block]:
+        """The cached blocks that cover the longest prefix of ``ids[:upto]`` (whole blocks), most
+        recently used from now on."""
+        found = []
+        for key in self._keys(ids, upto):
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        self._touch([block.key for block in found])
+        self.lookups += upto
+        self.hits += len(found) * self.block_tokens
+        return found
+
+    def load(self, blocks: list[_Block], cache: KVCache) -> Tensor | None:
+        """Copy ``blocks`` (consecutive, from token 0) into ``cache`` (one row); returns their
+        features [tokens, F] when they were stored with features."""
+        b = self.block_tokens
+        for i, block in enumerate(blocks):
+            for dst, src in zip(cache.tensors(), block.kv):
+                dst[0, :, i * b:(i + 1) * b].copy_(src)
+        if not blocks or blocks[0].features is None:
+            return None
+        return torch.cat([block.features for block in blocks])
+
+    def store(self, ids: list[int], upto: int, cache: KVCache, features: Tensor | None = None) -> None:
+        """Keep the full blocks of ``ids[:upto]`` from ``cache`` (one row, holding their K/V) that
+        are not cached yet (``features`` [upto, F]: the drafter's features of those tokens, kept
+        with them). Least recently used blocks go when the budget would be passed; a block larger
+        than the whole budget is not kept."""
+        b = self.block_tokens
+        keys = []
+        for i, key in enumerate(self._keys(ids, upto)):
+            keys.append(key)
+            if key in self._blocks:
+                self._touch(keys)  # (the chain so far stays ahead of what this store evicts)
+                continue
+            kv = [t[0, :, i * b:(i + 1) * b].clone() for t in cache.tensors()]
+            f = None if features is None else features[i * b:(i + 1) * b].clone()
+            block = _Block(key, kv, f)
+            if block.nbytes > self.budget_bytes:
+                return
+            while self.nbytes + block.nbytes > self.budget_bytes:
+                if next(iter(self._blocks)) in keys:  # only this prompt's own blocks are left to evict
+                    return
+                _, old = self._blocks.popitem(last=False)
+                self.nbytes -= old.nbytes
+            self._blocks[key] = block
+            self.nbytes += block.nbytes
+            self._touch(keys)
+        self._touch(keys)
+
+    def _touch(self, keys: list) -> None:
+        """Mark a chain's blocks used now, its deepest block least recently: eviction takes a
+        chain's tail before its head (a block is only reachable through the blocks before it)."""
+        for key in reversed(keys):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.nbytes = 0
