@@ -1,10 +1,10 @@
 """Draft-head building blocks shared by EAGLE (1/2/3) and Medusa: their config, a Llama decoder
 layer in plain torch with its own small KV cache, RMSNorm, and the draft vocabulary.
 
-Heads are ordinary ``nn.Module``s (they are trained with autograd, see ``train.py``) whose parameter
+Heads are ordinary ``nn.Module``s (they are trained with autograd, see ``turbospec.train.trainer``) whose parameter
 names follow the public checkpoint layouts (EAGLE: ``fc`` + ``layers.0.*``; EAGLE-3: ``fc`` +
 ``midlayer.*`` + ``norm`` + ``lm_head`` + ``d2t``/``t2d``; Medusa: ``{head}.{block}.linear``), so
-``checkpoints.py`` maps them with little more than a config translation.
+``heads.formats`` maps them with little more than a config translation.
 """
 from __future__ import annotations
 
