@@ -659,3 +659,29 @@ def test_gguf_config_from_metadata_equals_transformers(tmp_path, arch):
     assert loader.gguf_hf_config(*read_gguf(scaled)) is None
     if arch == "llama":
         assert loader.gguf_hf_config(*read_gguf(write("Mistral-7B.gguf"))) is None
+
+
+def test_converted_gguf_loads_without_transformers_config_classes(tmp_path):
+    """The first load and later ones read the GGUF's config without importing a transformers config
+    class (~2.3 s of imports); the config.json saved for it reads back through AutoConfig to the
+    same fields, and through load_hf_config to the same ModelConfig."""
+    import subprocess
+    import sys
+    from transformers import AutoConfig
+    from turbospec.model.transformer import ModelConfig
+    env = {**os.environ, "TURBOSPEC_CACHE": str(tmp_path),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    code = ("import sys, turbospec; e = turbospec.Engine(drafter='none', max_seq_len=64); "
+            "print(e.generate('Hi', 3).token_ids); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and 'configuration' in m))")
+    for run in ("first", "again"):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == "[]", (run, r.stdout)
+    cache = [p for p in tmp_path.iterdir() if p.name.endswith("-meta")]
+    assert len(cache) == 1
+    mine = loader.load_hf_config(str(cache[0]))
+    assert isinstance(mine, loader.GGUFConfig)
+    ref = AutoConfig.from_pretrained(str(cache[0]))
+    assert _fields(mine) == _fields(ref)
+    assert ModelConfig.from_hf(mine) == ModelConfig.from_hf(ref)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -69,9 +70,10 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     if (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, path):
         return str(out)
     meta, tensors = read_gguf(str(path))  # a corrupt or truncated file is named here, not in the conversion
-    from transformers import AutoConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     cfg = gguf_hf_config(meta, tensors)
     if cfg is None:  # an architecture turbospec does not map itself: transformers' (slower) conversion
+        from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     # transformers' tokenizer from the GGUF's vocabulary and merges, without its reading the whole file
     # again for a config (what AutoTokenizer does): the same tokenizer, ~0.3 s instead of ~3 s
@@ -104,12 +106,43 @@ _GGUF_CONFIG_KEYS = {"context_length": "max_position_embeddings", "embedding_len
 _GGUF_CONFIG_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def gguf_hf_config(meta: dict, tensors: dict):
+class GGUFConfig:
+    """A GGUF's model config as transformers would give it, without transformers' config classes
+    (importing one costs ~2.3 s: half of a first load). It holds the config.json keys
+    ``gguf_hf_config`` derives from the metadata plus the class defaults of the fields turbospec
+    reads, answers ``getattr`` like a transformers config, and saves a config.json that
+    ``AutoConfig.from_pretrained`` reads back to the same values (marked, so that ``load_hf_config``
+    reads it back without transformers)."""
+    MARK = "turbospec_gguf_config"
+    _DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": None,
+                 "eos_token_id": None, "pad_token_id": None, "tie_word_embeddings": False, "use_sliding_window": False,
+                 "sliding_window": None, "layer_types": None, "partial_rotary_factor": None}
+    _ARCH_DEFAULTS = {"llama": {"bos_token_id": 1, "eos_token_id": 2}, "qwen2": {}, "qwen3": {"head_dim": 128}}
+    _CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+    def __init__(self, model_type: str, **values):
+        self.__dict__.update(self._DEFAULTS)
+        self.__dict__.update(self._ARCH_DEFAULTS[model_type])
+        self.__dict__.update(values)
+        if model_type == "llama" and "head_dim" not in values:  # (LlamaConfig derives it)
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.model_type = model_type
+        self.architectures = [self._CLASSES[model_type]]
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def save_pretrained(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({**self.to_dict(), self.MARK: True}, f, indent=2, sort_keys=True)
+
+
+def gguf_hf_config(meta: dict, tensors: dict) -> GGUFConfig | None:
     """The transformers config of a GGUF from its metadata (``read_gguf``'s), for the llama, qwen2 and
     qwen3 architectures without RoPE scaling; None for anything else (the caller converts with
     transformers). Mistral files (llama.cpp writes them as "llama", named "mistral") are left to
     transformers, which gives them Mistral's config."""
-    from transformers import AutoConfig
     arch = meta.get("general.architecture")
     if arch not in _GGUF_CONFIG_ARCHS or "mistral" in str(meta.get("general.name", "")).lower():
         return None
@@ -128,10 +161,19 @@ def gguf_hf_config(meta: dict, tensors: dict):
         if f"tokenizer.ggml.{name}_token_id" in meta:
             kw[{"padding": "pad", "unknown": "unk"}.get(name, name) + "_token_id"] = int(meta[f"tokenizer.ggml.{name}_token_id"])
     kw["rms_norm_eps"] = float(kw.get("rms_norm_eps", 1e-6))
-    return AutoConfig.for_model(_GGUF_CONFIG_ARCHS[arch], **kw)
+    return GGUFConfig(_GGUF_CONFIG_ARCHS[arch], **kw)
 
 
 def load_hf_config(model_dir: str):
+    """The transformers config of a model directory (a converted GGUF's own config.json is read
+    back as the ``GGUFConfig`` it was saved from, without transformers)."""
+    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            raw = json.load(f)
+        if raw.pop(GGUFConfig.MARK, False) and raw.get("model_type") in GGUFConfig._CLASSES:
+            raw.pop("architectures", None)
+            return GGUFConfig(raw.pop("model_type"), **raw)
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(model_dir)
 
@@ -498,11 +540,16 @@ def load_tokenizer(source):
     """The tokenizer stored with a model directory or GGUF (None for an in-memory model)."""
     if isinstance(source, torch.nn.Module):
         return None
-    from transformers import AutoTokenizer
     model_dir = resolve_model_dir(source)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
         return None  # weights only: prompts must then be token ids
+    if os.path.isfile(os.path.join(model_dir, GGUF_LINK)) and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        # a converted GGUF: the fast tokenizer it was saved from (AutoTokenizer would read the config
+        # through transformers' config classes first)
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(model_dir)
 
 
