@@ -180,6 +180,8 @@ ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of
 
 LOGITS_MODES = ("all", "last", "none", "normed")
 
+MOE_DISPATCHES = ("auto", "index", "masked")  # Transformer.moe_dispatch
+
 
 class Linear:
     """y = x @ W^T (+ b), W kept in its storage format.
@@ -352,7 +354,20 @@ class Transformer:
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
         self.activations = "exact"
+        # the experts' dispatch (mixtures of experts): "index" (the rows routed to each expert, read on
+        # the host), "masked" (fixed shapes, no host read), "auto": index on CPU, masked elsewhere
+        self._moe_dispatch = "auto"
         self.flatten_layers()
+
+    @property
+    def moe_dispatch(self) -> str:
+        return self._moe_dispatch
+
+    @moe_dispatch.setter
+    def moe_dispatch(self, mode: str) -> None:
+        if mode not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got {mode!r}")
+        self._moe_dispatch = mode
 
     def set_activations(self, mode: str) -> "Transformer":
         """"exact" (default): activations stay in the model dtype, a GGUF-quantized model computes
@@ -581,15 +596,31 @@ class Transformer:
         """A mixture-of-experts MLP over h [B, n, hidden]: each token's router softmax (float32), its
         top ``experts_per_token`` experts (renormalised when ``moe_norm_topk``), their weights in the
         model's dtype, and the weighted sum of those experts' outputs, added expert by expert in expert
-        order. A token's result depends only on the token (the experts' linears are batch-invariant
-        and its sum's order is fixed), so it is the same alone or in a verify pass."""
-        cfg = self.cfg
+        order (out = 0, then out = out + w_e * expert_e(h) for each of its experts e ascending, every
+        step rounded to the model's dtype). A token's result depends only on the token (the experts'
+        linears are batch-invariant and its sum's order is fixed), so it is the same alone or in a
+        verify pass. Two dispatches compute it (``moe_dispatch``; the same bits on CPU, tested):
+        ``_experts_index`` and ``_experts_masked``."""
         flat = h.reshape(-1, h.shape[-1])
+        top, idx = self._route(layer, flat)
+        masked = self._moe_dispatch == "masked" or (self._moe_dispatch == "auto" and flat.device.type != "cpu")
+        out = (self._experts_masked if masked else self._experts_index)(layer, flat, top, idx, act)
+        return out.view(h.shape)
+
+    def _route(self, layer: Layer, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's top ``experts_per_token`` router weights (model dtype) and expert ids [R, k]:
+        softmax over all experts in float32, the top k (renormalised to sum 1 when ``moe_norm_topk``:
+        Mixtral, Qwen3-MoE with norm_topk_prob; OLMoE keeps the softmax's values)."""
         probs = torch.softmax(layer.router(flat).float(), dim=-1)
-        top, idx = torch.topk(probs, cfg.experts_per_token, dim=-1)
-        if cfg.moe_norm_topk:
+        top, idx = torch.topk(probs, self.cfg.experts_per_token, dim=-1)
+        if self.cfg.moe_norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        top = top.to(h.dtype)
+        return top.to(flat.dtype), idx
+
+    @staticmethod
+    def _experts_index(layer: Layer, flat: Tensor, top: Tensor, idx: Tensor, act) -> Tensor:
+        """The experts over the rows routed to each (index lists read on the host: on CPU the
+        cheapest, each expert reads its weights once and computes only its rows)."""
         out = torch.zeros_like(flat)
         for e, (gate_up, down) in enumerate(layer.experts):
             tok, pos = torch.where(idx == e)
@@ -597,7 +628,35 @@ class Transformer:
                 continue
             gate, up = gate_up(flat[tok]).chunk(2, dim=-1)
             out.index_add_(0, tok, (down(act(gate) * up) * top[tok, pos, None]).to(out.dtype))
-        return out.view(h.shape)
+        return out
+
+    @staticmethod
+    def _experts_masked(layer: Layer, flat: Tensor, top: Tensor, idx: Tensor, act) -> Tensor:
+        """The experts with fixed shapes and no host read (what a CUDA graph captures): every expert
+        runs over all R rows, and a row takes expert e's output (times its weight, 0 where e is not
+        among its top k) only where its routing selected e, by an element-wise select, so the rows
+        that did not choose e keep their sum untouched (no +0.0, no inf / NaN of an unused expert).
+        A row's additions are those of ``_experts_index``, in the same order, so its bits are the
+        same wherever the linears are batch-invariant (CPU).
+
+        Why this for decode-sized passes (1-64 rows): a GPU's pass over that few rows is bound by
+        reading the weights, not by arithmetic. This reads every expert's weights once per layer,
+        whatever the routing; a sort-by-expert or fixed-capacity gather reads only the experts used,
+        but running an expert over its segment needs the segment's size on the host (the sync this
+        removes) or a grouped kernel reading the bounds on the device; a capacity below R drops
+        tokens (not exact), and capacity R is this computation plus a gather. Gathering each
+        assignment's expert weights (W[idx], then bmm) reads R * k expert matrices and writes them
+        again: cheaper only when 3 R k < E (never for Mixtral's 8 experts / 2 per token). With
+        R * k >= E (Mixtral from 4 rows) nearly every expert is used anyway, so the extra cost is the
+        E / k-fold arithmetic of a one-token step's weight-bound GEMVs."""
+        out = torch.zeros_like(flat)
+        for e, (gate_up, down) in enumerate(layer.experts):
+            chosen = idx == e                                      # [R, k]: at most one True per row
+            w = torch.where(chosen, top, torch.zeros_like(top)).sum(dim=-1, keepdim=True)  # exact: one term
+            gate, up = gate_up(flat).chunk(2, dim=-1)
+            y = (down(act(gate) * up) * w).to(out.dtype)
+            out = torch.where(chosen.any(dim=-1, keepdim=True), out + y, out)
+        return out
 
     def _qk_norm(self, layer: Layer, qkv: Tensor) -> Tensor:
         """The RMS norms of q and k in ``qkv`` [B, n, H + 2 H_kv, D] before the rotary embedding: over each
