@@ -8,6 +8,9 @@
   a whole ``forward_static`` runs under a dispatch mode that refuses every op that reads a value on
   the host (nonzero, item, boolean indexing, ...); the index dispatch fails both (the checks bite).
 * a token's logits are the same bits alone or inside a batch, with either dispatch.
+* the C++ layer loop (``turbospec::llama_layers``, CPU) runs expert layers, bit for bit the Python
+  loop (its specification), with 3 experts per token, quantized experts and int8 activations too
+  (the kinds' basic C++ == Python tests are tests/model/test_model.py's, which cover MoE as well).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import turbospec
+from turbospec import ops
 from turbospec.model.transformer import MOE_DISPATCHES
 
 from helpers import make_tiny_model
@@ -24,11 +28,12 @@ MOE = ["mixtral", "qwen3_moe", "olmoe"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _model(kind: str, dtype=torch.float32, seed: int = 1, per_token: int = 2):
+def _model(kind: str, dtype=torch.float32, seed: int = 1, per_token: int = 2, **load):
     """A 3-layer tiny model of ``kind`` (4 experts); ``per_token`` experts per token (with 3 or more
     the order of a token's sum matters: a + b + c is not c + b + a in 16 bits)."""
-    return turbospec.load_model(make_tiny_model(kind, seed=seed, num_hidden_layers=3, num_experts_per_tok=per_token),
-                                dtype=dtype)
+    extra = dict(moe_intermediate_size=64) if kind == "qwen3_moe" else {}  # (quantizable: K % 32 == 0)
+    hf = make_tiny_model(kind, seed=seed, num_hidden_layers=3, num_experts_per_tok=per_token, **extra)
+    return turbospec.load_model(hf, dtype=dtype, **load)
 
 
 def _dynamic_runs(model) -> list[torch.Tensor]:
@@ -209,3 +214,83 @@ def test_moe_dispatch_refuses_unknown_modes():
     assert model.moe_dispatch == "auto" and MOE_DISPATCHES == ("auto", "index", "masked")
     with pytest.raises(ValueError, match="moe_dispatch must be one of auto, index, masked, got 'sorted'"):
         model.moe_dispatch = "sorted"
+
+
+# ------------------------------------------------------------------------------------------------
+# The C++ layer loop
+# ------------------------------------------------------------------------------------------------
+needs_cpp = pytest.mark.skipif(not ops.has_op("llama_layers"), reason="turbospec._C is not built")
+
+
+# (dtype, weights, activations, cache): every dtype with dense, Q8_0 and Q4_0 experts and float32 caches
+# (the raw-buffer loop); int8 activations in float32; 16-bit caches (the ATen loop) for the 16-bit models
+CPP_CASES = [(d, w, "exact", "float32") for d in DTYPES for w in ("auto", "q8_0", "q4_0")] + \
+    [(torch.float32, "q4_0", "int8", "float32")] + [(d, "auto", "exact", "model") for d in DTYPES[1:]]
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype,weights,activations,cache", CPP_CASES,
+                         ids=["-".join(map(str, c)).replace("torch.", "") for c in CPP_CASES])
+@pytest.mark.parametrize("kind", MOE)
+def test_cpp_loop_equals_python_loop(kind, dtype, weights, activations, cache):
+    """3 experts per token (of 4): forward (prefill, tree, single token with features, batch) and
+    forward_static (a tree, a chain and a padding row at different prefix lengths): the C++ loop's
+    logits, features and caches are the Python loop's, bit for bit, with either Python dispatch.
+    float32 caches (what a CPU model makes) run the C++ raw-buffer loop, caches in a 16-bit model's
+    own dtype its ATen loop."""
+    model = _model(kind, dtype, per_token=3, weights=weights, activations=activations)
+    if cache == "model":
+        new_cache = model.new_cache
+
+        def model_dtype_cache(length: int, batch_size: int = 1):
+            c = new_cache(length, batch_size)
+            c.k, c.v = [t.to(dtype) for t in c.k], [t.to(dtype) for t in c.v]
+            return c
+        model.new_cache = model_dtype_cache
+    assert model._flat is not None and model._cpp_experts == [0 if i not in model.cfg.moe_layers else 4
+                                                              for i in range(3)]
+    if weights != "auto":
+        assert all(lin.quantized for layer in model.layers if layer.experts for pair in layer.experts for lin in pair)
+    runs = {}
+    for loop, mode in (("python", "index"), ("python", "masked"), ("cpp", "auto")):
+        model.use_cpp_layers, model.moe_dispatch = loop == "cpp", mode
+        assert model._cpp_loop() == (loop == "cpp")
+        runs[loop, mode] = _dynamic_runs(model) + _static_runs(model)
+    ref = runs["python", "index"]
+    for key in (("python", "masked"), ("cpp", "auto")):
+        assert len(runs[key]) == len(ref)
+        for x, y in zip(ref, runs[key]):
+            assert torch.equal(x, y), key
+
+
+@needs_cpp
+def test_cpp_loop_checks_the_expert_layout():
+    """The op's expert arguments are checked: a clear error names what is wrong."""
+    model = _model("olmoe")
+    norms, weights, formats, counts, biases, qk_norms = model._flat
+    cfg = model.cfg
+    cos, sin = model.rope(torch.arange(2)[None])
+    cache = model.new_cache(8)
+
+    def call(experts, per_token=2, weights=weights):
+        return torch.ops.turbospec.llama_layers(
+            model.embed_tokens(torch.zeros(1, 2, dtype=torch.long)), cos, sin, torch.tensor([[1, 3]]), norms, weights,
+            formats, counts, biases, cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps,
+            model.scale, [], qk_norms, 0, None, 0, [], 0, 0.0, experts, per_token, cfg.moe_norm_topk)
+    call([4, 4, 4])
+    with pytest.raises(RuntimeError, match="experts must be empty or one entry per layer"):
+        call([4, 4])
+    with pytest.raises(RuntimeError, match=r"layer 0 has 4 experts: experts_per_token must be in \[1, 4\], got 5"):
+        call([4, 4, 4], per_token=5)
+    with pytest.raises(RuntimeError, match="counts has 33 entries, expected 29"):
+        call([4, 4, 2])
+    with pytest.raises(RuntimeError, match="counts has 33 entries, expected 12"):
+        call([])
+    router = counts[0] + counts[1]  # layer 0's router: the segment after qkv's and o's
+    assert weights[router].shape[0] == 4
+    with pytest.raises(RuntimeError, match=r"layer 0 router has 3 outputs, expected one per expert \(4\)"):
+        call([4, 4, 4], weights=weights[:router] + [weights[router][:3]] + weights[router + 1:])
+    down = router + 1 + counts[3] + counts[4] + counts[5]  # expert 1's down
+    with pytest.raises(RuntimeError, match="layer 0 expert 1 has gate_up / down of 256 / 32 outputs, expected "
+                                           "256 / 64"):
+        call([4, 4, 4], weights=weights[:down] + [weights[down][:32]] + weights[down + 1:])

@@ -355,7 +355,8 @@ class Transformer:
         self._fused_kernels: bool | None = None
         self.activations = "exact"
         # the experts' dispatch (mixtures of experts): "index" (the rows routed to each expert, read on
-        # the host), "masked" (fixed shapes, no host read), "auto": index on CPU, masked elsewhere
+        # the host; the C++ layer loop's on CPU), "masked" (fixed shapes, no host read: the Python loop),
+        # "auto": index on CPU, masked elsewhere (see _experts_masked)
         self._moe_dispatch = "auto"
         self.flatten_layers()
 
@@ -474,13 +475,13 @@ class Transformer:
         packed = _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
         capture = self._capture_layers(features)
         x = self.embed_tokens(input_ids)
-        if self.use_cpp_layers and self._flat is not None:
+        if self._cpp_loop():
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], None, self._cpp_layout, self._cpp_windows,
-                self._cpp_act, cfg.attn_softcap or 0.0)
+                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -740,13 +741,13 @@ class Transformer:
         bsz, n = input_ids.shape
         cos, sin = self._rope_static(position_ids)
         capture = self._capture_layers(features)
-        if self.use_cpp_layers and self._flat is not None:  # CPU: the C++ loop, per-row prefix lengths
+        if self._cpp_loop():  # CPU: the C++ loop, per-row prefix lengths
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 self.embed_tokens(input_ids), cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], cache_len, self._cpp_layout, self._cpp_windows,
-                self._cpp_act, cfg.attn_softcap or 0.0)
+                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -791,10 +792,12 @@ class Transformer:
 
     def flatten_layers(self) -> None:
         """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
-        counts, qkv biases, per-head q / k norms), or None when it cannot run (not on CPU, no C++ kernel)."""
+        counts, qkv biases, per-head q / k norms; per layer its number of experts), or None when it
+        cannot run (not on CPU, no C++ kernel). An expert layer's linears: qkv, o, the router, then each
+        expert's gate_up and down (``Layer.linears``)."""
         self._flat = None
-        if not (self.device.type == "cpu" and ops.has_op("llama_layers")) or self.cfg.num_experts:
-            return  # (mixtures of experts run the Python layer loop)
+        if not (self.device.type == "cpu" and ops.has_op("llama_layers")):
+            return
         norms, weights, formats, counts, biases, qk_norms = [], [], [], [], [], []
         for layer in self.layers:
             norms += [w for w in (layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm)
@@ -813,3 +816,12 @@ class Transformer:
         self._cpp_windows = self.windows if any(self.windows) else []
         self._cpp_layout = {"pre": 0, "post": 1, "sandwich": 2}[self.cfg.norm_layout]
         self._cpp_act = {"silu": 0, "gelu_tanh": 1}[self.cfg.activation]
+        # per layer its number of experts (0: a dense MLP); empty for a dense model
+        self._cpp_experts = [0 if layer.experts is None else len(layer.experts) for layer in self.layers] \
+            if self.cfg.num_experts else []
+
+    def _cpp_loop(self) -> bool:
+        """Whether the layers run in C++ (``turbospec::llama_layers``, CPU): when it is built for this
+        model and ``use_cpp_layers``; a mixture of experts whose ``moe_dispatch`` is "masked" runs the
+        Python loop (the C++ loop routes by index lists, as "index" does: the same bits)."""
+        return self.use_cpp_layers and self._flat is not None and self._moe_dispatch != "masked"
