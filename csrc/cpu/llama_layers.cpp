@@ -226,7 +226,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   // through its gate_up / activation / down, each output times the row's weight (rounded to T) added to
   // the row's sum (rounded to T): a row's additions in expert order, as index_add_ makes them.
   at::Tensor xin, egu, eact, egu_t, eact_t, ey;  // allocated at the first expert layer
-  std::vector<std::vector<int64_t>> chosen;             // per expert: r * top_k + slot of each row choosing it
+  std::vector<std::vector<int64_t>> chosen;      // per expert: r * top_k + slot, for each row r choosing it
   auto experts_mlp = [&](int64_t l) {
     const int64_t E = experts[l], f = ix.first[l], width = gu_width[l], I = width / 2;
     if (!xin.defined()) {

@@ -640,16 +640,19 @@ class Transformer:
         A row's additions are those of ``_experts_index``, in the same order, so its bits are the
         same wherever the linears are batch-invariant (CPU).
 
-        Why this for decode-sized passes (1-64 rows): a GPU's pass over that few rows is bound by
-        reading the weights, not by arithmetic. This reads every expert's weights once per layer,
-        whatever the routing; a sort-by-expert or fixed-capacity gather reads only the experts used,
-        but running an expert over its segment needs the segment's size on the host (the sync this
-        removes) or a grouped kernel reading the bounds on the device; a capacity below R drops
+        Why this for decode-sized passes (1-64 rows), among formulations built from torch ops: a GPU's
+        pass over that few rows is bound by reading the weights, not by arithmetic. This reads every
+        expert's weights once per layer, whatever the routing, and is exact on CPU (each expert is the
+        same batch-invariant Linear). A sort-by-expert or fixed-capacity gather reads only the experts
+        used, but running an expert over its segment needs the segment's size on the host (the sync
+        this removes) or a grouped kernel reading the bounds on the device; a capacity below R drops
         tokens (not exact), and capacity R is this computation plus a gather. Gathering each
         assignment's expert weights (W[idx], then bmm) reads R * k expert matrices and writes them
-        again: cheaper only when 3 R k < E (never for Mixtral's 8 experts / 2 per token). With
-        R * k >= E (Mixtral from 4 rows) nearly every expert is used anyway, so the extra cost is the
-        E / k-fold arithmetic of a one-token step's weight-bound GEMVs."""
+        again: cheaper only when 3 R k < E (Mixtral, 8 experts / 2 per token: a single row; Qwen3-MoE,
+        128 / 8: up to 5 rows), and not the Linear's arithmetic. With R * k >= E nearly every expert
+        is used anyway (Mixtral from 4 rows). The cost: a step reads all E experts where a one-token
+        step needs k (E / k = 4 for Mixtral, 16 for Qwen3-MoE's 128 experts); a grouped kernel that
+        reads the routing on the device (e.g. torch._grouped_mm with device offsets) would remove it."""
         out = torch.zeros_like(flat)
         for e, (gate_up, down) in enumerate(layer.experts):
             chosen = idx == e                                      # [R, k]: at most one True per row
