@@ -62,12 +62,17 @@ TORCH_LIBRARY(turbospec, m) {
   // norms (attn in, attn out, mlp in, mlp out). windows: empty, or per layer its sliding window (0:
   // full attention; see tree_attention); cos / sin_signed may be two tables stacked [2, B, n, 1, D],
   // the second for the layers with a window (Gemma 3). activation: 0 SiLU, 1 GeLU (tanh) of the gate.
-  // attn_softcap: tree_attention's softcap in every layer (Gemma 2).
+  // attn_softcap: tree_attention's softcap in every layer (Gemma 2). experts: empty, or per layer its
+  // number of experts E (0: a dense MLP): an expert layer's linears in weights / counts are qkv, o,
+  // the router [E, hidden], then each expert's gate_up and down (3 + 2 E instead of 4); each token's
+  // MLP is the sum, in expert order, of its experts_per_token top experts (router softmax in float32,
+  // renormalised over the top k when moe_norm_topk), each weighted (model.py: Transformer._moe).
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
         "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, int norm_layout=0, "
-        "int[] windows=[], int activation=0, float attn_softcap=0.0) -> Tensor[]");
+        "int[] windows=[], int activation=0, float attn_softcap=0.0, int[] experts=[], int experts_per_token=0, "
+        "bool moe_norm_topk=False) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

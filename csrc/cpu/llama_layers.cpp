@@ -23,7 +23,43 @@
 namespace turbospec {
 namespace {
 
-constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
+constexpr int64_t kLinears = 4;  // per dense layer: qkv, o, gate_up, down
+
+// Where each layer's linears sit in counts, and each linear's weight segments in weights: a dense
+// layer has kLinears (qkv, o, gate_up, down), a mixture-of-experts layer of E experts 3 + 2 E (qkv,
+// o, the router [E, hidden], then each expert's gate_up and down in expert order).
+struct LinearIndex {
+  std::vector<int64_t> first;  // per layer: its first linear's index in counts
+  std::vector<int64_t> seg;    // per linear: its first segment's index in weights
+};
+
+LinearIndex index_linears(int64_t num_layers, at::IntArrayRef experts, at::IntArrayRef counts) {
+  LinearIndex ix;
+  int64_t lin = 0;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    ix.first.push_back(lin);
+    lin += experts.empty() || experts[l] == 0 ? kLinears : 3 + 2 * experts[l];
+  }
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == lin, "llama_layers: counts has ", counts.size(),
+              " entries, expected ", lin, " (4 per dense layer, 3 + 2 x experts per expert layer)");
+  for (int64_t i = 0, seg = 0; i < lin; ++i) {
+    ix.seg.push_back(seg);
+    seg += counts[i];
+  }
+  return ix;
+}
+
+// The experts' routing of R rows (model.py: Transformer._route), with ATen's own ops so that every bit
+// is the Python loop's: router logits (rounded to the model's dtype) -> float32 softmax -> top k ->
+// renormalised over those k when norm_topk -> the weights in the model's dtype. Returns the weights
+// (as float32 values of the model's dtype, [R, k]) and the expert ids ([R, k]).
+std::pair<at::Tensor, at::Tensor> route(const at::Tensor& logits, int64_t top_k, bool norm_topk,
+                                        c10::ScalarType dtype) {
+  const at::Tensor probs = at::softmax(logits.to(at::kFloat), -1);
+  auto [top, idx] = at::topk(probs, top_k, -1);
+  if (norm_topk) top = top / top.sum(-1, true);
+  return {top.to(dtype), idx.contiguous()};
+}
 
 // Same formula as model.rms_norm (the turbospec::rms_norm kernel in float32 / bfloat16 / float16).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -83,7 +119,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    at::TensorList biases, at::TensorList k_cache, at::TensorList v_cache,
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
                                    at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms,
-                                   int64_t layout, at::IntArrayRef windows, int64_t act_kind, double softcap) {
+                                   int64_t layout, at::IntArrayRef windows, int64_t act_kind, double softcap,
+                                   at::IntArrayRef experts, int64_t top_k, bool norm_topk) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
   const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
@@ -96,17 +133,29 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
               "llama_layers: cos / sin_signed must be [B or 1, n, 1, D] (or two such stacked), got ", cos_in.sizes(),
               " and ", sin_in.sizes());
   const int64_t per = layout == 2 ? 4 : 2;  // norms per layer
-  std::vector<int64_t> gu_width(L);  // per layer: gate_up's outputs (2 x I)
-  for (int64_t l = 0, sg = 0; l < L; ++l) {
+  const LinearIndex ix = index_linears(L, experts, counts);
+  const auto width_of = [&](int64_t i) {  // linear i's outputs
+    int64_t w = 0;
+    for (int64_t k = 0; k < counts[i]; ++k) w += weights[ix.seg[i] + k].size(0);
+    return w;
+  };
+  std::vector<int64_t> gu_width(L);  // per layer: gate_up's outputs (2 x I; an expert layer: each expert's)
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t E = experts.empty() ? 0 : experts[l], f = ix.first[l];
     int64_t width[kLinears];
-    for (int64_t j = 0; j < kLinears; ++j) {
-      width[j] = 0;
-      for (int64_t k = 0; k < counts[l * kLinears + j]; ++k) width[j] += weights[sg++].size(0);
-    }
+    for (int64_t j = 0; j < kLinears; ++j) width[j] = width_of(f + (E > 0 && j >= 2 ? j + 1 : j));
     gu_width[l] = width[2];
     TORCH_CHECK(width[0] == nqkv && width[1] == hid && width[2] % 2 == 0 && width[3] == hid, "llama_layers: layer ",
                 l, " linears have ", width[0], ", ", width[1], ", ", width[2], ", ", width[3], " outputs; expected qkv ",
                 nqkv, ", o ", hid, ", gate_up 2 x I, down ", hid);
+    if (E > 0) {
+      TORCH_CHECK(width_of(f + 2) == E, "llama_layers: layer ", l, " router has ", width_of(f + 2),
+                  " outputs, expected one per expert (", E, ")");
+      for (int64_t e = 1; e < E; ++e)
+        TORCH_CHECK(width_of(f + 3 + 2 * e) == width[2] && width_of(f + 4 + 2 * e) == hid, "llama_layers: layer ",
+                    l, " expert ", e, " has gate_up / down of ", width_of(f + 3 + 2 * e), " / ",
+                    width_of(f + 4 + 2 * e), " outputs, expected ", width[2], " / ", hid, " (as expert 0)");
+    }
     TORCH_CHECK(norms[per * l].numel() == hid && norms[per * l + per - 1].numel() == hid, "llama_layers: layer ", l,
                 " norms must have ", hid, " elements");
     TORCH_CHECK(biases.empty() || biases[l].numel() == nqkv, "llama_layers: layer ", l, " qkv bias must have ", nqkv,
@@ -139,11 +188,91 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   const auto to_model = [&](const at::Tensor& t) { return t.to(x_in.scalar_type(), false, /*copy=*/true); };
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor gu, act, gu_t, act_t;  // gu_t / act_t: gate_up / SiLU in T for the ATen SiLU
-  size_t seg = 0;
+  // linear i (of every layer's, in order; LinearIndex) over `rows` rows
+  auto lin_rows = [&](int64_t i, const float* in, int64_t rows, int64_t K, const float* bias, float* dst) {
+    linear_f32(in, rows, K, weights.slice(ix.seg[i], counts[i]), formats.slice(ix.seg[i], counts[i]), bias, dst,
+               activations);
+  };
+  // layer l's j-th linear over all R rows (qkv, o; a dense layer's gate_up, down)
   auto lin = [&](int64_t l, int64_t j, const float* in, int64_t K, const float* bias, float* dst) {
-    const int64_t c = counts[l * kLinears + j];
-    linear_f32(in, R, K, weights.slice(seg, c), formats.slice(seg, c), bias, dst, activations);
-    seg += c;
+    const bool moe = !experts.empty() && experts[l] > 0;
+    lin_rows(ix.first[l] + (moe && j >= 2 ? j + 1 : j), in, R, K, bias, dst);
+  };
+  // ap [rows, I] = act(gate) * up from gate_up's output g [rows, width] (float32 values as the linear
+  // gives them; gt_v / at_v: T tensors of g's and ap's shapes for the 16-bit models' ATen activation)
+  auto glu = [&](at::Tensor g, at::Tensor a, at::Tensor gt_v, at::Tensor at_v, int64_t rows, int64_t width) {
+    const int64_t I = width / 2;
+    float* ap = a.data_ptr<float>();
+    const float* up = g.data_ptr<float>() + I;
+    if constexpr (std::is_same_v<T, float>) {
+      if (act_kind == 0) at::silu_out(a, g.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
+      else at::gelu_out(a, g.narrow(-1, 0, I), "tanh");          // F.gelu(approximate="tanh")
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+    } else {
+      const float* gp = g.data_ptr<float>();
+      T* gt = gt_v.data_ptr<T>();
+      for (int64_t i = 0; i < rows * width; ++i) gt[i] = static_cast<T>(gp[i]);  // gate_up's output in T
+      if (act_kind == 0) at::silu_out(at_v, gt_v.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
+      else at::gelu_out(at_v, gt_v.narrow(-1, 0, I), "tanh");
+      const T* at_ = at_v.data_ptr<T>();
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < I; ++k)
+          ap[r * I + k] = rnd<T>(static_cast<float>(at_[r * I + k]) * rnd<T>(up[r * width + k]));
+    }
+  };
+  // An expert layer's MLP (model.py: Transformer._moe with _experts_index) over h (hp) into y (yp),
+  // rounded to T: the routing (route), then for each expert in order the rows that chose it, gathered,
+  // through its gate_up / activation / down, each output times the row's weight (rounded to T) added to
+  // the row's sum (rounded to T): a row's additions in expert order, as index_add_ makes them.
+  at::Tensor xin, egu, eact, egu_t, eact_t, ey;  // allocated at the first expert layer
+  std::vector<std::vector<int64_t>> chosen;      // per expert: r * top_k + slot, for each row r choosing it
+  auto experts_mlp = [&](int64_t l) {
+    const int64_t E = experts[l], f = ix.first[l], width = gu_width[l], I = width / 2;
+    if (!xin.defined()) {
+      xin = at::empty({R, hid}, fopts);
+      ey = at::empty({R, hid}, fopts);
+    }
+    if (!egu.defined() || egu.size(-1) != width) {
+      egu = at::empty({R, width}, fopts);
+      eact = at::empty({R, I}, fopts);
+      if constexpr (!std::is_same_v<T, float>) {
+        egu_t = at::empty({R, width}, x_in.options());
+        eact_t = at::empty({R, I}, x_in.options());
+      }
+    }
+    const at::Tensor lg = at::empty({R, E}, fopts);
+    lin_rows(f + 2, hp, R, hid, nullptr, lg.data_ptr<float>());
+    round_all<T>(lg.data_ptr<float>(), R * E);  // router(flat) in T
+    const auto [top_t, idx] = route(lg, top_k, norm_topk, x_in.scalar_type());
+    std::vector<float> top_buf;
+    const float* wp = as_floats<T>(top_t, top_buf);
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    chosen.assign(E, {});
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < top_k; ++j) chosen[ip[r * top_k + j]].push_back(r * top_k + j);
+    std::fill(yp, yp + R * hid, 0.0f);
+    float* xinp = xin.data_ptr<float>();
+    float* eyp = ey.data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) {
+      const std::vector<int64_t>& rows = chosen[e];
+      const int64_t nr = static_cast<int64_t>(rows.size());
+      if (nr == 0) continue;
+      for (int64_t i = 0; i < nr; ++i) std::copy(hp + rows[i] / top_k * hid, hp + (rows[i] / top_k + 1) * hid,
+                                                 xinp + i * hid);
+      const at::Tensor g = egu.narrow(0, 0, nr), a = eact.narrow(0, 0, nr);
+      lin_rows(f + 3 + 2 * e, xinp, nr, hid, nullptr, g.data_ptr<float>());
+      if constexpr (std::is_same_v<T, float>) glu(g, a, g, a, nr, width);
+      else glu(g, a, egu_t.narrow(0, 0, nr), eact_t.narrow(0, 0, nr), nr, width);
+      lin_rows(f + 4 + 2 * e, a.data_ptr<float>(), nr, I, nullptr, eyp);
+      round_all<T>(eyp, nr * hid);
+      for (int64_t i = 0; i < nr; ++i) {
+        const float w = wp[rows[i]];
+        float* dst = yp + rows[i] / top_k * hid;
+        const float* src = eyp + i * hid;
+        for (int64_t c = 0; c < hid; ++c) dst[c] = rnd<T>(dst[c] + rnd<T>(src[c] * w));
+      }
+    }
   };
   auto add_into = [&](float* dst, const float* src, int64_t count) {
     for (int64_t i = 0; i < count; ++i) dst[i] = rnd<T>(dst[i] + src[i]);
@@ -217,36 +346,23 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     round_all<T>(yp, R * hid);
     add_output(l, 0);
     sublayer_input(l, 1);
-    const int64_t width = gu_width[l], I = width / 2;
-    if (!gu.defined() || gu.size(-1) != width) {
-      gu = at::empty({B, n, width}, fopts);
-      act = at::empty({B, n, I}, fopts);
-      if constexpr (!std::is_same_v<T, float>) {
-        gu_t = at::empty({B, n, width}, x_in.options());
-        act_t = at::empty({B, n, I}, x_in.options());
-      }
-    }
-    lin(l, 2, hp, hid, nullptr, gu.data_ptr<float>());
-    float* ap = act.data_ptr<float>();
-    const float* up = gu.data_ptr<float>() + I;
-    if constexpr (std::is_same_v<T, float>) {
-      if (act_kind == 0) at::silu_out(act, gu.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
-      else at::gelu_out(act, gu.narrow(-1, 0, I), "tanh");          // F.gelu(approximate="tanh")
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+    if (!experts.empty() && experts[l] > 0) {
+      experts_mlp(l);
     } else {
-      const float* gp = gu.data_ptr<float>();
-      T* gt = gu_t.data_ptr<T>();
-      for (int64_t i = 0; i < R * width; ++i) gt[i] = static_cast<T>(gp[i]);  // gate_up's output in T
-      if (act_kind == 0) at::silu_out(act_t, gu_t.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
-      else at::gelu_out(act_t, gu_t.narrow(-1, 0, I), "tanh");
-      const T* at_ = act_t.data_ptr<T>();
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t k = 0; k < I; ++k)
-          ap[r * I + k] = rnd<T>(static_cast<float>(at_[r * I + k]) * rnd<T>(up[r * width + k]));
+      const int64_t width = gu_width[l], I = width / 2;
+      if (!gu.defined() || gu.size(-1) != width) {
+        gu = at::empty({B, n, width}, fopts);
+        act = at::empty({B, n, I}, fopts);
+        if constexpr (!std::is_same_v<T, float>) {
+          gu_t = at::empty({B, n, width}, x_in.options());
+          act_t = at::empty({B, n, I}, x_in.options());
+        }
+      }
+      lin(l, 2, hp, hid, nullptr, gu.data_ptr<float>());
+      glu(gu, act, gu_t, act_t, R, width);
+      lin(l, 3, act.data_ptr<float>(), I, nullptr, yp);
+      round_all<T>(yp, R * hid);
     }
-    lin(l, 3, ap, I, nullptr, yp);
-    round_all<T>(yp, R * hid);
     add_output(l, 1);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = to_model(x);
@@ -262,7 +378,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
                                      at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
                                      const std::optional<at::Tensor>& cache_lens, int64_t layout,
-                                     at::IntArrayRef windows, int64_t act_kind, double softcap) {
+                                     at::IntArrayRef windows, int64_t act_kind, double softcap,
+                                     at::IntArrayRef experts, int64_t top_k, bool norm_topk) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -274,8 +391,12 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   const int64_t per = layout == 2 ? 4 : 2;
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == per * num_layers, "llama_layers: norms has ", norms.size(),
               " tensors, expected ", per, " per layer (", per * num_layers, ")");
-  TORCH_CHECK(static_cast<int64_t>(counts.size()) == kLinears * num_layers, "llama_layers: counts has ",
-              counts.size(), " entries, expected 4 per layer (", kLinears * num_layers, ")");
+  TORCH_CHECK(experts.empty() || static_cast<int64_t>(experts.size()) == num_layers, "llama_layers: experts must "
+              "be empty or one entry per layer (its number of experts, 0: a dense MLP), got ", experts.size());
+  for (int64_t l = 0; l < static_cast<int64_t>(experts.size()); ++l)
+    TORCH_CHECK(experts[l] == 0 || (top_k >= 1 && top_k <= experts[l]), "llama_layers: layer ", l, " has ",
+                experts[l], " experts: experts_per_token must be in [1, ", experts[l], "], got ", top_k);
+  const LinearIndex ix = index_linears(num_layers, experts, counts);  // (checks counts' length)
   TORCH_CHECK(weights.size() == formats.size(), "llama_layers: weights (", weights.size(), ") and formats (",
               formats.size(), ") differ in length");
   TORCH_CHECK(biases.empty() || static_cast<int64_t>(biases.size()) == num_layers, "llama_layers: biases must be "
@@ -326,7 +447,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
                            v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms,
-                           layout, windows, act_kind, softcap);
+                           layout, windows, act_kind, softcap, experts, top_k, norm_topk);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -334,13 +455,13 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
   }
   at::Tensor x = x_in;
   std::vector<at::Tensor> out(1 + capture.size());
-  size_t seg = 0;
-  auto next_linear = [&](int64_t l, int64_t j, const at::Tensor& in, const std::optional<at::Tensor>& bias) {
-    const int64_t c = counts[l * kLinears + j];
-    at::Tensor y = linear(in, weights.slice(seg, c), formats.slice(seg, c), bias, activations);
-    seg += c;
-    return y;
+  auto linear_i = [&](int64_t i, const at::Tensor& in, const std::optional<at::Tensor>& bias) {  // linear i
+    return linear(in, weights.slice(ix.seg[i], counts[i]), formats.slice(ix.seg[i], counts[i]), bias, activations);
   };
+  auto next_linear = [&](int64_t l, int64_t j, const at::Tensor& in, const std::optional<at::Tensor>& bias) {
+    return linear_i(ix.first[l] + j, in, bias);  // layer l's j-th (qkv, o; a dense layer's gate_up, down)
+  };
+  const auto gate_act = [&](const at::Tensor& gate) { return act_kind == 0 ? at::silu(gate) : at::gelu(gate, "tanh"); };
   for (int64_t l = 0; l < num_layers; ++l) {
     std::optional<at::Tensor> bias;
     if (!biases.empty()) bias = biases[l];
@@ -384,9 +505,23 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
     x = x + (layout != 0 ? rms_norm(y, norm_at(0, true), eps) : y);
     h = layout == 1 ? x : rms_norm(x, norm_at(1, false), eps);
-    at::Tensor gu = next_linear(l, 2, h, std::nullopt);
-    auto parts = gu.chunk(2, -1);
-    y = next_linear(l, 3, (act_kind == 0 ? at::silu(parts[0]) : at::gelu(parts[0], "tanh")) * parts[1], std::nullopt);
+    if (!experts.empty() && experts[l] > 0) {  // model.py: Transformer._moe with _experts_index
+      const int64_t f = ix.first[l], hid = h.size(-1);
+      const at::Tensor flat = h.reshape({-1, hid});
+      const auto [top, idx] = route(linear_i(f + 2, flat, std::nullopt), top_k, norm_topk, dtype);
+      at::Tensor sum = at::zeros_like(flat);
+      for (int64_t e = 0; e < experts[l]; ++e) {
+        const std::vector<at::Tensor> where = at::where(idx == e);
+        if (where[0].numel() == 0) continue;
+        const auto parts = linear_i(f + 3 + 2 * e, flat.index({where[0]}), std::nullopt).chunk(2, -1);
+        const at::Tensor ye = linear_i(f + 4 + 2 * e, gate_act(parts[0]) * parts[1], std::nullopt);
+        sum.index_add_(0, where[0], (ye * top.index({where[0], where[1]}).unsqueeze(-1)).to(dtype));
+      }
+      y = sum.view(h.sizes());
+    } else {
+      auto parts = next_linear(l, 2, h, std::nullopt).chunk(2, -1);
+      y = next_linear(l, 3, gate_act(parts[0]) * parts[1], std::nullopt);
+    }
     x = x + (layout != 0 ? rms_norm(y, norm_at(1, true), eps) : y);
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) out[1 + c] = x;

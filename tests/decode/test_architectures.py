@@ -6,13 +6,17 @@ real ``transformers`` config,
   automatically) == an oracle tree == HF ``generate``, token for token;
 * bfloat16: speculative == plain bit for bit (n-gram, draft model, EAGLE-3 tree);
 * the batched engine: a mixed batch == each request alone (greedy and seeded sampling);
-* each of those on the CPU's dynamic path, its fixed-shape path (what CUDA graphs capture) and a GPU
-  where there is one (on CUDA a batch's greedy rows are held to HF's greedy output instead);
+* each of those on the CPU's dynamic path, its fixed-shape path (what CUDA graphs capture), for the
+  mixtures of experts that path with the experts' GPU dispatch (``moe_dispatch="masked"``: fixed
+  shapes, no host read) in the Python layer loop, and a GPU where there is one (on CUDA a batch's
+  greedy rows are held to HF's greedy output instead);
 * heads train on it (a few steps of ``turbospec train``), save, load and draft exactly.
 
 (The forward against HF, the C++ layer loop against its Python specification and GGUF tensor names
 are in tests/model.)"""
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -59,8 +63,8 @@ def _drafter_options(name: str, kind: str, target) -> dict:
 
 
 # where an engine runs: the CPU's dynamic path, its fixed-shape path (what CUDA graphs capture, run
-# eagerly on CPU) and, where there is one, a GPU
-MODES = ["cpu", "cpu-static", "cuda"]
+# eagerly on CPU; for a mixture of experts also with the dispatch a GPU runs) and, where there is one, a GPU
+MODES = ["cpu", "cpu-static", "cpu-static-masked", "cuda"]
 
 
 def _on(mode: str, hf, target) -> tuple[object, dict]:
@@ -69,6 +73,11 @@ def _on(mode: str, hf, target) -> tuple[object, dict]:
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
         return hf, dict(device="cuda")  # Engine loads the transformers model onto the GPU
+    if mode == "cpu-static-masked":
+        if not target.cfg.num_experts:
+            pytest.skip("a dense model: no experts to dispatch (the same path as cpu-static)")
+        target = copy.copy(target)  # (the module's target keeps its own dispatch)
+        target.moe_dispatch = "masked"
     return target, (dict(static_shapes=True) if mode == "cpu-static" else {})
 
 

@@ -470,7 +470,8 @@ def test_default_model_loads(smollm2_dir, smollm2):
 
 
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                                  "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
@@ -512,7 +513,8 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+                                  "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs

@@ -181,6 +181,8 @@ ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of
 
 LOGITS_MODES = ("all", "last", "none", "normed")
 
+MOE_DISPATCHES = ("auto", "index", "masked")  # Transformer.moe_dispatch
+
 
 class Linear:
     """y = x @ W^T (+ b), W kept in its storage format.
@@ -353,7 +355,21 @@ class Transformer:
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
         self.activations = "exact"
+        # the experts' dispatch (mixtures of experts): "index" (the rows routed to each expert, read on
+        # the host; the C++ layer loop's on CPU), "masked" (fixed shapes, no host read: the Python loop),
+        # "auto": index on CPU, masked elsewhere (see _experts_masked)
+        self._moe_dispatch = "auto"
         self.flatten_layers()
+
+    @property
+    def moe_dispatch(self) -> str:
+        return self._moe_dispatch
+
+    @moe_dispatch.setter
+    def moe_dispatch(self, mode: str) -> None:
+        if mode not in MOE_DISPATCHES:
+            raise ValueError(f"moe_dispatch must be one of {', '.join(MOE_DISPATCHES)}, got {mode!r}")
+        self._moe_dispatch = mode
 
     def set_activations(self, mode: str) -> "Transformer":
         """"exact" (default): activations stay in the model dtype, a GGUF-quantized model computes
@@ -460,13 +476,13 @@ class Transformer:
         packed = _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
         capture = self._capture_layers(features)
         x = self.embed_tokens(input_ids)
-        if self.use_cpp_layers and self._flat is not None:
+        if self._cpp_loop():
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
                 cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], None, self._cpp_layout, self._cpp_windows,
-                self._cpp_act, cfg.attn_softcap or 0.0)
+                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk)
         else:
             x, captured = self.layers_python(x, cos, sin, packed, cache, cache_len, capture)
         if logits == "none" and features != "final":
@@ -582,15 +598,31 @@ class Transformer:
         """A mixture-of-experts MLP over h [B, n, hidden]: each token's router softmax (float32), its
         top ``experts_per_token`` experts (renormalised when ``moe_norm_topk``), their weights in the
         model's dtype, and the weighted sum of those experts' outputs, added expert by expert in expert
-        order. A token's result depends only on the token (the experts' linears are batch-invariant
-        and its sum's order is fixed), so it is the same alone or in a verify pass."""
-        cfg = self.cfg
+        order (out = 0, then out = out + w_e * expert_e(h) for each of its experts e ascending, every
+        step rounded to the model's dtype). A token's result depends only on the token (the experts'
+        linears are batch-invariant and its sum's order is fixed), so it is the same alone or in a
+        verify pass. Two dispatches compute it (``moe_dispatch``; the same bits on CPU, tested):
+        ``_experts_index`` and ``_experts_masked``."""
         flat = h.reshape(-1, h.shape[-1])
+        top, idx = self._route(layer, flat)
+        masked = self._moe_dispatch == "masked" or (self._moe_dispatch == "auto" and flat.device.type != "cpu")
+        out = (self._experts_masked if masked else self._experts_index)(layer, flat, top, idx, act)
+        return out.view(h.shape)
+
+    def _route(self, layer: Layer, flat: Tensor) -> tuple[Tensor, Tensor]:
+        """Each row's top ``experts_per_token`` router weights (model dtype) and expert ids [R, k]:
+        softmax over all experts in float32, the top k (renormalised to sum 1 when ``moe_norm_topk``:
+        Mixtral, Qwen3-MoE with norm_topk_prob; OLMoE keeps the softmax's values)."""
         probs = torch.softmax(layer.router(flat).float(), dim=-1)
-        top, idx = torch.topk(probs, cfg.experts_per_token, dim=-1)
-        if cfg.moe_norm_topk:
+        top, idx = torch.topk(probs, self.cfg.experts_per_token, dim=-1)
+        if self.cfg.moe_norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        top = top.to(h.dtype)
+        return top.to(flat.dtype), idx
+
+    @staticmethod
+    def _experts_index(layer: Layer, flat: Tensor, top: Tensor, idx: Tensor, act) -> Tensor:
+        """The experts over the rows routed to each (index lists read on the host: on CPU the
+        cheapest, each expert reads its weights once and computes only its rows)."""
         out = torch.zeros_like(flat)
         for e, (gate_up, down) in enumerate(layer.experts):
             tok, pos = torch.where(idx == e)
@@ -598,7 +630,38 @@ class Transformer:
                 continue
             gate, up = gate_up(flat[tok]).chunk(2, dim=-1)
             out.index_add_(0, tok, (down(act(gate) * up) * top[tok, pos, None]).to(out.dtype))
-        return out.view(h.shape)
+        return out
+
+    @staticmethod
+    def _experts_masked(layer: Layer, flat: Tensor, top: Tensor, idx: Tensor, act) -> Tensor:
+        """The experts with fixed shapes and no host read (what a CUDA graph captures): every expert
+        runs over all R rows, and a row takes expert e's output (times its weight, 0 where e is not
+        among its top k) only where its routing selected e, by an element-wise select, so the rows
+        that did not choose e keep their sum untouched (no +0.0, no inf / NaN of an unused expert).
+        A row's additions are those of ``_experts_index``, in the same order, so its bits are the
+        same wherever the linears are batch-invariant (CPU).
+
+        Why this for decode-sized passes (1-64 rows), among formulations built from torch ops: a GPU's
+        pass over that few rows is bound by reading the weights, not by arithmetic. This reads every
+        expert's weights once per layer, whatever the routing, and is exact on CPU (each expert is the
+        same batch-invariant Linear). A sort-by-expert or fixed-capacity gather reads only the experts
+        used, but running an expert over its segment needs the segment's size on the host (the sync
+        this removes) or a grouped kernel reading the bounds on the device; a capacity below R drops
+        tokens (not exact), and capacity R is this computation plus a gather. Gathering each
+        assignment's expert weights (W[idx], then bmm) reads R * k expert matrices and writes them
+        again: cheaper only when 3 R k < E (Mixtral, 8 experts / 2 per token: a single row; Qwen3-MoE,
+        128 / 8: up to 5 rows), and not the Linear's arithmetic. With R * k >= E nearly every expert
+        is used anyway (Mixtral from 4 rows). The cost: a step reads all E experts where a one-token
+        step needs k (E / k = 4 for Mixtral, 16 for Qwen3-MoE's 128 experts); a grouped kernel that
+        reads the routing on the device (e.g. torch._grouped_mm with device offsets) would remove it."""
+        out = torch.zeros_like(flat)
+        for e, (gate_up, down) in enumerate(layer.experts):
+            chosen = idx == e                                      # [R, k]: at most one True per row
+            w = torch.where(chosen, top, torch.zeros_like(top)).sum(dim=-1, keepdim=True)  # exact: one term
+            gate, up = gate_up(flat).chunk(2, dim=-1)
+            y = (down(act(gate) * up) * w).to(out.dtype)
+            out = torch.where(chosen.any(dim=-1, keepdim=True), out + y, out)
+        return out
 
     def _qk_norm(self, layer: Layer, qkv: Tensor) -> Tensor:
         """The RMS norms of q and k in ``qkv`` [B, n, H + 2 H_kv, D] before the rotary embedding: over each
@@ -682,13 +745,13 @@ class Transformer:
         bsz, n = input_ids.shape
         cos, sin = self._rope_static(position_ids)
         capture = self._capture_layers(features)
-        if self.use_cpp_layers and self._flat is not None:  # CPU: the C++ loop, per-row prefix lengths
+        if self._cpp_loop():  # CPU: the C++ loop, per-row prefix lengths
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 self.embed_tokens(input_ids), cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], cache_len, self._cpp_layout, self._cpp_windows,
-                self._cpp_act, cfg.attn_softcap or 0.0)
+                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk)
             return self._head(x, features, captured, last)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
@@ -733,10 +796,12 @@ class Transformer:
 
     def flatten_layers(self) -> None:
         """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
-        counts, qkv biases, per-head q / k norms), or None when it cannot run (not on CPU, no C++ kernel)."""
+        counts, qkv biases, per-head q / k norms; per layer its number of experts), or None when it
+        cannot run (not on CPU, no C++ kernel). An expert layer's linears: qkv, o, the router, then each
+        expert's gate_up and down (``Layer.linears``)."""
         self._flat = None
-        if not (self.device.type == "cpu" and ops.has_op("llama_layers")) or self.cfg.num_experts:
-            return  # (mixtures of experts run the Python layer loop)
+        if not (self.device.type == "cpu" and ops.has_op("llama_layers")):
+            return
         norms, weights, formats, counts, biases, qk_norms = [], [], [], [], [], []
         for layer in self.layers:
             norms += [w for w in (layer.attn_norm, layer.attn_post_norm, layer.mlp_norm, layer.mlp_post_norm)
@@ -755,3 +820,12 @@ class Transformer:
         self._cpp_windows = self.windows if any(self.windows) else []
         self._cpp_layout = {"pre": 0, "post": 1, "sandwich": 2}[self.cfg.norm_layout]
         self._cpp_act = {"silu": 0, "gelu_tanh": 1}[self.cfg.activation]
+        # per layer its number of experts (0: a dense MLP); empty for a dense model
+        self._cpp_experts = [0 if layer.experts is None else len(layer.experts) for layer in self.layers] \
+            if self.cfg.num_experts else []
+
+    def _cpp_loop(self) -> bool:
+        """Whether the layers run in C++ (``turbospec::llama_layers``, CPU): when it is built for this
+        model and ``use_cpp_layers``; a mixture of experts whose ``moe_dispatch`` is "masked" runs the
+        Python loop (the C++ loop routes by index lists, as "index" does: the same bits)."""
+        return self.use_cpp_layers and self._flat is not None and self._moe_dispatch != "masked"
