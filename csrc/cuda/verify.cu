@@ -568,10 +568,21 @@ int float_type(const at::Tensor& t) {
 void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
                  const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
                  const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
-                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
+                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids,
+                 const std::optional<at::Tensor>& output_counts, const std::optional<at::Tensor>& prompt_mask,
+                 const std::optional<at::Tensor>& presence_penalty, const std::optional<at::Tensor>& frequency_penalty,
+                 const std::optional<at::Tensor>& repetition_penalty, const std::optional<at::Tensor>& logit_bias,
+                 const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& token_bitmask) {
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
                                          temperature_in, top_k_in, top_p_in, accept_len, accept_index,
                                          output_token_ids, TS_KERNEL_DEVICE);
+  check_verify_processing(d, target_logits_in, output_counts, prompt_mask, presence_penalty, frequency_penalty,
+                          repetition_penalty, logit_bias, min_p, token_bitmask);
+  TORCH_CHECK(!(output_counts.has_value() || prompt_mask.has_value() || presence_penalty.has_value() ||
+                frequency_penalty.has_value() || repetition_penalty.has_value() || logit_bias.has_value() ||
+                min_p.has_value() || token_bitmask.has_value()),
+              "verify: logit processing (output_counts, prompt_mask, penalties, logit_bias, min_p, token_bitmask) "
+              "is not implemented by the CUDA kernel yet");
   if (d.B == 0) return;
   TS_DEVICE_GUARD(target_logits_in);
   // Inputs are used in place when they already have the layout the kernel reads (the usual case).
