@@ -26,6 +26,11 @@ from torch import Tensor
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 
+# JSON is written in one layout, '{"key": value, "key": value}' (a schema's own "x-guidance" options
+# may change it): no whitespace left to the model, which a weak model could otherwise spend its
+# whole token budget on.
+JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 @dataclass(frozen=True)
 class Grammar:
@@ -59,13 +64,13 @@ class Grammar:
             if not isinstance(value, dict):
                 raise ValueError(f"json_schema must be a JSON schema object, got {type(value).__name__}")
             try:
-                return LLMatcher.grammar_from_json_schema(value)
+                return LLMatcher.grammar_from_json_schema(value, defaults=JSON_FORMAT)
             except ValueError as e:
                 raise ValueError(f"json_schema: {e}") from None
         if kind == "json_object":
             if value is not True:
                 raise ValueError(f"json_object takes True, got {value!r}")
-            return LLMatcher.grammar_from_json_schema({"type": "object"})
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
         if kind == "regex":
             if not isinstance(value, str) or not value:
                 raise ValueError(f"regex must be a non-empty string, got {value!r}")
