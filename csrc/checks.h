@@ -197,6 +197,41 @@ inline VerifyDims check_verify_args(const at::Tensor& target_logits, const at::T
 }
 
 // ---------------------------------------------------------------------------------------------
+// verify's optional logit processing (reference.verify, reference.verify_processing): dtypes, shapes
+// and devices; the values are the kernels' to check (the CPU kernel raises naming the row, the CUDA
+// kernel marks the row invalid).
+inline void check_verify_processing(const VerifyDims& d, const at::Tensor& target_logits,
+                                    const std::optional<at::Tensor>& output_counts,
+                                    const std::optional<at::Tensor>& prompt_mask,
+                                    const std::optional<at::Tensor>& presence_penalty,
+                                    const std::optional<at::Tensor>& frequency_penalty,
+                                    const std::optional<at::Tensor>& repetition_penalty,
+                                    const std::optional<at::Tensor>& logit_bias, const std::optional<at::Tensor>& min_p,
+                                    const std::optional<at::Tensor>& token_bitmask) {
+  const char* op = "verify";
+  const int64_t B = d.B, N = d.N, V = d.V, W = (d.V + 31) / 32;
+  if (output_counts.has_value()) check_tensor(op, "output_counts", *output_counts, {c10::kInt}, {{"B", B}, {"V", V}});
+  if (prompt_mask.has_value()) check_tensor(op, "prompt_mask", *prompt_mask, {c10::kBool}, {{"B", B}, {"V", V}});
+  if (logit_bias.has_value()) check_tensor(op, "logit_bias", *logit_bias, {c10::kFloat}, {{"B", B}, {"V", V}});
+  if (token_bitmask.has_value())
+    check_tensor(op, "token_bitmask", *token_bitmask, {c10::kInt}, {{"B", B}, {"N", N}, {"ceil(V / 32)", W}});
+  const std::pair<const char*, const std::optional<at::Tensor>*> rows[] = {
+      {"presence_penalty", &presence_penalty}, {"frequency_penalty", &frequency_penalty},
+      {"repetition_penalty", &repetition_penalty}, {"min_p", &min_p}};
+  for (const auto& r : rows)
+    if (r.second->has_value()) check_tensor(op, r.first, **r.second, {c10::kFloat, c10::kDouble}, {{"B", B}});
+  const std::pair<const char*, const std::optional<at::Tensor>*> all[] = {
+      {"output_counts", &output_counts}, {"prompt_mask", &prompt_mask}, {"presence_penalty", &presence_penalty},
+      {"frequency_penalty", &frequency_penalty}, {"repetition_penalty", &repetition_penalty},
+      {"logit_bias", &logit_bias}, {"min_p", &min_p}, {"token_bitmask", &token_bitmask}};
+  for (const auto& a : all)
+    if (a.second->has_value()) check_device(op, a.first, **a.second, target_logits, "target_logits");
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(!rows[i].second->has_value() || output_counts.has_value(), op, ": ", rows[i].first,
+                " needs output_counts (int32 [B, V], the request's generated token counts; zeros for a fresh request)");
+}
+
+// ---------------------------------------------------------------------------------------------
 struct CacheDims {
   int64_t L, B, H, S, D, N;
 };

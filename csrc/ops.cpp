@@ -27,9 +27,16 @@ TORCH_LIBRARY(turbospec, m) {
   // after the row's real nodes), draft_probs: float [B, N, V] or None, uniform: float32 [B, N], per-row
   // temperature / top_p: float32 or float64 [B], top_k: int64 [B] (tensors: a CUDA graph replays with new
   // values) -> accept_len: int64 [B], accept_index / output_token_ids: int64 [B, N].
+  // Optional logit processing (reference.verify; all None: today's behaviour), node i of a row with
+  // its own path's tokens: output_counts int32 [B, V], prompt_mask bool [B, V], per-row
+  // presence_penalty / frequency_penalty / repetition_penalty / min_p float32 or float64 [B],
+  // logit_bias float32 [B, V], token_bitmask int32 [B, N, ceil(V / 32)] (per node; bit set = allowed).
   m.def("verify(Tensor target_logits, Tensor parents, Tensor draft_token_ids, Tensor? draft_probs, "
         "Tensor uniform, Tensor temperature, Tensor top_k, Tensor top_p, Tensor(a!) accept_len, "
-        "Tensor(b!) accept_index, Tensor(c!) output_token_ids) -> ()");
+        "Tensor(b!) accept_index, Tensor(c!) output_token_ids, Tensor? output_counts=None, "
+        "Tensor? prompt_mask=None, Tensor? presence_penalty=None, Tensor? frequency_penalty=None, "
+        "Tensor? repetition_penalty=None, Tensor? logit_bias=None, Tensor? min_p=None, "
+        "Tensor? token_bitmask=None) -> ()");
   // caches: L tensors [B, H, S, D] (every layer's K and V), prefix_len / accept_len: int64 [B],
   // accept_index: int64 [B, N]; moves accepted entries in place.
   m.def("compact_kv(Tensor(a!)[] caches, Tensor prefix_len, Tensor accept_index, Tensor accept_len) -> ()");

@@ -115,6 +115,27 @@ def make_tiny_tokenizer(vocab_size: int = 256, eos_token: str | None = None, swa
 
 
 
+def make_byte_tokenizer():
+    """A byte-level tokenizer over 256 tokens, token i = byte i (GPT-2's byte-to-character map, no
+    merges): any text encodes, one token per byte. Byte 0 (never in JSON or the tests' patterns) is
+    its end-of-sequence token. For structured output on the tiny models (vocab 256)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    tok = Tokenizer(models.BPE({chars[b]: b for b in range(256)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=chars[0])
+
+
 def on_every_isa(fn) -> list:
     """``fn()`` once per CPU kernel path this CPU has (scalar, avx2, avx512), each forced in turn;
     the results in that order. Skips the calling test when only the scalar path exists (nothing to

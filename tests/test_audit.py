@@ -123,3 +123,29 @@ def test_runs_ending_at_eos_count_as_ended():
                         max_seq_len=256)
     assert r.ok, r.table()
     assert any(t.categories >= 2 for t in r.sampling.positions)
+
+
+def test_penalties_bias_and_min_p_pass_the_audit(tiny):
+    """Sampled with penalties, logit_bias and min_p (each draft judged with its own path counted):
+    not rejected, with drafts accepted, while the biased control is rejected in the same run."""
+    settings = dict(presence_penalty=0.2, frequency_penalty=0.1, repetition_penalty=1.05, min_p=0.02,
+                    logit_bias={6: 0.5, 9: -2.0})
+    r = run(tiny, settings=settings)
+    s = r.sampling
+    assert s.draft_tokens_accepted > 0 and r.greedy.ok
+    assert not s.rejected and s.control_rejected, r.table()
+
+
+def test_a_grammar_passes_the_audit(tiny):
+    """Sampling under a grammar (a byte-level tokenizer; drafts from prompt lookup inside the
+    grammar's alphabet): the constrained distribution is the same with speculation."""
+    from helpers import make_byte_tokenizer
+    text = "abcdefabcdefabcdefabcde"
+    r = turbospec.audit(tiny, "ngram", prompts=[text], max_new_tokens=12, sampling_prompt=text, samples=150, k=2,
+                        seed=3, max_seq_len=256, tokenizer=make_byte_tokenizer(),
+                        settings=dict(grammar={"regex": "[a-f]{1,16}x"}))
+    s = r.sampling
+    assert r.greedy.ok and s.draft_tokens_accepted > 0
+    assert not s.rejected and s.control_rejected, r.table()
+    with pytest.raises(ValueError, match="settings: 'temperature' is the audit's own argument"):
+        run(tiny, settings=dict(temperature=0.5))

@@ -77,6 +77,15 @@ def test_generate_logprobs_table(smollm2_dir, smollm2, capsys):
     (["--max-seq-len", "100000000"], "max_position_embeddings (8192)"),  # refused before loading
     (["--logprobs", "21"], "--logprobs"),
     (["--logprobs", "-1"], "--logprobs"),
+    (["--presence-penalty", "3"], "presence_penalty"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
+    (["--min-p", "2"], "min_p"),
+    (["--logit-bias", "[1]"], "--logit-bias"),
+    (["--logit-bias", '{"5": 500}'], "logit_bias[5]"),
+    (["--regex", "(a"], "regex"),
+    (["--regex", "a", "--choice", "b"], "at most one of --json-schema"),
+    (["--json-schema", "{oops"], "--json-schema must be a JSON schema"),
+    (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
 ])
 def test_generate_bad_input_exits_2(smollm2_dir, capsys, args, needle):
     rc = cli.main(["generate", "hello", "--model", smollm2_dir, *args])
@@ -89,3 +98,33 @@ def test_missing_model_exits_2(tmp_path, capsys):
     rc = cli.main(["generate", "hello", "--model", str(tmp_path / "nope")])
     _, err = capsys.readouterr()
     assert rc == 2 and "nope" in err
+
+
+def test_generate_structured_and_penalized(smollm2_dir, tmp_path, capsys):
+    """--json-schema FILE (and --choice, --frequency-penalty, --logit-bias): the engine's output
+    without drafts, printed; the JSON validates."""
+    import json
+
+    import jsonschema
+    from turbospec import Engine
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    prompt = "Pick a colour and a count, as JSON."
+    plain = Engine(smollm2_dir, drafter="none", max_seq_len=4096)
+    assert cli.main(["generate", prompt, "--model", smollm2_dir, "--drafter", "ngram", "--max-new-tokens", "40",
+                     "--threads", "1", "--json-schema", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    jsonschema.validate(json.loads(out.strip()), schema)
+    assert out.strip() == plain.generate(prompt, 40, grammar={"json_schema": schema}).text
+    assert cli.main(["generate", "Is the sky blue?", "--model", smollm2_dir, "--max-new-tokens", "8", "--threads", "1",
+                     "--choice", "yes", "--choice", "no"]) == 0
+    assert capsys.readouterr()[0].strip() in ("yes", "no")
+    argv = ["generate", "Repeat exactly: red green blue red green blue", "--model", smollm2_dir, "--drafter", "ngram",
+            "--max-new-tokens", "16", "--threads", "1", "--frequency-penalty", "1.5", "--logit-bias", '{"28": 2.0}']
+    assert cli.main(argv) == 0
+    want = plain.generate("Repeat exactly: red green blue red green blue", 16, frequency_penalty=1.5,
+                          logit_bias={28: 2.0})
+    assert capsys.readouterr()[0].rstrip("\n") == want.text

@@ -276,10 +276,13 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
           max_new_tokens: int = 64, greedy: bool = True, sampling: bool = True, sampling_prompt: str | None = None,
           k: int = 2, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, samples: int | None = None,
           detect_tv: float = 0.15, power: float = 0.9, alpha: float = 0.01, seed: int = 0, num_draft: int | None = None,
-          head=None, draft_model=None, max_seq_len: int = 4096, log=None) -> AuditReport:
+          head=None, draft_model=None, max_seq_len: int = 4096, log=None, settings: dict | None = None,
+          tokenizer=None) -> AuditReport:
     """Check that speculative decoding with ``drafter`` is lossless for ``model`` (see the module
     docstring). ``prompts``: greedy prompts (list, or a .jsonl / .txt path; default: a built-in
-    sample); ``samples``: runs per arm (default: enough for ``detect_tv`` at ``power``)."""
+    sample); ``samples``: runs per arm (default: enough for ``detect_tv`` at ``power``).
+    ``settings``: more of ``Engine.generate``'s settings for both arms, greedy and sampled (e.g.
+    penalties, ``min_p``, ``logit_bias``, ``grammar``); ``tokenizer``: for a model given in memory."""
     _check("max_new_tokens", max_new_tokens, isinstance(max_new_tokens, int) and max_new_tokens >= 1, "an integer >= 1")
     _check("k", k, isinstance(k, int) and 2 <= k <= 16, "an integer in [2, 16] (tokens sampled per run)")
     _check("temperature", temperature, isinstance(temperature, (int, float)) and temperature > 0,
@@ -301,8 +304,12 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
         raise ValueError("prompts must hold at least one prompt")
     say = log or (lambda msg: None)
     t0 = time.perf_counter()
+    settings = dict(settings or {})
+    for name in settings:
+        if name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat", "prompt"):
+            raise ValueError(f"settings: {name!r} is the audit's own argument, not a setting")
     spec = Engine(model, drafter=drafter, dtype=dtype, num_draft=num_draft, head=head, draft_model=draft_model,
-                  max_seq_len=max_seq_len)
+                  max_seq_len=max_seq_len, tokenizer=tokenizer)
     plain = Engine(spec.target, drafter="none", tokenizer=spec.tokenizer, max_seq_len=max_seq_len)
     name = spec.drafter.name if spec.drafter is not None else "none"
     report = AuditReport(str(model), name, str(spec.target.dtype).replace("torch.", ""), None, None)
@@ -310,8 +317,8 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
     if greedy:
         g = GreedyResult(len(prompts), 0)
         for i, p in enumerate(prompts):
-            a = plain.generate(p, max_new_tokens=max_new_tokens)
-            b = spec.generate(p, max_new_tokens=max_new_tokens)
+            a = plain.generate(p, max_new_tokens=max_new_tokens, **settings)
+            b = spec.generate(p, max_new_tokens=max_new_tokens, **settings)
             g.tokens_compared += min(len(a.token_ids), len(b.token_ids))
             if a.token_ids != b.token_ids:
                 pos = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -327,7 +334,7 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
         prompt = SAMPLING_PROMPT if sampling_prompt is None else sampling_prompt
         n = samples or samples_for_power(detect_tv, power, alpha / k, categories=20)
         s = SamplingResult(prompt, k, n, float(temperature), top_k, float(top_p), alpha, detect_tv, power, 0, 0)
-        kw = dict(max_new_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, chat=False)
+        kw = dict(max_new_tokens=k, temperature=temperature, top_k=top_k, top_p=top_p, chat=False, **settings)
 
         def runs(engine, base: int, count_drafts: bool) -> list[tuple[int, ...]]:
             out = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -58,8 +59,21 @@ def _engine(args, **extra):
 
 
 def _generate(args) -> int:
+    from .decode.grammar import Grammar
     from .ops.sampling import MAX_TOP_LOGPROBS, SamplingParams
-    SamplingParams(args.temperature, args.top_k, args.top_p)  # bad values fail before the model loads
+    logit_bias = None
+    if args.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in json.loads(args.logit_bias).items()}
+        except (ValueError, AttributeError, TypeError):
+            raise ValueError(f"--logit-bias must be a JSON object of token id: bias, got {args.logit_bias!r}") from None
+    processing = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                      repetition_penalty=args.repetition_penalty, min_p=args.min_p, logit_bias=logit_bias)
+    # bad values fail before the model loads
+    SamplingParams(args.temperature, args.top_k, args.top_p, **processing)
+    grammar = _grammar_arg(args)
+    if grammar is not None:
+        Grammar.of(grammar).source()
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.logprobs is not None and not 0 <= args.logprobs <= MAX_TOP_LOGPROBS:
@@ -68,7 +82,7 @@ def _generate(args) -> int:
     engine = _engine(args)
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat)
+              top_p=args.top_p, stop=args.stop, seed=args.seed, chat=not args.no_chat, grammar=grammar, **processing)
     if args.logprobs is not None:
         kw.update(logprobs=True, top_logprobs=args.logprobs)
     stats: dict = {}
@@ -198,6 +212,25 @@ def _serve(args) -> int:
     return run(app, args.host, args.port, log_level=args.log_level)
 
 
+def _grammar_arg(args) -> dict | None:
+    """--json-schema (a file or JSON text), --json-object, --regex, --choice: at most one."""
+    given = [(name, v) for name, v in (("json_schema", args.json_schema), ("json_object", args.json_object or None),
+                                       ("regex", args.regex), ("choice", args.choice)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"at most one of --json-schema, --json-object, --regex, --choice, got "
+                         f"{', '.join('--' + n.replace('_', '-') for n, _ in given)}")
+    if not given:
+        return None
+    name, v = given[0]
+    if name == "json_schema":
+        text = open(v).read() if os.path.isfile(v) else v
+        try:
+            v = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--json-schema must be a JSON schema (a file or JSON text): {e}") from None
+    return {name: v}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="turbospec", description="exact speculative decoding")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -212,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], 0: off (generated tokens)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], 0: off (generated tokens)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, 1: off (prompt and generated tokens)")
+    g.add_argument("--min-p", type=float, default=0.0, help="[0, 1], 0: off")
+    g.add_argument("--logit-bias", default=None, metavar="JSON", help='e.g. \'{"42": -100}\' (token id: bias)')
+    g.add_argument("--json-schema", default=None, metavar="FILE|JSON", help="output a JSON value of this schema")
+    g.add_argument("--json-object", action="store_true", help="output a JSON object")
+    g.add_argument("--regex", default=None, help="output text matching this regular expression")
+    g.add_argument("--choice", action="append", default=None, help="output one of these strings (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="after the text, list every generated token with its log-probability under the "
                         "distribution it was drawn from and the N (0-20) likeliest alternatives")

@@ -17,6 +17,15 @@
 // as the scalar double did, a float32 value as that float) and its own number of real nodes: draft
 // id -1 marks a padding node, which must come after the row's real nodes and is never a child (the
 // child loops stop at the first padding node), so a padded row gives what it gives alone.
+//
+// Logit processing (optional; reference.verify / reference.process_logits): a row with a logit bias,
+// penalties or a token bitmask has each visited node's logits processed into a float32 scratch row
+// first: bias, repetition, frequency, presence (counts = output_counts + the tokens on the path to the
+// node, node included, root excluded: the whole row with the committed counts, then the path's
+// distinct tokens again with their path counts added), then the node's bitmask; validity is checked
+// on the raw and on the processed logits. Every operation is the reference's float32 operation, so
+// the processed logits equal the reference's bit for bit. min_p (after temperature, before top-k)
+// uses torch's softmax at every vocabulary size, so its cut is the reference's too.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_softmax.h>
@@ -40,12 +49,58 @@ struct Sampling {
   double temperature;
   int64_t top_k;
   double top_p;
+  double min_p;  // 0: off
 };
+
+// One row's logit processing (all off by default).
+struct Processing {
+  const int32_t* counts = nullptr;   // output_counts [V], or none (zeros)
+  const bool* prompt = nullptr;      // prompt_mask [V], or none
+  const float* bias = nullptr;       // logit_bias [V], or none
+  const int32_t* bitmask = nullptr;  // token_bitmask [N, W] of the row, or none
+  int64_t words = 0;                 // W
+  float presence = 0.0f, frequency = 0.0f, repetition = 1.0f;
+  bool active = false;               // anything to do
+};
+
+// reference.process_logits for one token with output count c (committed + path).
+inline float process_one(float x, int64_t v, int64_t c, const Processing& pr, const int32_t* mask_row) {
+  if (pr.bias != nullptr) x = x + pr.bias[v];
+  if (pr.repetition != 1.0f && (c > 0 || (pr.prompt != nullptr && pr.prompt[v])))
+    x = x > 0.0f ? x / pr.repetition : x * pr.repetition;
+  if (c > 0) {
+    if (pr.frequency != 0.0f) x = x - pr.frequency * static_cast<float>(c);
+    if (pr.presence != 0.0f) x = x - pr.presence;
+  }
+  if (mask_row != nullptr && !((static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31)) & 1u))
+    x = -std::numeric_limits<float>::infinity();
+  return x;
+}
+
+// y <- the processed logits of one node: every token with its committed count, then each distinct
+// token on the node's path (path_tokens[0, n_path): the draft tokens of the nodes root -> node,
+// root excluded) again with its path occurrences added.
+template <typename T>
+void process_node(const T* raw, int64_t V, const Processing& pr, const int32_t* mask_row, const int64_t* path_tokens,
+                  int64_t n_path, float* y) {
+  for (int64_t v = 0; v < V; ++v)
+    y[v] = process_one(static_cast<float>(raw[v]), v, pr.counts != nullptr ? pr.counts[v] : 0, pr, mask_row);
+  for (int64_t k = 0; k < n_path; ++k) {
+    const int64_t t = path_tokens[k];
+    bool first = true;
+    for (int64_t j = 0; j < k && first; ++j) first = path_tokens[j] != t;
+    if (!first) continue;
+    int64_t extra = 0;
+    for (int64_t j = k; j < n_path; ++j) extra += path_tokens[j] == t;
+    const int64_t c = (pr.counts != nullptr ? pr.counts[t] : 0) + extra;
+    y[t] = process_one(static_cast<float>(raw[t]), t, c, pr, mask_row);
+  }
+}
 
 // Per-thread buffers, kept across calls (they only grow): allocating and faulting in a few MB per
 // call would cost more than a large-vocabulary row itself.
 struct Scratch {
-  std::vector<float> x, e, probs, sorted;
+  std::vector<float> x, e, probs, sorted, y;
   std::vector<double> p, q, r;
   void reserve(int64_t V, bool top_k_or_p, bool with_q) {
     const size_t n = static_cast<size_t>(V);
@@ -55,6 +110,9 @@ struct Scratch {
     if (probs.size() < n) probs.resize(n);
     if (top_k_or_p && sorted.size() < n) sorted.resize(n);
     if (with_q && q.size() < n) q.resize(n);
+  }
+  void reserve_processed(int64_t V) {
+    if (y.size() < static_cast<size_t>(V)) y.resize(static_cast<size_t>(V));
   }
 };
 
@@ -150,6 +208,15 @@ void target_probs(const T* row, int64_t V, const Sampling& s, Scratch& w) {
     x[i] = static_cast<float>(row[i]) / t;
     m = x[i] > m ? x[i] : m;
   }
+  if (s.min_p > 0.0) {  // min_p (logits_to_probs): torch's softmax at every V, as the reference
+    float* probs = w.probs.data();
+    torch_softmax(x, probs, V);
+    float pmax = 0.0f;
+    for (int64_t i = 0; i < V; ++i) pmax = probs[i] > pmax ? probs[i] : pmax;
+    const float threshold = pmax * static_cast<float>(s.min_p);
+    for (int64_t i = 0; i < V; ++i)
+      if (probs[i] < threshold) x[i] = kNegInf;
+  }
   if (s.top_k > 0 && s.top_k < V) {
     const float kth = kth_largest(x, V, s.top_k, w.sorted);
     for (int64_t i = 0; i < V; ++i)
@@ -236,6 +303,7 @@ bool load_draft_probs(const at::Tensor& draft_probs, int64_t b, int64_t node, in
 }
 
 struct RowIO {
+  const Processing* proc;   // the row's logit processing
   const int64_t* parents;   // [N]
   const int64_t* tokens;    // [N]
   const float* uniform;     // [N]
@@ -252,12 +320,23 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
   int64_t path[kMaxTreeNodes], emitted[kMaxTreeNodes];
   path[0] = 0;
   bool valid = true;
+  const Processing& pr = *io.proc;
+  int64_t path_tokens[kMaxTreeNodes];
   while (true) {
-    const T* row = logits + b * s0 + node * s1;
+    const T* raw = logits + b * s0 + node * s1;
     int64_t argmax = 0;
-    if (!scan_logits(row, V, &argmax)) {
+    if (!scan_logits(raw, V, &argmax)) {
       valid = false;
       break;
+    }
+    if (pr.active) {  // this node's processed logits replace the raw ones from here on
+      for (int64_t k = 1; k <= n_acc; ++k) path_tokens[k - 1] = io.tokens[path[k]];
+      const int32_t* mask_row = pr.bitmask != nullptr ? pr.bitmask + node * pr.words : nullptr;
+      process_node(raw, V, pr, mask_row, path_tokens, n_acc, w.y.data());
+      if (!scan_logits(w.y.data(), V, &argmax)) {
+        valid = false;
+        break;
+      }
     }
     if (greedy) {
       int64_t next = -1;
@@ -269,7 +348,11 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
       node = next;
       continue;
     }
-    target_probs(row, V, s, w);
+    if (pr.active) {
+      target_probs(w.y.data(), V, s, w);
+    } else {
+      target_probs(raw, V, s, w);
+    }
     double* p = w.p.data();
     bool has_children = false;
     for (int64_t c = node + 1; c < io.num_real; ++c) has_children = has_children || io.parents[c] == node;
@@ -341,7 +424,7 @@ double real_at(const at::Tensor& t, int64_t b) {
 
 // Each row's sampling parameters from the checked tensors; raises on a bad value, naming the row.
 std::vector<Sampling> row_sampling(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                                   int64_t B) {
+                                   const std::optional<at::Tensor>& min_p, int64_t B) {
   std::vector<Sampling> rows(static_cast<size_t>(B));
   const int64_t* k = top_k.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -355,6 +438,55 @@ std::vector<Sampling> row_sampling(const at::Tensor& temperature, const at::Tens
     TORCH_CHECK(s.top_k >= 0, "verify: top_k must be >= 0 (0 disables top-k), got ", s.top_k, " at top_k[", b, "]");
     TORCH_CHECK(s.top_p > 0.0 && s.top_p <= 1.0, "verify: top_p must be in (0, 1] (1 disables top-p), got ", s.top_p,
                 " at top_p[", b, "]");
+    s.min_p = min_p.has_value() ? real_at(*min_p, b) : 0.0;
+    TORCH_CHECK(s.min_p >= 0.0 && s.min_p <= 1.0, "verify: min_p must be in [0, 1] (0 = off), got ", s.min_p,
+                " at min_p[", b, "]");
+  }
+  return rows;
+}
+
+// Each row's logit processing from the checked tensors (contiguous, kept alive by the caller);
+// raises on a bad value, naming the row (or the entry of output_counts).
+std::vector<Processing> row_processing(const at::Tensor* counts, const at::Tensor* prompt, const at::Tensor* bias,
+                                       const at::Tensor* bitmask, const std::optional<at::Tensor>& presence,
+                                       const std::optional<at::Tensor>& frequency,
+                                       const std::optional<at::Tensor>& repetition, int64_t B, int64_t N, int64_t V) {
+  std::vector<Processing> rows(static_cast<size_t>(B));
+  const int64_t W = (V + 31) / 32;
+  for (int64_t b = 0; b < B; ++b) {
+    Processing& pr = rows[static_cast<size_t>(b)];
+    if (counts != nullptr) {
+      pr.counts = counts->data_ptr<int32_t>() + b * V;
+      for (int64_t v = 0; v < V; ++v)
+        TORCH_CHECK(pr.counts[v] >= 0, "verify: output_counts must be >= 0 (how often each token was generated), got ",
+                    pr.counts[v], " at output_counts[", b, ", ", v, "]");
+    }
+    if (prompt != nullptr) pr.prompt = prompt->data_ptr<bool>() + b * V;
+    if (bias != nullptr) pr.bias = bias->data_ptr<float>() + b * V;
+    if (bitmask != nullptr) {
+      pr.bitmask = bitmask->data_ptr<int32_t>() + b * N * W;
+      pr.words = W;
+    }
+    if (presence.has_value()) {
+      const double p = real_at(*presence, b);
+      TORCH_CHECK(p >= -2.0 && p <= 2.0, "verify: presence_penalty must be in [-2, 2] (0 = off), got ", p,
+                  " at presence_penalty[", b, "]");
+      pr.presence = static_cast<float>(p);
+    }
+    if (frequency.has_value()) {
+      const double f = real_at(*frequency, b);
+      TORCH_CHECK(f >= -2.0 && f <= 2.0, "verify: frequency_penalty must be in [-2, 2] (0 = off), got ", f,
+                  " at frequency_penalty[", b, "]");
+      pr.frequency = static_cast<float>(f);
+    }
+    if (repetition.has_value()) {
+      const double r = real_at(*repetition, b);
+      TORCH_CHECK(std::isfinite(r) && r > 0.0, "verify: repetition_penalty must be a finite number > 0 (1 = off), got ",
+                  r, " at repetition_penalty[", b, "]");
+      pr.repetition = static_cast<float>(r);
+    }
+    pr.active = pr.bias != nullptr || pr.bitmask != nullptr || pr.presence != 0.0f || pr.frequency != 0.0f ||
+                pr.repetition != 1.0f;
   }
   return rows;
 }
@@ -362,10 +494,16 @@ std::vector<Sampling> row_sampling(const at::Tensor& temperature, const at::Tens
 void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
                 const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
                 const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
+                const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids,
+                const std::optional<at::Tensor>& output_counts, const std::optional<at::Tensor>& prompt_mask,
+                const std::optional<at::Tensor>& presence_penalty, const std::optional<at::Tensor>& frequency_penalty,
+                const std::optional<at::Tensor>& repetition_penalty, const std::optional<at::Tensor>& logit_bias,
+                const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& token_bitmask) {
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
                                          temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
                                          c10::DeviceType::CPU);
+  check_verify_processing(d, target_logits_in, output_counts, prompt_mask, presence_penalty, frequency_penalty,
+                          repetition_penalty, logit_bias, min_p, token_bitmask);
   const int64_t B = d.B, N = d.N, V = d.V;
   if (B == 0) return;
   // Rows only need a contiguous vocab dim; other strides are used as given.
@@ -397,7 +535,17 @@ void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in
     }
     num_real[static_cast<size_t>(b)] = first_pad;
   }
-  const std::vector<Sampling> rows = row_sampling(temperature, top_k, top_p, B);
+  const std::vector<Sampling> rows = row_sampling(temperature, top_k, top_p, min_p, B);
+  // Logit processing: contiguous copies only where the caller's tensors are not (the usual case: none).
+  at::Tensor counts_c, prompt_c, bias_c, bitmask_c;
+  if (output_counts.has_value()) counts_c = output_counts->contiguous();
+  if (prompt_mask.has_value()) prompt_c = prompt_mask->contiguous();
+  if (logit_bias.has_value()) bias_c = logit_bias->contiguous();
+  if (token_bitmask.has_value()) bitmask_c = token_bitmask->contiguous();
+  const std::vector<Processing> procs = row_processing(
+      counts_c.defined() ? &counts_c : nullptr, prompt_c.defined() ? &prompt_c : nullptr,
+      bias_c.defined() ? &bias_c : nullptr, bitmask_c.defined() ? &bitmask_c : nullptr, presence_penalty,
+      frequency_penalty, repetition_penalty, B, N, V);
   const float* uni = uniform.data_ptr<float>();
   int64_t* alen = accept_len.data_ptr<int64_t>();
   int64_t* aidx = accept_index.data_ptr<int64_t>();
@@ -412,9 +560,11 @@ void verify_cpu(const at::Tensor& target_logits_in, const at::Tensor& parents_in
       static thread_local Scratch w;
       for (int64_t b = begin; b < end; ++b) {
         const Sampling& s = rows[static_cast<size_t>(b)];
+        const Processing& pr = procs[static_cast<size_t>(b)];
         const bool greedy = s.temperature == 0.0;
         if (!greedy) w.reserve(V, s.top_k > 0 || s.top_p < 1.0, dp != nullptr);
-        const RowIO io{par + b * N, tok + b * N, uni + b * N, num_real[static_cast<size_t>(b)], alen + b,
+        if (pr.active) w.reserve_processed(V);
+        const RowIO io{&pr, par + b * N, tok + b * N, uni + b * N, num_real[static_cast<size_t>(b)], alen + b,
                        aidx + b * N, out + b * N};
         verify_row(logits, s0, s1, dp, b, N, V, greedy, s, io, w);
       }

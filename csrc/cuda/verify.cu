@@ -31,6 +31,17 @@
 // invalid, as the host cannot be told without a sync. Draft id -1 marks a padding node: it must come
 // after the row's real nodes (else the row is invalid) and is never a child (the child loops stop at
 // the row's first padding node), so a padded row gives what it gives alone.
+//
+// Logit processing (optional; reference.verify): a row with a logit bias, penalties or a token
+// bitmask writes each visited node's processed logits to a float32 workspace row [V] (one pass:
+// bias, repetition, frequency, presence with the committed counts, then the node's bitmask; then the
+// path's distinct tokens again with their path counts added, one thread each), and the node's steps
+// below read that row instead of the raw logits (the chunk pass, computed on raw logits, is not used
+// for such rows). The arithmetic is the reference's, one rounding per operation (no FMA), so the
+// processed logits equal the CPU kernel's. min_p (after temperature, before top-k): a token is
+// dropped when expf(x - x_max) / sum < min_p * (1 / sum), the float32 probabilities of this kernel's
+// own softmax; a bad penalty or min_p marks the row invalid. output_counts are taken as given (the
+// CPU kernel raises on a negative count).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -79,7 +90,43 @@ struct VerifyParams {
   int64_t V;
   const NodeStats* stats;  // [B, N, splits] from verify_stats_kernel, or nullptr: scan here
   int splits;
+  // logit processing (each nullptr when not given)
+  const int32_t* counts;        // output_counts [B, V] contiguous
+  const bool* prompt;           // prompt_mask [B, V]
+  const float* bias;            // logit_bias [B, V]
+  const int32_t* bitmask;       // token_bitmask [B, N, words]
+  int64_t words;
+  const void* presence;         // [B] float32 / float64 (presence_f64), or nullptr
+  const void* frequency;
+  const void* repetition;
+  const void* min_p;
+  bool presence_f64, frequency_f64, repetition_f64, min_p_f64;
+  float* processed;             // workspace [B, V] for the processed logits, or nullptr (no processing)
 };
+
+// One row's logit processing.
+struct RowProcessing {
+  const int32_t* counts;  // [V] or nullptr
+  const bool* prompt;
+  const float* bias;
+  const int32_t* bitmask;  // the row's [N, words]
+  float presence, frequency, repetition;
+};
+
+// reference.process_logits for one token with output count c, one rounding per operation.
+__device__ __forceinline__ float process_one(float x, int64_t v, int64_t c, const RowProcessing& pr,
+                                             const int32_t* mask_row) {
+  if (pr.bias != nullptr) x = add_rn(x, pr.bias[v]);
+  if (pr.repetition != 1.0f && (c > 0 || (pr.prompt != nullptr && pr.prompt[v])))
+    x = x > 0.0f ? x / pr.repetition : mul_rn(x, pr.repetition);
+  if (c > 0) {
+    if (pr.frequency != 0.0f) x = add_rn(x, -mul_rn(pr.frequency, static_cast<float>(c)));
+    if (pr.presence != 0.0f) x = add_rn(x, -pr.presence);
+  }
+  if (mask_row != nullptr && !((static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31)) & 1u))
+    x = -__uint_as_float(0x7f800000u);
+  return x;
+}
 
 // Large vocabularies: node (b, n) = blockIdx.x, chunk = blockIdx.y of `chunk` logits. Each thread
 // loads kStatsItems values before comparing any (the loads are independent: many in flight).
@@ -135,10 +182,14 @@ __global__ void __launch_bounds__(kStatsThreads) verify_stats_kernel(const Stats
 // The target distribution at the current node, p = logits_to_probs(row), after the rejections of
 // the node's first `rejected` children: enough to recompute p(i) and q(i) for any i.
 struct NodeDist {
-  const void* row;      // target logits [V]
+  const void* row;      // target logits [V] (or the processed row)
+  int type;             // row's FloatType
   const void* q_row;    // draft_probs [V], or nullptr (point masses)
   float temperature;    // the row's (> 0)
   float x_max;          // max of x = row / temperature
+  bool min_p;           // min_p in force: a token is dropped when expf(x - x_max) * inv_sum0 < min_p_threshold
+  float inv_sum0;       // 1 / softmax sum over every token (min_p)
+  float min_p_threshold;
   float kth;            // top-k threshold on x (-inf: none)
   float inv_sum1;       // 1 / first softmax sum (top-p)
   float min_kept;       // top-p threshold on the first softmax probabilities
@@ -172,8 +223,15 @@ struct VerifySmem {
   NodeDist dist;
 };
 
-__device__ __forceinline__ float scaled_logit(const VerifyParams& P, const void* row, int64_t i, float temperature) {
-  return load_float(row, i, P.logits_type) / temperature;
+__device__ __forceinline__ float scaled_logit(const void* row, int type, int64_t i, float temperature) {
+  return load_float(row, i, type) / temperature;
+}
+
+// x = logits / temperature after min_p (-inf for a token min_p drops): top-k's input.
+__device__ __forceinline__ float filtered_x(const NodeDist& d, int64_t i) {
+  const float x = scaled_logit(d.row, d.type, i, d.temperature);
+  if (d.min_p && !(expf(x - d.x_max) * d.inv_sum0 >= d.min_p_threshold)) return -__uint_as_float(0x7f800000u);
+  return x;
 }
 
 // Row b of a float32 or float64 [B] tensor, exactly.
@@ -183,13 +241,13 @@ __device__ __forceinline__ double load_real(const void* base, int64_t b, bool f6
 
 // First softmax (before top-p) of the top-k-kept logits, as float32: top-p's input.
 __device__ __forceinline__ float first_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
-  const float x = scaled_logit(P, d.row, i, d.temperature);
+  const float x = filtered_x(d, i);
   return x >= d.kth ? expf(x - d.x_max) * d.inv_sum1 : 0.0f;
 }
 
 // p(i) before any rejection: logits_to_probs rounded to float32, as float64.
 __device__ __forceinline__ double base_prob(const VerifyParams& P, const NodeDist& d, int64_t i) {
-  const float x = scaled_logit(P, d.row, i, d.temperature);
+  const float x = filtered_x(d, i);
   if (!(x >= d.kth)) return 0.0;
   const float e = expf(x - d.x_max);
   if (d.top_p && !(e * d.inv_sum1 >= d.min_kept)) return 0.0;
@@ -220,8 +278,7 @@ __device__ __forceinline__ double current_p(const VerifyParams& P, const NodeDis
 
 // Key of the k-th largest x = logits / temperature (1 <= k < V): a 4-bit radix descent from the
 // most significant digit, counting the elements under the current prefix per digit.
-__device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, float temperature, int64_t k,
-                                    VerifySmem& sm) {
+__device__ uint32_t kth_largest_key(const VerifyParams& P, const NodeDist& dist, int64_t k, VerifySmem& sm) {
   uint32_t prefix = 0, mask = 0;
   int64_t need = k;
   for (int shift = 28; shift >= 0; shift -= 4) {
@@ -229,7 +286,7 @@ __device__ uint32_t kth_largest_key(const VerifyParams& P, const void* row, floa
 #pragma unroll
     for (int j = 0; j < 16; ++j) bins[j] = 0;
     for (int64_t i = threadIdx.x; i < P.V; i += blockDim.x) {
-      const uint32_t key = ordered_key(scaled_logit(P, row, i, temperature));
+      const uint32_t key = ordered_key(filtered_x(dist, i));
       if ((key & mask) == prefix) {
         const uint32_t d = (key >> shift) & 15u;
 #pragma unroll
@@ -364,11 +421,29 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
   const double top_p = load_real(P.top_p, b, P.top_p_f64);
   const bool greedy = temperature_d == 0.0;
   const float temperature = static_cast<float>(temperature_d);
+  // The row's logit processing (every thread reads the same values).
+  const double presence_d = P.presence != nullptr ? load_real(P.presence, b, P.presence_f64) : 0.0;
+  const double frequency_d = P.frequency != nullptr ? load_real(P.frequency, b, P.frequency_f64) : 0.0;
+  const double repetition_d = P.repetition != nullptr ? load_real(P.repetition, b, P.repetition_f64) : 1.0;
+  const double min_p = P.min_p != nullptr ? load_real(P.min_p, b, P.min_p_f64) : 0.0;
+  RowProcessing pr;
+  pr.counts = P.counts != nullptr ? P.counts + b * V : nullptr;
+  pr.prompt = P.prompt != nullptr ? P.prompt + b * V : nullptr;
+  pr.bias = P.bias != nullptr ? P.bias + b * V : nullptr;
+  pr.bitmask = P.bitmask != nullptr ? P.bitmask + b * N * P.words : nullptr;
+  pr.presence = static_cast<float>(presence_d);
+  pr.frequency = static_cast<float>(frequency_d);
+  pr.repetition = static_cast<float>(repetition_d);
+  const bool active = P.processed != nullptr && (pr.bias != nullptr || pr.bitmask != nullptr || pr.presence != 0.0f ||
+                                                 pr.frequency != 0.0f || pr.repetition != 1.0f);
+  float* processed = P.processed != nullptr ? P.processed + b * V : nullptr;
   __syncthreads();
   if (tid == 0) {  // a row with a bad parent, token id or parameter is invalid: nothing is read out of bounds
     const double kInfD = static_cast<double>(__uint_as_float(0x7f800000u));
     bool ok = sm.parents[0] == -1;
     ok = ok && temperature_d >= 0.0 && temperature_d < kInfD && top_k >= 0 && top_p > 0.0 && top_p <= 1.0;
+    ok = ok && presence_d >= -2.0 && presence_d <= 2.0 && frequency_d >= -2.0 && frequency_d <= 2.0;
+    ok = ok && repetition_d > 0.0 && repetition_d < kInfD && min_p >= 0.0 && min_p <= 1.0;
     int num_real = N;  // draft ids: a token in [0, V) or -1 (padding), the padding after the real nodes
     for (int i = 1; i < N; ++i) {
       ok = ok && sm.parents[i] >= 0 && sm.parents[i] < i;
@@ -395,17 +470,43 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
   bool valid = true;
   while (true) {
     const void* row = static_cast<const char*>(P.logits) + (b * P.logits_s0 + node * P.logits_s1) * elsize;
+    int row_type = P.logits_type;
     // 1. validity, max and argmax
     int flags = 0;  // bit 0: a NaN or +inf; bit 1: a value other than -inf
     ArgMax best{-kInf, V};
-    if (P.stats != nullptr) {  // the chunks' results from verify_stats_kernel
+    if (active) {
+      // 0. the node's processed logits: every token with its committed count, then each distinct
+      // token on the path (root excluded, node included) with its path occurrences added.
+      __syncthreads();  // sm.path is complete; the previous node is done with the workspace row
+      const int32_t* mask_row = pr.bitmask != nullptr ? pr.bitmask + node * P.words : nullptr;
+      for (int64_t i = tid; i < V; i += blockDim.x) {
+        const float raw = load_float(row, i, row_type);
+        if (isnan(raw) || raw == kInf) flags |= 1;  // raw logits that are not valid make the node invalid
+        processed[i] = process_one(raw, i, pr.counts != nullptr ? pr.counts[i] : 0, pr, mask_row);
+      }
+      __syncthreads();
+      for (int k = 1 + tid; k <= n_acc; k += blockDim.x) {
+        const int64_t t = sm.tokens[sm.path[k]];
+        bool first = true;
+        for (int j = 1; j < k && first; ++j) first = sm.tokens[sm.path[j]] != t;
+        if (!first) continue;
+        int64_t extra = 0;
+        for (int j = k; j <= n_acc; ++j) extra += sm.tokens[sm.path[j]] == t;
+        const int64_t c = (pr.counts != nullptr ? pr.counts[t] : 0) + extra;
+        processed[t] = process_one(load_float(row, t, row_type), t, c, pr, mask_row);
+      }
+      __syncthreads();
+      row = processed;
+      row_type = kF32;
+      for (int64_t i = tid; i < V; i += blockDim.x) stats_update(processed[i], i, flags, best);
+    } else if (P.stats != nullptr) {  // the chunks' results from verify_stats_kernel
       const NodeStats* st = P.stats + (b * N + node) * P.splits;
       for (int j = tid; j < P.splits; j += blockDim.x) {
         flags |= st[j].flags;
         best = argmax_op(best, ArgMax{st[j].value, st[j].index});
       }
     } else {
-      for (int64_t i = tid; i < V; i += blockDim.x) stats_update(load_float(row, i, P.logits_type), i, flags, best);
+      for (int64_t i = tid; i < V; i += blockDim.x) stats_update(load_float(row, i, row_type), i, flags, best);
     }
     flags = block_reduce(flags, Or(), sm.red_i);
     best = block_argmax(best, sm.red_am);
@@ -434,37 +535,52 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     // 3. sampling: p = logits_to_probs(row, temperature, top_k, top_p). Every thread holds the
     // same node state; thread 0 publishes it to shared memory for the per-element functions.
     const float x_max = best.value / temperature;  // division by t > 0 preserves the order
-    float kth = -kInf;
-    if (top_k > 0 && top_k < V) kth = key_to_float(kth_largest_key(P, row, temperature, top_k, sm));
-    double sum = 0.0;
-    for (int64_t i = tid; i < V; i += blockDim.x) {
-      const float x = scaled_logit(P, row, i, temperature);
-      if (x >= kth) sum += expf(x - x_max);
+    float inv_sum0 = 0.0f;
+    if (min_p > 0.0) {  // min_p: the softmax over every token first
+      double sum0 = 0.0;
+      for (int64_t i = tid; i < V; i += blockDim.x) sum0 += expf(scaled_logit(row, row_type, i, temperature) - x_max);
+      inv_sum0 = 1.0f / static_cast<float>(block_reduce(sum0, Sum(), sm.red_d));
     }
-    sum = block_reduce(sum, Sum(), sm.red_d);
-    const bool use_top_p = top_p < 1.0;
     const void* q_row = nullptr;
     if (P.draft_probs != nullptr)
       q_row = static_cast<const char*>(P.draft_probs) + (b * P.draft_s0 + node * P.draft_s1) * q_elsize;
     __syncthreads();  // every thread is done with the previous node's state
     if (tid == 0) {
       dist.row = row;
+      dist.type = row_type;
       dist.q_row = q_row;
       dist.temperature = temperature;
       dist.x_max = x_max;
+      dist.min_p = min_p > 0.0;
+      dist.inv_sum0 = inv_sum0;
+      dist.min_p_threshold = mul_rn(inv_sum0, static_cast<float>(min_p));  // min_p x the largest probability
+      dist.kth = -kInf;
+      dist.rejected = 0;
+    }
+    __syncthreads();
+    float kth = -kInf;
+    if (top_k > 0 && top_k < V) kth = key_to_float(kth_largest_key(P, dist, top_k, sm));
+    double sum = 0.0;
+    for (int64_t i = tid; i < V; i += blockDim.x) {
+      const float x = filtered_x(dist, i);
+      if (x >= kth) sum += expf(x - x_max);
+    }
+    sum = block_reduce(sum, Sum(), sm.red_d);
+    const bool use_top_p = top_p < 1.0;
+    __syncthreads();
+    if (tid == 0) {
       dist.kth = kth;
       dist.inv_sum1 = 1.0f / static_cast<float>(sum);
       dist.min_kept = 0.0f;
       dist.inv_sum = dist.inv_sum1;
       dist.top_p = false;
-      dist.rejected = 0;
     }
     __syncthreads();
     if (use_top_p) {
       const float min_kept = top_p_min_kept(P, dist, top_p, sm);
       double kept = 0.0;
       for (int64_t i = tid; i < V; i += blockDim.x) {
-        const float x = scaled_logit(P, row, i, temperature);
+        const float x = filtered_x(dist, i);
         if (x >= kth) {
           const float e = expf(x - x_max);
           if (e * dist.inv_sum1 >= min_kept) kept += e;
@@ -568,10 +684,17 @@ int float_type(const at::Tensor& t) {
 void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_in, const at::Tensor& draft_token_ids_in,
                  const std::optional<at::Tensor>& draft_probs_in, const at::Tensor& uniform_in,
                  const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
-                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids) {
+                 const at::Tensor& accept_len, const at::Tensor& accept_index, const at::Tensor& output_token_ids,
+                 const std::optional<at::Tensor>& output_counts, const std::optional<at::Tensor>& prompt_mask,
+                 const std::optional<at::Tensor>& presence_penalty, const std::optional<at::Tensor>& frequency_penalty,
+                 const std::optional<at::Tensor>& repetition_penalty, const std::optional<at::Tensor>& logit_bias,
+                 const std::optional<at::Tensor>& min_p, const std::optional<at::Tensor>& token_bitmask) {
   const VerifyDims d = check_verify_args(target_logits_in, parents_in, draft_token_ids_in, draft_probs_in, uniform_in,
                                          temperature_in, top_k_in, top_p_in, accept_len, accept_index,
                                          output_token_ids, TS_KERNEL_DEVICE);
+  check_verify_processing(d, target_logits_in, output_counts, prompt_mask, presence_penalty, frequency_penalty,
+                          repetition_penalty, logit_bias, min_p, token_bitmask);
+
   if (d.B == 0) return;
   TS_DEVICE_GUARD(target_logits_in);
   // Inputs are used in place when they already have the layout the kernel reads (the usual case).
@@ -607,6 +730,34 @@ void verify_cuda(const at::Tensor& target_logits_in, const at::Tensor& parents_i
   P.top_p_f64 = top_p.scalar_type() == c10::kDouble;
   P.N = static_cast<int>(d.N);
   P.V = d.V;
+  // Logit processing: the tensors as given when contiguous (the usual case), a workspace row per batch
+  // row for the processed logits (from the caching allocator, as the chunk pass's; capture-safe).
+  at::Tensor counts, prompt, bias, bitmask, presence, frequency, repetition, min_p_t, processed;
+  if (output_counts.has_value()) counts = output_counts->contiguous();
+  if (prompt_mask.has_value()) prompt = prompt_mask->contiguous();
+  if (logit_bias.has_value()) bias = logit_bias->contiguous();
+  if (token_bitmask.has_value()) bitmask = token_bitmask->contiguous();
+  if (presence_penalty.has_value()) presence = presence_penalty->contiguous();
+  if (frequency_penalty.has_value()) frequency = frequency_penalty->contiguous();
+  if (repetition_penalty.has_value()) repetition = repetition_penalty->contiguous();
+  if (min_p.has_value()) min_p_t = min_p->contiguous();
+  P.counts = counts.defined() ? counts.data_ptr<int32_t>() : nullptr;
+  P.prompt = prompt.defined() ? prompt.data_ptr<bool>() : nullptr;
+  P.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  P.bitmask = bitmask.defined() ? bitmask.data_ptr<int32_t>() : nullptr;
+  P.words = (d.V + 31) / 32;
+  P.presence = presence.defined() ? presence.data_ptr() : nullptr;
+  P.presence_f64 = presence.defined() && presence.scalar_type() == c10::kDouble;
+  P.frequency = frequency.defined() ? frequency.data_ptr() : nullptr;
+  P.frequency_f64 = frequency.defined() && frequency.scalar_type() == c10::kDouble;
+  P.repetition = repetition.defined() ? repetition.data_ptr() : nullptr;
+  P.repetition_f64 = repetition.defined() && repetition.scalar_type() == c10::kDouble;
+  P.min_p = min_p_t.defined() ? min_p_t.data_ptr() : nullptr;
+  P.min_p_f64 = min_p_t.defined() && min_p_t.scalar_type() == c10::kDouble;
+  if (bias.defined() || bitmask.defined() || presence.defined() || frequency.defined() || repetition.defined()) {
+    processed = at::empty({d.B, d.V}, logits.options().dtype(at::kFloat));
+    P.processed = processed.data_ptr<float>();
+  }
   // Large vocabularies: every node's validity / max / argmax first, over the whole GPU.
   bool by_chunks = d.V >= kStatsMinVocab;
   int stats_threads = kStatsThreads;

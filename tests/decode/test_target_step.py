@@ -29,7 +29,8 @@ class Row:
 
     def __init__(self, tokens, cache_len, draft=None):
         self.tokens, self.cache_len, self.draft = list(tokens), cache_len, draft
-        self.params, self.logprobs = SamplingParams(), None
+        self.ids = list(tokens)
+        self.params, self.logprobs, self.constraint = SamplingParams(), None, None
 
     def uniform(self):
         return torch.zeros(1 + (0 if self.draft is None else len(self.draft)))

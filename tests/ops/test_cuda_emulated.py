@@ -39,18 +39,27 @@ def emu():
                 extra_cflags=["-O1", "-std=c++20"], verbose=False)
 
 
-def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p, chunk=-1):
+PROCESSING_ARGS = ("output_counts", "prompt_mask", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "logit_bias", "min_p", "token_bitmask")
+
+
+def verify_emu(emu, threads, logits, parents, tokens, draft_probs, uniform, temperature, top_k, top_p, chunk=-1,
+               **processing):
     """The CUDA entry point on the emulator; Python numbers are broadcast to the op's per-row tensors
     (float64 / int64 / float64) as the wrapper does. ``chunk``: -1 the real choice (no chunk pass below
-    8192 logits), 0 none, > 0 verify_stats_kernel with chunks of that many logits."""
+    8192 logits), 0 none, > 0 verify_stats_kernel with chunks of that many logits. ``processing``:
+    verify's optional logit-processing arguments (numbers broadcast to float64 [B])."""
     bsz, n = parents.shape
     outs = (torch.empty(bsz, dtype=torch.int64), torch.empty(bsz, n, dtype=torch.int64),
             torch.empty(bsz, n, dtype=torch.int64))
     params = [v if isinstance(v, torch.Tensor) else torch.full((bsz,), v, dtype=dtype)
               for v, dtype in ((temperature, torch.float64), (top_k, torch.int64), (top_p, torch.float64))]
+    extra = [processing.get(name) for name in PROCESSING_ARGS]
+    extra = [v if v is None or isinstance(v, torch.Tensor) else torch.full((bsz,), float(v), dtype=torch.float64)
+             for v in extra]
     emu.set_block_threads(threads)
     emu.set_verify_chunk(chunk)
-    emu.verify(logits, parents, tokens, draft_probs, uniform, *params, *outs)
+    emu.verify(logits, parents, tokens, draft_probs, uniform, *params, *outs, *extra)
     return outs
 
 
@@ -407,3 +416,58 @@ def test_rope_cache_emulated(emu, dtype):
     q = qkv.new_empty(bsz, n, heads, d)
     emu.rope_cache(qkv, cos, sin, cache_len, heads, q, kc, vc)
     assert torch.equal(q, ref_q) and torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+# ----------------------------------------------------------------------------------------------
+# verify's logit processing (test_verify_processing.py: the same on the CPU kernel)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("features", [["presence", "frequency", "repetition"], ["logit_bias", "bitmask"], ["min_p"],
+                                      ["presence", "frequency", "repetition", "logit_bias", "min_p", "bitmask"]],
+                         ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+@pytest.mark.parametrize("chunk", [0, 64], ids=["scan", "chunk64"])
+def test_verify_processing(emu, features, with_q, chunk):
+    """Random trees, rows greedy (0) and sampled with top-k (2) / top-p (1), a neutral row (3): the
+    emulated kernel (processed rows never use the chunk pass; the neutral row does) == reference."""
+    from test_verify_processing import random_processing
+    changed = 0
+    for trial, (bsz, n, vocab, kind, threads) in enumerate([(4, 7, 50, "random", 32), (4, 10, 300, "wide", 64)]):
+        seed = 60 + trial + 7 * len(features)
+        inputs = make_verify_inputs(bsz, n, vocab, kind, with_q, 1.0, 0, 1.0, seed=seed, boost=2.0)
+        temperature = torch.tensor([0.0, 0.9, 1.1, 0.8], dtype=torch.float64)
+        top_k, top_p = torch.tensor([0, 0, 15, 0]), torch.tensor([1.0, 0.85, 1.0, 1.0], dtype=torch.float64)
+        kw = random_processing(bsz, n, vocab, features, gen(seed), neutral_rows=(3,))
+        out = verify_emu(emu, threads, *inputs, temperature, top_k, top_p, chunk=chunk, **kw)
+        ref = reference.verify(*inputs, temperature, top_k, top_p, **kw)
+        assert_same(out, ref, f"({features}, V={vocab})")
+        plain = reference.verify(*inputs, temperature, top_k, top_p)
+        changed += sum(not torch.equal(a, p) for a, p in zip(ref, plain))
+    assert changed > 0
+
+
+def test_verify_processing_path_counts_and_invalid_rows(emu):
+    """Paths that repeat tokens (the path fix-up, one thread per path entry), a bitmask allowing nothing
+    at a visited node (row invalid), a bad per-row value (row invalid, no exception)."""
+    from test_verify_processing import random_processing
+    bsz, n, vocab = 4, 12, 40
+    g = gen(8)
+    logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "chain", False, 1.0, 0, 1.0, seed=8)
+    tokens[:, 1:] = torch.randint(0, 3, (bsz, n - 1), generator=g)
+    row_max = logits.amax(-1)
+    for b in range(bsz):
+        for i in range(1, n):
+            logits[b, i - 1, int(tokens[b, i])] = row_max[b, i - 1] + 6.0
+    kw = random_processing(bsz, n, vocab, ["presence", "frequency", "repetition", "bitmask"], g, strength=0.4)
+    kw["token_bitmask"][:, :, :] = -1
+    kw["token_bitmask"][2, 3] = 0           # row 2: node 3 allows nothing
+    for temperature in (0.0, 1.0):
+        ref = reference.verify(logits, parents, tokens, None, uniform, temperature, 0, 1.0, **kw)
+        assert int(ref[0].max()) >= 2 and int(ref[0][2]) == -1  # deep paths; row 2 reaches node 3
+        assert_same(verify_emu(emu, 32, logits, parents, tokens, None, uniform, temperature, 0, 1.0, **kw), ref)
+    bad = dict(kw, presence_penalty=torch.tensor([0.5, 3.0, 0.5, 0.5], dtype=torch.float64))
+    out = verify_emu(emu, 32, logits, parents, tokens, None, uniform, 1.0, 0, 1.0, **bad)
+    assert int(out[0][1]) == -1 and (out[2][1] == -1).all()
+    good = [0, 3]
+    ref = reference.verify(logits[good], parents[good], tokens[good], None, uniform[good], 1.0, 0, 1.0,
+                           **{k: v[good] for k, v in bad.items()})
+    assert_same([o[good] for o in out], ref)

@@ -522,3 +522,124 @@ def test_greedy_tree_takes_matching_sibling(device):
     assert accept_len.cpu().tolist() == [2]
     assert accept_index.cpu()[0].tolist() == [0, 2, 5, -1, -1, -1, -1]
     assert out.cpu()[0].tolist() == [am[0], am[2], am[5], -1, -1, -1, -1]
+
+
+# ----------------------------------------------------------------------------------------------
+# logit processing: penalties counted per path token (and bias, min_p, a per-node bitmask)
+# ----------------------------------------------------------------------------------------------
+class ProcessedCase:
+    """A ``Case`` whose target is processed (``reference.verify``): the request has generated
+    ``base`` tokens (the root token among them) and has a prompt; presence / frequency / repetition
+    penalties (``"penalties"``), plus a logit bias, min_p and an allowed-token bitmask that depends on
+    a node's depth and token, as a grammar's state would (``"all"``). The expected distribution of
+    the token after the prefix t_0 .. t_{j-1} is the processed target at depth j holding t_{j-1},
+    with counts ``base`` + the prefix's tokens: it depends on the whole prefix."""
+
+    def __init__(self, tree: str, draft_mode: str, features: str, bsz: int, seed: int):
+        from turbospec.ops import reference
+        self.reference = reference
+        self.case = Case(tree, draft_mode, 1.0, 0, 1.0, bsz, seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        v, c = VOCAB, self.case
+        self.base = (torch.randint(0, 3, (v,), generator=g) * (torch.rand(v, generator=g) < 0.4)).to(torch.int32)
+        self.base[ROOT_TOKEN] += 1
+        self.prompt = torch.rand(v, generator=g) < 0.3
+        self.presence, self.frequency, self.repetition = 1.0, 0.7, 1.4
+        self.bias = torch.zeros(v)
+        self.min_p = 0.0
+        self.allowed = torch.ones(c.max_depth + 1, v, v, dtype=torch.bool)
+        if features == "all":
+            self.bias = torch.randn(v, generator=g)
+            self.min_p = 0.03
+            self.allowed = torch.rand(c.max_depth + 1, v, v, generator=g) < 0.7
+            self.allowed.scatter_(2, c.LT.argmax(-1, keepdim=True), True)  # never nothing
+        depth = torch.tensor(c.depth)
+        self.kw = dict(output_counts=self.base.expand(bsz, v).contiguous(),
+                       prompt_mask=self.prompt.expand(bsz, v).contiguous(),
+                       presence_penalty=self.presence, frequency_penalty=self.frequency,
+                       repetition_penalty=self.repetition, logit_bias=self.bias.expand(bsz, v).contiguous(),
+                       min_p=self.min_p,
+                       token_bitmask=reference.pack_token_bitmask(self.allowed[depth[None, :], c.draft_token_ids]))
+
+    def processed(self, logits, counts, allowed):
+        r = self.reference
+        rows = logits.shape[0]
+        return r.process_logits(logits, counts, self.prompt.expand(rows, VOCAB), torch.full((rows,), self.presence),
+                                torch.full((rows,), self.frequency), torch.full((rows,), self.repetition),
+                                self.bias.expand(rows, VOCAB), allowed)
+
+    def target_probs(self, prefix: list[int]) -> torch.Tensor:
+        j = len(prefix)
+        last = prefix[-1] if prefix else ROOT_TOKEN
+        counts = self.base.long() + torch.bincount(torch.tensor(prefix, dtype=torch.int64), minlength=VOCAB)
+        x = self.processed(self.case.LT[j, last][None], counts[None], self.allowed[j, last][None])
+        return logits_to_probs(x, 1.0, 0, 1.0, self.min_p)[0].double()
+
+    def once_per_step_logits(self) -> torch.Tensor:
+        """The bug other engines have: every node penalised with the step's committed counts only
+        (the drafts on its path not counted); bias and bitmask per node as they should be."""
+        c = self.case
+        bsz, n, v = c.target_logits.shape
+        allowed = self.reference.unpack_token_bitmask(self.kw["token_bitmask"], v)
+        return self.processed(c.target_logits.reshape(-1, v), self.base.long().expand(bsz * n, v),
+                              allowed.reshape(-1, v)).view(bsz, n, v)
+
+    def analyse(self, accept_len, out) -> tuple[dict, list[str]]:
+        """Chi-square of t0, then of t_j given the whole prefix t_0 .. t_{j-1} (j = 1, 2; groups of
+        >= MIN_GROUP_ROWS rows, statistics summed); tokens of probability 0 never emitted."""
+        pvals, violations = {}, []
+        if bool((accept_len < 0).any()):
+            return pvals, [f"{int((accept_len < 0).sum())} invalid rows"]
+        for j in range(0, min(3, self.case.max_depth + 1)):
+            live = accept_len >= j
+            prefixes = out[live, :j]
+            cur = out[live, j]
+            stat_sum, df_sum, used = 0.0, 0, 0
+            groups = torch.unique(prefixes, dim=0) if j else torch.zeros(1, 0, dtype=torch.int64)
+            for pre in groups:
+                sel = (prefixes == pre).all(-1) if j else torch.ones(cur.shape[0], dtype=torch.bool)
+                m = int(sel.sum())
+                probs = self.target_probs(pre.tolist())
+                counts = torch.bincount(cur[sel], minlength=VOCAB).double()
+                if bool((counts[probs == 0] > 0).any()):
+                    violations.append(f"position {j} after {pre.tolist()} emits a token of probability 0")
+                if m < MIN_GROUP_ROWS:
+                    continue
+                s, d = _pearson(counts, probs)
+                stat_sum, df_sum, used = stat_sum + s, df_sum + d, used + m
+            if used:
+                pvals[f"t{j}|prefix"] = (_pvalue(stat_sum, df_sum), stat_sum, df_sum, used, 0.0)
+        return pvals, violations
+
+
+PROCESSED_CASES = [("chain", "point", "penalties"), ("tree", "q", "penalties"), ("chain", "q", "all"),
+                   ("tree", "point", "all")]
+
+
+@pytest.mark.parametrize("tree,draft_mode,features", PROCESSED_CASES)
+def test_verify_with_processing_is_lossless(tree, draft_mode, features):
+    """verify with penalties (and bias, min_p, a per-node bitmask) emits tokens from the processed
+    target with the prefix's own counts, at every position; the same checks reject the
+    penalties-once-per-step bug and accept a correct independent pre-processing (controls)."""
+    if not ops.kernels_available()["cpu"]:
+        pytest.skip("needs the CPU kernel (B_KERNEL rows)")
+    seed = 777 + 10 * PROCESSED_CASES.index((tree, draft_mode, features))
+    pc = ProcessedCase(tree, draft_mode, features, B_KERNEL, seed)
+    c = pc.case
+    args = (c.target_logits, c.parents, c.draft_token_ids, c.draft_probs, c.uniform, 1.0, 0, 1.0)
+    accept_len, _, out = ops.verify(*args, **pc.kw)
+    pvals, violations = pc.analyse(accept_len, out)
+    assert not violations, violations
+    assert {"t0|prefix", "t1|prefix", "t2|prefix"} <= set(pvals), pvals
+    assert all(v[0] > ALPHA for v in pvals.values()), f"not lossless: {_describe(pvals)}"
+    assert float((accept_len >= 2).double().mean()) > 0.001  # >= 100 rows reach depth 2
+    # positive control: the reference's per-node processing done outside, the rest as plain verify
+    pre = pc.reference.verify_processed_logits(c.target_logits, c.parents, c.draft_token_ids,
+                                               **{k: v for k, v in pc.kw.items() if k != "min_p"})
+    accept_len, _, out = ops.verify(pre, *args[1:], min_p=pc.min_p)
+    pvals, violations = pc.analyse(accept_len, out)
+    assert not violations and all(v[0] > ALPHA for v in pvals.values()), _describe(pvals)
+    # negative control: penalties counted once per step (the path's drafts not counted)
+    accept_len, _, out = ops.verify(pc.once_per_step_logits(), *args[1:], min_p=pc.min_p)
+    pvals, _ = pc.analyse(accept_len, out)
+    assert min(v[0] for v in pvals.values()) <= ALPHA, f"no power against once-per-step penalties: {_describe(pvals)}"

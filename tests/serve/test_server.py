@@ -292,19 +292,24 @@ def test_disconnect_mid_stream_frees_the_slot(server, client, engine):
     ({"model": MODEL, "prompt": "w5", "logprobs": True}, "logprobs"),
     ({"model": MODEL, "prompt": "w5", "logprobs": 1.5}, "logprobs"),
     ({"model": MODEL, "prompt": "w5", "top_logprobs": 2}, "top_logprobs"),  # chat's (completions: logprobs=k)
-    # implemented nowhere yet: refused, never silently ignored
-    ({"model": MODEL, "prompt": "w5", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"model": MODEL, "prompt": "w5", "presence_penalty": -1}, "presence_penalty"),
-    ({"model": MODEL, "prompt": "w5", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"model": MODEL, "prompt": "w5", "min_p": 0.1}, "min_p"),
-    ({"model": MODEL, "prompt": "w5", "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"model": MODEL, "prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": MODEL, "prompt": "w5", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "w5", "presence_penalty": -3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "w5", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "w5", "min_p": 1.5}, "min_p"),
+    ({"model": MODEL, "prompt": "w5", "logit_bias": {"x5": 10}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "w5", "logit_bias": {"5": 200}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "w5", "logit_bias": [5]}, "logit_bias"),
+    ({"model": MODEL, "prompt": "w5", "logit_bias": {"999": 1}}, None),  # outside the vocabulary
+    ({"model": MODEL, "prompt": "w5", "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": MODEL, "prompt": "w5", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": MODEL, "prompt": "w5", "guided_regex": 5}, "guided_regex"),
+    ({"model": MODEL, "prompt": "w5", "guided_choice": []}, "guided_choice"),
+    ({"model": MODEL, "prompt": "w5", "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
     ({"model": MODEL, "prompt": "w5", "stop_token_ids": "3"}, "stop_token_ids"),
     ({"model": MODEL, "prompt": "w5", "stop_token_ids": [3, -1]}, "stop_token_ids"),
     ({"model": MODEL, "prompt": "w5", "stop_token_ids": [999]}, None),  # outside the vocabulary
     ({"model": MODEL, "prompt": "w5", "ignore_eos": True}, "ignore_eos"),
     ({"model": MODEL, "prompt": "w5", "frequency_penalty": "0"}, "frequency_penalty"),
-    ({"model": MODEL, "prompt": "w5", "guided_json": {"type": "object"}}, "guided_json"),
     ({"model": MODEL, "prompt": "w5", "max_completion_tokens": 5}, "max_completion_tokens"),  # chat's
     ({"model": MODEL, "prompt": "w5", "temprature": 0}, "temprature"),  # a typo is not ignored either
     ({"model": MODEL, "prompt": "w5", "stream": "yes"}, "stream"),
@@ -353,13 +358,75 @@ def test_fields_at_their_no_op_values_are_accepted(server, client, engine):
     c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4,
                                        temperature=0, frequency_penalty=0, response_format={"type": "text"})
     assert c.choices[0].message.content is not None
-    r = httpx.post(server[0] + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 4,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+    with pytest.raises(openai.BadRequestError, match="tools"):  # what is not implemented is still refused
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w5"}], max_tokens=4,
-                                       frequency_penalty=1.0)
+                                       tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_penalties_and_logit_bias_as_the_engine(server, client, engine):
+    """presence / frequency / repetition penalties, logit_bias (string keys, as JSON has them) and
+    min_p reach the engine: the same text as the engine alone without drafts, streamed too."""
+    plain = Engine(engine.target, drafter="none", tokenizer=engine.tokenizer, max_seq_len=256)
+    settings = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, logit_bias={9: 5.0})
+    want = plain.generate(prompt(4), max_new_tokens=16, chat=False, **settings)
+    assert want.token_ids != plain.generate(prompt(4), max_new_tokens=16, chat=False).token_ids
+    body = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"9": 5.0})
+    r = client.completions.create(model=MODEL, prompt=prompt(4), max_tokens=16, temperature=0,
+                                  extra_body={"repetition_penalty": 1.3}, **body)
+    assert r.choices[0].text == want.text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt(4), max_tokens=16, temperature=0, stream=True,
+                                            extra_body={"repetition_penalty": 1.3}, **body))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    r = client.completions.create(model=MODEL, prompt=prompt(4), max_tokens=8, temperature=0.7, seed=3,
+                                  extra_body={"min_p": 0.2})
+    assert r.choices[0].text == alone(engine, prompt(4), max_new_tokens=8, temperature=0.7, seed=3, min_p=0.2).text
+
+
+@pytest.fixture(scope="module")
+def json_server():
+    """A server over the cycling tiny model with a byte-level tokenizer (any text encodes), for
+    structured output."""
+    from helpers import make_byte_tokenizer
+    hf = make_tiny_model("llama", seed=1, num_hidden_layers=4)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    eng = Engine(hf, drafter="ngram", tokenizer=make_byte_tokenizer(), max_batch=2, max_seq_len=512, adaptive=False)
+    yield from _serving(create_app(eng, MODEL, max_waiting=8))
+
+
+def test_structured_output_with_the_openai_client(json_server):
+    """response_format json_schema / json_object and vLLM's guided_regex / guided_choice: the answer
+    matches (validated with jsonschema), and equals the engine's without speculation."""
+    import json
+    import re
+
+    import jsonschema
+    base, app = json_server
+    eng = app.state.served.engine
+    plain = Engine(eng.target, drafter="none", tokenizer=eng.tokenizer, max_seq_len=512)
+    c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    text = '{"ok": true, "n": 5} ' * 4
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=60, temperature=0,
+                             extra_body={"response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "x", "schema": schema}}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == plain.generate(text, 60, chat=False, grammar={"json_schema": schema}).text
+    chunks = list(c.completions.create(model=MODEL, prompt=text, max_tokens=60, temperature=0, stream=True,
+                                       extra_body={"guided_json": schema}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=30, temperature=0,
+                             extra_body={"guided_regex": "(ab|cd){1,3}x"})
+    assert re.fullmatch("(ab|cd){1,3}x", r.choices[0].text)
+    r = c.completions.create(model=MODEL, prompt=text, max_tokens=10, temperature=0.8, seed=1,
+                             extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert r.choices[0].text in ("red", "green", "blue")
+    bad = httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "guided_regex": "(ab"})
+    assert bad.status_code == 400 and "regex" in bad.json()["error"]["message"]
 
 
 def test_oversized_deep_and_huge_bodies_are_client_errors(server):

@@ -45,6 +45,12 @@ class Request:
     stop_token_ids: object = None  # token ids that end the request as EOS does (kept as its last token)
     logprobs: bool | None = None  # each token's log-probability on its Generation (``ops.sampling``)
     top_logprobs: int | None = None  # and this many alternatives (0-20; needs logprobs=True)
+    presence_penalty: float | None = None  # penalties, bias and min-p: see ``Engine.generate``
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict | None = None
+    grammar: object = None  # structured output ({"json_schema": ...}, {"regex": ...}, ...; ``decode.grammar``)
 
 
 @dataclass

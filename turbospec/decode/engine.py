@@ -24,6 +24,7 @@ from ..ops.sampling import SamplingParams, TokenLogprob, check_logprobs
 from . import loop, text
 from .batch import Job, Request, Scheduler, run_batch
 from .errors import ContextLengthError, NonFiniteLogitsError
+from .grammar import Grammar, GrammarCompiler
 from .loop import Generation
 from .prefix_cache import PrefixCache
 from .step import TargetStep
@@ -145,6 +146,7 @@ class Engine:
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time
         self.drafter = self._new_drafter()
         self._batch_budget: BatchBudget | None = None
+        self._grammar_compiler: GrammarCompiler | None = None
         self._slot_drafters: dict[int, Drafter | None] = {}
         # one target step for one request (slot 0) and for a batch (its cache grows to max_batch
         # slots when a batch first runs)
@@ -193,13 +195,22 @@ class Engine:
         ``chat=False``; a list of {"role", "content"} dicts is a conversation; ids pass through."""
         return text.encode(self.tokenizer, self.target.cfg.vocab_size, prompt, chat)
 
-    def _request(self, prompt, chat, max_new_tokens, temperature, top_k, top_p, stop, stop_token_ids=None,
-                 logprobs=False, top_logprobs=0):
-        params = SamplingParams(temperature, top_k, top_p)
-        top = check_logprobs(logprobs, top_logprobs)
-        stop = text.stop_strings(stop, self.tokenizer)
-        stop_ids = self._check_stop_token_ids(stop_token_ids)
+    def _request(self, prompt, chat, settings: dict):
+        """A request checked (ValueError naming the bad setting) and turned into its prompt ids,
+        ``SamplingParams`` and the rest of what its ``Sequence`` needs. ``settings``: every key of
+        ``DEFAULTS``."""
+        x = settings
+        params = SamplingParams(x["temperature"], x["top_k"], x["top_p"], x["presence_penalty"],
+                                x["frequency_penalty"], x["repetition_penalty"], x["min_p"], x["logit_bias"])
+        if params.logit_bias and params.logit_bias[-1][0] >= self.target.cfg.vocab_size:
+            raise ValueError(f"logit_bias: token id {params.logit_bias[-1][0]} is not in the vocabulary "
+                             f"[0, {self.target.cfg.vocab_size})")
+        top = check_logprobs(x["logprobs"], x["top_logprobs"])
+        stop = text.stop_strings(x["stop"], self.tokenizer)
+        stop_ids = self._check_stop_token_ids(x["stop_token_ids"])
+        grammar = Grammar.of(x["grammar"])
         ids = self.encode(prompt, chat)
+        max_new_tokens = x["max_new_tokens"]
         if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if len(ids) + max_new_tokens > self.max_seq_len:
@@ -207,7 +218,14 @@ class Engine:
                              f"{len(ids) + max_new_tokens} exceeds the KV cache (max_seq_len "
                              f"{self.max_seq_len}); shorten the prompt, lower max_new_tokens or build "
                              f"the Engine with a larger max_seq_len")
-        return ids, params, (stop, stop_ids, top)
+        constraint = None if grammar is None else self._grammars().matcher(grammar)
+        return ids, params, (stop, stop_ids, top, constraint)
+
+    def _grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer (made on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.target.cfg.vocab_size, self.eos_token_ids)
+        return self._grammar_compiler
 
     def _check_stop_token_ids(self, stop_token_ids) -> frozenset[int]:
         """Extra token ids that end a request as EOS does (kept as its last token): a list of ids
@@ -220,9 +238,10 @@ class Engine:
             raise ValueError(f"stop_token_ids must be a list of token ids in [0, {vocab}), got {stop_token_ids!r}")
         return frozenset(stop_token_ids)
 
-    def _run(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
-             seed: int | None, stats: dict) -> Iterator[list[int]]:
-        seq = self._sequence(ids, max_new_tokens, params, stop, seed, stats, self.drafter, carry_over=True)
+    def _run(self, prompt, chat, settings: dict, stats: dict) -> tuple[loop.Sequence, Iterator[list[int]]]:
+        ids, params, extra = self._request(prompt, chat, settings)
+        seq = self._sequence(ids, settings["max_new_tokens"], params, extra, settings["seed"], stats, self.drafter,
+                             carry_over=True)
         return seq, loop.run(self.target_step, seq)
 
     def _sequence(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop: tuple,
@@ -239,15 +258,19 @@ class Engine:
         if carry_over and budget.timed:  # what the last generation measured (the machine's costs)
             budget.carry_over(self._last_budget)
             self._last_budget = budget
-        stop, stop_ids, top = stop  # (stop strings, stop token ids, logprobs: None or alternatives per token)
+        # (stop strings, stop token ids, logprobs: None or alternatives per token, the grammar's state)
+        stop, stop_ids, top, constraint = stop
         matcher = text.StopMatcher(self.tokenizer, stop) if stop else None
         ends = self.eos_token_ids | stop_ids if stop_ids else self.eos_token_ids
         return loop.Sequence(ids, max_new_tokens, params, drafter, budget, self.num_draft,
-                             self.target.cfg.vocab_size, ends, matcher, generator, stats, logprobs=top)
+                             self.target.cfg.vocab_size, ends, matcher, generator, stats, logprobs=top,
+                             constraint=constraint)
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
-                 stop_token_ids=None, logprobs: bool = False, top_logprobs: int = 0) -> Generation | list[Generation]:
+                 stop_token_ids=None, logprobs: bool = False, top_logprobs: int = 0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_p: float = 0.0,
+                 logit_bias: dict | None = None, grammar=None) -> Generation | list[Generation]:
         """Generate a completion. ``prompt``: text (chat template applied unless chat=False),
         a list of messages, or token ids. Greedy when temperature == 0.
 
@@ -270,22 +293,33 @@ class Engine:
         (fp32 greedy on CPU: bit for bit); they come back with each step's one host read, and a
         request without logprobs computes none of them.
 
+        ``presence_penalty`` / ``frequency_penalty`` ([-2, 2], 0 off; generated tokens),
+        ``repetition_penalty`` (> 0, 1 off; prompt and generated tokens), ``logit_bias``
+        ({token id: bias in [-100, 100]}) and ``min_p`` ([0, 1], 0 off) follow vLLM's semantics
+        (``turbospec.ops.sampling.SamplingParams``); under speculation each draft token is judged
+        with its own path's tokens counted (inside ``verify``), so the output is the same as without.
+
+        ``grammar``: structured output, a dict with one key: ``{"json_schema": schema}``,
+        ``{"json_object": True}``, ``{"regex": pattern}``, ``{"choice": [strings]}`` or
+        ``{"lark": grammar}`` (``decode.grammar``: every token is one the grammar allows, the same
+        with speculation as without; when the grammar is complete the request ends with EOS).
+
         Returns a ``Generation`` with the text (None without a tokenizer), generated ids and stats:
         verify_steps, tau (mean tokens emitted per verify step, bonus included),
         accept_per_position, tokens_per_s, draft_s / verify_s / prefill_s, finish_reason.
         """
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                        seed=seed, stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
+                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                        repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias, grammar=grammar)
         if _is_batch(prompt):
-            return self._generate_batch(list(prompt), Request(None, max_new_tokens, temperature, top_k, top_p, stop,
-                                                              seed, stop_token_ids=stop_token_ids, logprobs=logprobs,
-                                                              top_logprobs=top_logprobs), chat)
-        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
-                                          stop_token_ids, logprobs, top_logprobs)
+            return self._generate_batch(list(prompt), Request(None, **settings), chat)
         stats: dict = {}
         out: list[int] = []
-        seq, steps = self._run(ids, max_new_tokens, params, stop, seed, stats)
+        seq, steps = self._run(prompt, chat, settings, stats)
         for new in steps:
             out.extend(new)
-        return self._generation(ids, out, stats, seq.token_logprobs)
+        return self._generation(seq.ids, out, stats, seq.token_logprobs)
 
     def _generation(self, ids: list[int], out: list[int], stats: dict,
                     logprobs: list[TokenLogprob] | None = None) -> Generation:
@@ -313,21 +347,17 @@ class Engine:
         draft budget); fields left None take ``defaults``' (then ``generate``'s defaults). Raises
         ValueError naming the bad field."""
         defaults = defaults or Request(None)
-        base = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None,
-                    stop_token_ids=None, logprobs=False, top_logprobs=0)
         pick = {}
-        for f, v in base.items():
+        for f, v in DEFAULTS.items():
             for source in (request, defaults):
                 if getattr(source, f) is not None:
                     v = getattr(source, f)
                     break
             pick[f] = v
-        ids, params, stop = self._request(request.prompt, chat, pick["max_new_tokens"], pick["temperature"],
-                                          pick["top_k"], pick["top_p"], pick["stop"], pick["stop_token_ids"],
-                                          pick["logprobs"], pick["top_logprobs"])
+        ids, params, extra = self._request(request.prompt, chat, pick)
         speculate = bool(request.speculate) and self.drafter is not None
         # the drafter is the slot's, set when the request takes a slot (Scheduler)
-        seq = self._sequence(ids, pick["max_new_tokens"], params, stop, pick["seed"], {},
+        seq = self._sequence(ids, pick["max_new_tokens"], params, extra, pick["seed"], {},
                              self.drafter if speculate else None)
         return Job(index, seq, speculate)
 
@@ -359,7 +389,9 @@ class Engine:
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop=None, seed: int | None = None, chat: bool | None = None,
                stats: dict | None = None, stop_token_ids=None, logprobs: bool = False,
-               top_logprobs: int = 0) -> Iterator[str] | Iterator[tuple[str, list[TokenLogprob]]]:
+               top_logprobs: int = 0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+               repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: dict | None = None,
+               grammar=None) -> Iterator[str] | Iterator[tuple[str, list[TokenLogprob]]]:
         """Yield the completion's text as tokens are accepted (needs a tokenizer). Pass a dict as
         ``stats`` to receive the statistics when the stream ends.
 
@@ -369,12 +401,14 @@ class Engine:
         back when the stream ends comes last as (text, [])."""
         if self.tokenizer is None:
             raise ValueError("stream() needs a tokenizer; use generate() with token ids instead")
-        ids, params, stop = self._request(prompt, chat, max_new_tokens, temperature, top_k, top_p, stop,
-                                          stop_token_ids, logprobs, top_logprobs)
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                        seed=seed, stop_token_ids=stop_token_ids, logprobs=logprobs, top_logprobs=top_logprobs,
+                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                        repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias, grammar=grammar)
         stats = {} if stats is None else stats
         out: list[int] = []
-        shown = text.TextStream(self.tokenizer, stop[0])
-        seq, steps = self._run(ids, max_new_tokens, params, stop, seed, stats)
+        seq, steps = self._run(prompt, chat, settings, stats)
+        shown = text.TextStream(self.tokenizer, seq.stop.stop if seq.stop else [])
         for new in steps:
             out.extend(new)
             delta = shown.push(out, stats.get("stop_text_end"))
@@ -387,6 +421,11 @@ class Engine:
         if delta:
             yield (delta, []) if seq.token_logprobs is not None else delta
 
+
+# a request's settings and their defaults (a ``Request`` field left None takes the batch's, then these)
+DEFAULTS = dict(max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, stop=None, seed=None, stop_token_ids=None,
+                logprobs=False, top_logprobs=0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                min_p=0.0, logit_bias=None, grammar=None)
 
 _SHARED_DRAFTER = ("a Drafter instance holds one request's state: pass drafter by name ('ngram', 'suffix', "
                    "'lookahead', 'draft_model', 'eagle', 'medusa') to draft for a batch, or max_batch=1")

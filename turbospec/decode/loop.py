@@ -51,11 +51,13 @@ class Sequence:
     def __init__(self, ids: list[int], max_new_tokens: int, params: SamplingParams, drafter: Drafter | None,
                  budget: DraftBudget, num_draft: int, vocab: int, eos_token_ids: set[int],
                  stop: StopMatcher | None, generator: torch.Generator | None, stats: dict,
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, constraint=None):
         self.ids, self.max_new_tokens, self.params = ids, max_new_tokens, params
         # log-probabilities: None (off) or the number of alternatives per token; one entry per kept token
         self.logprobs = logprobs
         self.token_logprobs: list[TokenLogprob] | None = None if logprobs is None else []
+        # structured output: the grammar's state (``decode.grammar.Constraint``), or None
+        self.constraint = constraint
         self.drafter, self.budget, self.vocab = drafter, budget, vocab
         self.eos_token_ids, self.stop, self.generator, self.stats = eos_token_ids, stop, generator, stats
         self.tokens = list(ids)
@@ -152,6 +154,8 @@ class Sequence:
                 new, self.finish = new[: j + 1], "eos"
                 break
         self.tokens.extend(new)
+        if self.constraint is not None:
+            self.constraint.commit([t for t in new if t not in self.constraint.eos])
         if self.token_logprobs is not None:
             self.token_logprobs.extend(logprobs[: len(new)])
         self.emitted += len(new)

@@ -58,8 +58,9 @@ from ..model.transformer import Transformer
 from ..ops import nvtx
 from ..ops.checks import is_int
 from ..ops.limits import MAX_TREE_NODES
-from ..ops.sampling import SamplingParams, TokenLogprob, path_logprobs, read_logprobs
+from ..ops.sampling import LogitProcessingBuffers, SamplingParams, TokenLogprob, path_logprobs, read_logprobs
 from .errors import NonFiniteLogitsError
+from .grammar import bitmask_words
 from .prefix_cache import PrefixCache
 
 # A one-row pass over more nodes than this computes its LM head lazily on CPU, this many rows per
@@ -108,9 +109,10 @@ def prefill(target: Transformer, cache: KVCache, ids: list[int], features=None) 
 class _Staging:
     """A step's host-built inputs, allocated once in one buffer: ``rows`` x ``MAX_TREE_NODES`` nodes
     per node field, ``rows`` values per row field, each step viewing a contiguous [rows, n] / [rows]
-    prefix of every field (draft probabilities: their own buffer, grown to the largest
-    [rows, n, vocab] seen, then reused). Off the CPU the buffer is pinned and ``to_device`` copies it
-    whole (a few KB) into a device twin of the same layout in one transfer, so a step allocates
+    prefix of every field (draft probabilities and grammar bitmasks: ``extra`` buffers of their own,
+    grown to the largest size seen, then reused). Off the CPU the buffer is pinned and ``to_device`` copies it
+    whole (a few KB) into a device twin of the same layout in one transfer (the extra buffers in one
+    more each), so a step allocates
     nothing on either side once warm (the host buffer is refilled only after the step's one host
     read, by which time the copy has completed)."""
     NODES = dict(ids=torch.int64, draft_ids=torch.int64, parents=torch.int64, positions=torch.int64,
@@ -129,7 +131,7 @@ class _Staging:
                 at += (nbytes + 7) // 8 * 8
         self.host = torch.zeros(at, dtype=torch.uint8, pin_memory=self.pin)
         self.dev = torch.zeros(at, dtype=torch.uint8, device=self.device) if self.pin else self.host
-        self._probs = self._probs_dev = None
+        self._extra: dict[str, tuple[Tensor, Tensor | None]] = {}
 
     def views(self, rows: int, n: int, on_device: bool = False) -> dict[str, Tensor]:
         """Every field's [rows, n] (node fields) or [rows] (row fields) view of the host buffer (or
@@ -141,24 +143,33 @@ class _Staging:
             out[name] = flat[: rows * n].view(rows, n) if name in self.NODES else flat[:rows]
         return out
 
-    def probs(self, rows: int, n: int, vocab: int) -> Tensor:
-        numel = rows * n * vocab
-        if self._probs is None or self._probs.numel() < numel:
-            self._probs = torch.empty(numel, pin_memory=self.pin)
-            self._probs_dev = torch.empty(numel, device=self.device) if self.pin else None
-        return self._probs[:numel].view(rows, n, vocab)
+    def extra(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A host buffer of its own for ``name`` ("probs": draft probabilities [rows, n, V];
+        "bitmask": the grammar's token bitmasks [rows, n, W]), grown to the largest size seen, then
+        reused; ``to_device`` copies it with the rest."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        have = self._extra.get(name)
+        if have is None or have[0].numel() < numel:
+            host = torch.empty(numel, dtype=dtype, pin_memory=self.pin)
+            self._extra[name] = have = (host, torch.empty(numel, dtype=dtype, device=self.device) if self.pin else None)
+        return have[0][:numel].view(shape)
 
-    def to_device(self, rows: int, n: int, probs: Tensor | None) -> tuple[dict[str, Tensor], Tensor | None]:
-        """The step's inputs on the device: the whole buffer in one copy (and the probabilities in
-        another); on CPU the host views themselves."""
+    def to_device(self, rows: int, n: int, **extras: Tensor | None) -> tuple[dict[str, Tensor], dict]:
+        """The step's inputs on the device: the whole buffer in one copy (and each of ``extras``,
+        views of ``extra`` buffers or None, in one more); on CPU the host views themselves."""
         if not self.pin:
-            return self.views(rows, n), probs
+            return self.views(rows, n), extras
         self.dev.copy_(self.host, non_blocking=True)
-        if probs is not None:
-            dev = self._probs_dev[: probs.numel()].view(probs.shape)
-            dev.copy_(probs, non_blocking=True)
-            probs = dev
-        return self.views(rows, n, on_device=True), probs
+        out = {}
+        for name, host in extras.items():
+            if host is not None:
+                dev = self._extra[name][1][: host.numel()].view(host.shape)
+                dev.copy_(host, non_blocking=True)
+                host = dev
+            out[name] = host
+        return self.views(rows, n, on_device=True), out
 
 
 class TargetStep:
@@ -212,6 +223,8 @@ class TargetStep:
         self.runner = TargetRunner(self.target, self.cache, self.features, static=self.static,
                                    graphs=self.graphs)
         self._stage = _Staging(slots, self.target.device)
+        self._buffers: LogitProcessingBuffers | None = None  # made when a request first asks for processing
+        self._owners: list = [None] * slots  # the request whose settings each slot's buffer row holds
 
     def reserve(self, slots: int) -> None:
         """Make room for ``slots`` concurrent requests (at most ``max_batch``): the KV cache grows to
@@ -309,8 +322,11 @@ class TargetStep:
         temperature.zero_()
         top_k.zero_()
         top_p.fill_(1.0)
+        vocab = self.target.cfg.vocab_size
         with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
-        probs = st.probs(rb, n, self.target.cfg.vocab_size).zero_() if with_probs else None
+        probs = st.extra("probs", (rb, n, vocab), torch.float32).zero_() if with_probs else None
+        constrained = any(s.constraint is not None for s in rows.values())
+        bitmask = st.extra("bitmask", (rb, n, bitmask_words(vocab)), torch.int32).fill_(-1) if constrained else None
         trees = False
         tree_mask = None  # the dynamic path's bool mask of its one row, when it is a tree
         path_len: dict[int, int] = {}  # rows that want log-probabilities -> the most nodes on their path
@@ -343,13 +359,20 @@ class TargetStep:
                 path_len[b] = draft_depth(d) + 1
             uniform[b, :k + 1] = s.uniform()
             temperature[b], top_k[b], top_p[b] = s.params.temperature, s.params.top_k, s.params.top_p
+            if s.constraint is not None:  # the grammar's bitmask of every node (see decode.grammar)
+                s.constraint.fill([] if d is None else d.token_ids, None if d is None else d.parents,
+                                  bitmask[b, :k + 1])
             if with_probs:
                 if d is not None and d.draft_probs is not None:
                     probs[b, :k + 1] = d.draft_probs
                 elif not s.params.greedy and k:
                     raise ValueError("a batch mixes sampled rows with point-mass drafts and rows with draft "
                                      "probabilities; verify takes one kind per pass")
-        v, probs = st.to_device(rb, n, probs)
+        processing = self._processing(rows, rb)
+        v, extra = st.to_device(rb, n, probs=probs, bitmask=bitmask)
+        probs = extra["probs"]
+        if extra["bitmask"] is not None:
+            processing["token_bitmask"] = extra["bitmask"]
         lazy = dynamic and self._lazy is not None and n > LAZY_ROWS and not self.node_argmax
         with nvtx.range("verify"):
             if dynamic:
@@ -361,22 +384,25 @@ class TargetStep:
         with nvtx.range("accept"):
             args = (v["parents"], v["draft_ids"], probs, v["uniform"], v["temperature"], v["top_k"], v["top_p"])
             if lazy:
-                accept_len, accept_index, emitted = self._lazy.verify(logits, *args)
+                accept_len, accept_index, emitted = self._lazy.verify(logits, *args, **processing)
                 logits = self._lazy.logits  # the accepted path's rows are computed
             else:
-                accept_len, accept_index, emitted = ops.verify(logits, *args)
+                accept_len, accept_index, emitted = ops.verify(logits, *args, **processing)
             parts = (accept_len, emitted.flatten()) + ((logits.argmax(-1).flatten(),) if self.node_argmax else ())
             if not path_len:
                 host = torch.cat(parts).tolist()  # the one host read of the step
             else:  # with the log-probabilities of the rows that asked: one float64 read
                 lps = [path_logprobs(logits[b, accept_index[b, :m].clamp(min=0)], emitted[b, :m], rows[b].params,
-                                     rows[b].logprobs) for b, m in path_len.items()]
+                                     rows[b].logprobs, **self._path_processing(processing, b, accept_index[b, :m]))
+                       for b, m in path_len.items()]
                 host = torch.cat([p.double() for p in parts] + lps).tolist()
                 n_int = sum(p.numel() for p in parts)
                 lp_host, lp_at, at = host[n_int:], {}, 0
                 for b, t in zip(path_len, lps):
                     lp_at[b], at = at, at + t.numel()
                 host = [int(x) for x in host[:n_int]]
+        if processing.get("output_counts") is not None:  # this step's tokens join the penalties' counts
+            self._buffers.add_emitted(emitted, accept_len)
         if trees:
             with nvtx.range("compact"):
                 ops.compact_kv(self.cache.rows(0, rb).tensors(), v["cache_len"], accept_index, accept_len)
@@ -404,6 +430,44 @@ class TargetStep:
         return results
 
 
+    def _processing(self, rows: dict, rb: int) -> dict:
+        """``ops.verify``'s logit-processing arguments for a pass over ``rb`` rows (penalties,
+        logit_bias, min_p; ``ops.sampling.LogitProcessingBuffers``): a request's buffer row is set
+        at its first step in a slot (its prompt, its settings, the tokens it has generated) and
+        then counts its emitted tokens on the device; rows without processing hold neutral values.
+        Empty (verify as before) while no row of the pass asks for any."""
+        if self._buffers is None:
+            if not any(s.params.processed for s in rows.values()):
+                return {}
+            self._buffers = LogitProcessingBuffers(self.slots, self.target.cfg.vocab_size, self.target.device,
+                                                   max_nodes=MAX_TREE_NODES)
+        buf = self._buffers
+        for b in range(rb):
+            s = rows.get(b)
+            want = s if s is not None and s.params.processed else None
+            if self._owners[b] is not want:
+                if want is None:
+                    buf.clear_row(b)
+                else:
+                    buf.set_row(b, s.params, s.ids, s.tokens[len(s.ids):])
+                self._owners[b] = want
+        if all(o is None for o in self._owners[:rb]):
+            return {}
+        return buf.verify_kwargs(rb)
+
+    @staticmethod
+    def _path_processing(processing: dict, b: int, path: Tensor) -> dict:
+        """``path_logprobs``' processing arguments for row ``b``'s accepted ``path`` (node indices;
+        -1 padding): the counts before this step, as verify read them."""
+        out = {}
+        for name in ("output_counts", "prompt_mask", "logit_bias"):
+            if processing.get(name) is not None:
+                out[name] = processing[name][b]
+        if processing.get("token_bitmask") is not None:
+            out["token_bitmask"] = processing["token_bitmask"][b, path.clamp(min=0)]
+        return out
+
+
 class LazyLogits:
     """``ops.verify`` over logits computed only where the walk reads them (see the module docstring).
 
@@ -421,9 +485,10 @@ class LazyLogits:
         self.rows = self.rounds = 0
 
     def verify(self, hidden: Tensor, parents: Tensor, node_ids: Tensor, probs: Tensor | None,
-               uniform: Tensor, temperature, top_k=0, top_p=1.0) -> tuple[Tensor, Tensor, Tensor]:
+               uniform: Tensor, temperature, top_k=0, top_p=1.0, **processing) -> tuple[Tensor, Tensor, Tensor]:
         """``ops.verify`` with the final-normed hidden states [1, n, hidden] in place of the logits;
-        ``temperature`` may also be a ``SamplingParams``."""
+        ``temperature`` may also be a ``SamplingParams``; ``processing``: verify's logit-processing
+        arguments."""
         if isinstance(temperature, SamplingParams):
             temperature, top_k, top_p = temperature.temperature, temperature.top_k, temperature.top_p
         n = hidden.shape[1]
@@ -446,7 +511,7 @@ class LazyLogits:
                 node = first_child[node]
             self._compute(hidden, logits, rows, done)
             accept_len, accept_index, out = ops.verify(logits, parents, node_ids, probs, uniform, temperature,
-                                                       top_k, top_p)
+                                                       top_k, top_p, **processing)
             n_acc = int(accept_len[0])
             if n_acc < 0:
                 if all(done):

@@ -89,13 +89,22 @@ def build_tree(parents: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 # ----------------------------------------------------------------------------------------------
 # logits -> probabilities (shared by verify and every drafter that samples)
 # ----------------------------------------------------------------------------------------------
-def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """Sampling distribution of ``logits [..., V]`` in float32: divide by temperature, keep the
-    logits >= the k-th largest (top_k = 0: all), then keep the tokens whose strictly-larger
-    probability mass is < top_p (ties are kept or dropped together), then softmax.
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                    min_p: float = 0.0) -> Tensor:
+    """Sampling distribution of ``logits [..., V]`` in float32: divide by temperature; with
+    ``min_p`` > 0 drop the tokens whose probability (float32 softmax of the scaled logits) is below
+    ``float32(min_p) * the largest probability`` (a float32 product, as transformers'
+    ``MinPLogitsWarper``; the most likely token always stays); keep the logits >= the k-th largest
+    (top_k = 0: all), then keep the tokens whose strictly-larger probability mass is < top_p (ties
+    are kept or dropped together), then softmax. min_p sits before top-k / top-p as in vLLM v1 (an
+    argmax-invariant logits processor run after temperature, before its top-k / top-p sampler).
     temperature must be > 0 here (0 means greedy and never reaches this function)."""
     x = logits.float() / temperature
     vocab = x.shape[-1]
+    if min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        threshold = probs.amax(-1, keepdim=True) * torch.tensor(min_p, dtype=torch.float32)
+        x = x.masked_fill(probs < threshold, float("-inf"))
     if 0 < top_k < vocab:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -125,6 +134,193 @@ def logits_are_valid(logits: Tensor) -> bool:
     """False when a row of logits cannot define a distribution: any NaN or +inf, or all -inf."""
     return not (bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any())
                 or bool(torch.isneginf(logits).all()))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-token logit processing: penalties, logit bias, allowed-token bitmask (verify's first stage)
+# ----------------------------------------------------------------------------------------------
+PENALTY_RANGE = 2.0        # presence / frequency penalties lie in [-2, 2] (OpenAI, vLLM)
+LOGIT_BIAS_RANGE = 100.0   # SamplingParams.logit_bias values lie in [-100, 100] (OpenAI)
+
+
+def bitmask_words(vocab: int) -> int:
+    """int32 words per node of a ``token_bitmask``: ceil(V / 32)."""
+    return (vocab + 31) // 32
+
+
+def unpack_token_bitmask(bitmask: Tensor, vocab: int) -> Tensor:
+    """bool [..., V] from ``bitmask`` int32 [..., ceil(V / 32)]: token v is allowed iff bit v % 32 of
+    word v // 32 is set (bit 31 is the sign bit; bits at v >= V are ignored)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.to(torch.int32)[..., None] >> shifts) & 1
+    return bits.flatten(-2)[..., :vocab].bool()
+
+
+def pack_token_bitmask(allowed: Tensor) -> Tensor:
+    """The inverse of ``unpack_token_bitmask``: int32 [..., ceil(V / 32)] from bool [..., V]."""
+    vocab = allowed.shape[-1]
+    pad = bitmask_words(vocab) * 32 - vocab
+    bits = torch.nn.functional.pad(allowed.to(torch.int64), (0, pad)).unflatten(-1, (-1, 32))
+    words = (bits << torch.arange(32, device=allowed.device)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def tree_token_counts(parents: Tensor, draft_token_ids: Tensor, vocab: int,
+                      output_counts: Tensor | None = None) -> Tensor:
+    """int64 [B, N, V]: how often each token has been generated in the context node i's logits
+    predict after: ``output_counts[b]`` (the request's committed output, the root's token included:
+    the caller counted it when it was emitted) plus the draft tokens of the nodes on the path from
+    the root to node i, node i itself included and the root excluded. Padding nodes (-1) count
+    nothing (they are never on a real node's path)."""
+    bsz, n = parents.shape
+    mask = build_tree(parents)[0].clone()   # [B, N, N]: j is i or an ancestor of i
+    mask[:, :, 0] = False                   # the root is already in output_counts
+    tokens = draft_token_ids.to(parents.device)
+    mask &= (tokens >= 0)[:, None, :]
+    counts = torch.zeros(bsz, n, vocab, dtype=torch.int64, device=parents.device)
+    counts.scatter_add_(2, tokens.clamp(min=0)[:, None, :].expand(bsz, n, n).contiguous(), mask.to(torch.int64))
+    if output_counts is not None:
+        counts += output_counts.to(torch.int64)[:, None, :]
+    return counts
+
+
+def process_logits(logits: Tensor, counts: Tensor | None = None, prompt_mask: Tensor | None = None,
+                   presence_penalty: Tensor | None = None, frequency_penalty: Tensor | None = None,
+                   repetition_penalty: Tensor | None = None, logit_bias: Tensor | None = None,
+                   allowed: Tensor | None = None) -> Tensor:
+    """The processed logits (float32 [..., V]) that verify samples from, elementwise in float32, in
+    this order (vLLM v1's: the logit bias is a logits processor applied before its penalties):
+
+    1. ``x = float32(logit) + logit_bias[v]`` (logit_bias float32 [..., V]);
+    2. repetition penalty r (HF / vLLM; r = 1: off) on every token of the prompt or the output
+       (``prompt_mask[v]`` or ``counts[v] > 0``): ``x / r`` if x > 0, else ``x * r`` (r rounded to
+       float32; a division, as transformers' RepetitionPenaltyLogitsProcessor, where vLLM
+       multiplies by 1 / r);
+    3. frequency penalty f then presence penalty p (OpenAI; vLLM's order), output tokens only
+       (``counts[v] > 0``): ``x = x - float32(f) * float32(counts[v])``, then ``x = x - float32(p)``;
+    4. ``allowed`` (bool [..., V]): a disallowed token gets -inf.
+
+    ``counts`` (int [..., V]) are output counts (the prompt is not counted: prompt_mask is). The
+    per-row penalties are tensors of the leading shape ``[...]`` (any float dtype; None: off).
+    Neutral values (bias 0, r = 1, f = p = 0) leave every logit exactly as it was."""
+    x = logits.float()
+    if logit_bias is not None:
+        x = x + logit_bias.float()
+    if counts is None:
+        counts = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    seen = counts > 0
+    if repetition_penalty is not None:
+        r = repetition_penalty.float()[..., None]
+        hit = seen if prompt_mask is None else (seen | prompt_mask.bool())
+        x = torch.where(hit, torch.where(x > 0, x / r, x * r), x)
+    if frequency_penalty is not None:
+        f = frequency_penalty.float()[..., None]
+        x = torch.where(seen, x - f * counts.float(), x)
+    if presence_penalty is not None:
+        p = presence_penalty.float()[..., None]
+        x = torch.where(seen, x - p, x)
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
+    return x
+
+
+def _row_values(name: str, value, bsz: int, check) -> Tensor | None:
+    """A per-row parameter of verify's logit processing as float64 [B] (None stays None), each
+    value checked by ``check`` (a message, or None when fine)."""
+    if value is None:
+        return None
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.shape[0] != bsz or not value.is_floating_point():
+            raise ValueError(f"verify: {name} must be a number or a float tensor [B] = [{bsz}], got "
+                             f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}")
+        column = [float(v) for v in value.tolist()]
+        for b, v in enumerate(column):
+            msg = check(v)
+            if msg:
+                raise ValueError(f"verify: {name} must be {msg}, got {v} at {name}[{b}]")
+        return torch.tensor(column, dtype=torch.float64)
+    v = float(value)
+    msg = check(v)
+    if msg:
+        raise ValueError(f"verify: {name} must be {msg}, got {v}")
+    return torch.full((bsz,), v, dtype=torch.float64)
+
+
+def check_penalty(v: float) -> str | None:
+    return None if -PENALTY_RANGE <= v <= PENALTY_RANGE else f"in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off)"
+
+
+def check_repetition(v: float) -> str | None:
+    return None if math.isfinite(v) and v > 0 else "a finite number > 0 (1 = off)"
+
+
+def check_min_p(v: float) -> str | None:
+    return None if 0.0 <= v <= 1.0 else "in [0, 1] (0 = off)"
+
+
+def verify_processing(bsz: int, n: int, vocab: int, output_counts: Tensor | None = None,
+                      prompt_mask: Tensor | None = None, presence_penalty=None, frequency_penalty=None,
+                      repetition_penalty=None, logit_bias: Tensor | None = None, min_p=None,
+                      token_bitmask: Tensor | None = None) -> dict:
+    """Checks verify's logit-processing arguments (shapes, dtypes, values: the kernels' rules and
+    words) and returns them normalised: the per-row values as float64 [B] tensors (None: not given).
+    Raises ValueError naming the argument."""
+    def tensor(name, t, dtypes, shape):
+        if t is None:
+            return None
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        if not isinstance(t, Tensor) or t.dtype not in dtypes or list(t.shape) != [s for _, s in shape]:
+            got = f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" if isinstance(t, Tensor) else repr(t)
+            raise ValueError(f"verify: {name} must be {names} [{', '.join(d for d, _ in shape)}] = "
+                             f"{[s for _, s in shape]}, got {got}")
+        return t
+    out = dict(
+        output_counts=tensor("output_counts", output_counts, (torch.int32,), (("B", bsz), ("V", vocab))),
+        prompt_mask=tensor("prompt_mask", prompt_mask, (torch.bool,), (("B", bsz), ("V", vocab))),
+        logit_bias=tensor("logit_bias", logit_bias, (torch.float32,), (("B", bsz), ("V", vocab))),
+        token_bitmask=tensor("token_bitmask", token_bitmask, (torch.int32,),
+                             (("B", bsz), ("N", n), ("ceil(V / 32)", bitmask_words(vocab)))),
+        presence_penalty=_row_values("presence_penalty", presence_penalty, bsz, check_penalty),
+        frequency_penalty=_row_values("frequency_penalty", frequency_penalty, bsz, check_penalty),
+        repetition_penalty=_row_values("repetition_penalty", repetition_penalty, bsz, check_repetition),
+        min_p=_row_values("min_p", min_p, bsz, check_min_p))
+    if out["output_counts"] is not None and bool((out["output_counts"] < 0).any()):
+        b, v = (out["output_counts"] < 0).nonzero()[0].tolist()
+        raise ValueError(f"verify: output_counts must be >= 0 (how often each token was generated), got "
+                         f"{int(out['output_counts'][b, v])} at output_counts[{b}, {v}]")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if out[name] is not None and out["output_counts"] is None:
+            raise ValueError(f"verify: {name} needs output_counts (int32 [B, V], the request's generated "
+                             f"token counts; zeros for a fresh request)")
+    return out
+
+
+def processing_active(proc: dict) -> bool:
+    """Whether any of verify's logit processing (``verify_processing``'s result) is given."""
+    return any(proc[k] is not None for k in ("logit_bias", "token_bitmask", "presence_penalty",
+                                             "frequency_penalty", "repetition_penalty"))
+
+
+def verify_processed_logits(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, **processing
+                            ) -> Tensor:
+    """float32 [B, N, V]: the logits of every node after verify's logit processing (``process_logits``
+    with each node's own counts, ``tree_token_counts``, and its own bitmask row); the raw logits as
+    float32 when no processing is given. ``processing``: verify's keyword arguments
+    ``output_counts`` ... ``token_bitmask`` (min_p is not part of this stage)."""
+    bsz, n, vocab = target_logits.shape
+    proc = verify_processing(bsz, n, vocab, **processing)
+    if not processing_active(proc):
+        return target_logits.float()
+    counts = None
+    if proc["output_counts"] is not None:
+        counts = tree_token_counts(parents, draft_token_ids, vocab, proc["output_counts"])
+    allowed = None if proc["token_bitmask"] is None else unpack_token_bitmask(proc["token_bitmask"], vocab)
+    pm = None if proc["prompt_mask"] is None else proc["prompt_mask"][:, None, :]
+    lb = None if proc["logit_bias"] is None else proc["logit_bias"][:, None, :]
+    per_node = {k: None if proc[k] is None else proc[k][:, None].expand(bsz, n)
+                for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+    return process_logits(target_logits, counts, pm, per_node["presence_penalty"], per_node["frequency_penalty"],
+                          per_node["repetition_penalty"], lb, allowed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +381,11 @@ def check_draft_token_ids(draft_token_ids: Tensor, vocab: int) -> list[int]:
 
 
 def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
-           uniform: Tensor, temperature: float | Tensor, top_k: int | Tensor, top_p: float | Tensor
+           uniform: Tensor, temperature: float | Tensor, top_k: int | Tensor, top_p: float | Tensor,
+           output_counts: Tensor | None = None, prompt_mask: Tensor | None = None,
+           presence_penalty: float | Tensor | None = None, frequency_penalty: float | Tensor | None = None,
+           repetition_penalty: float | Tensor | None = None, logit_bias: Tensor | None = None,
+           min_p: float | Tensor | None = None, token_bitmask: Tensor | None = None
            ) -> tuple[Tensor, Tensor, Tensor]:
     """Speculative acceptance over a chain or tree, lossless for the target's distribution.
 
@@ -215,6 +415,31 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
             (0 disables); top_p in (0, 1] (1.0 disables). Applied to the target logits as in
             ``logits_to_probs``; draft_probs are taken as given. A bad value is a ValueError
             (naming the row of a tensor).
+        Logit processing (all optional; none given: exactly the behaviour above). Node i of row b is
+        processed with ITS OWN PATH: the counts are ``output_counts[b]`` plus the draft tokens of
+        the nodes from the root to node i, node i included (its logits predict the token after it)
+        and the root excluded (the last committed token: the caller counted it when it was
+        emitted); see ``tree_token_counts`` and ``process_logits`` for the arithmetic.
+        output_counts: int32 [B, V] >= 0, how often the request has generated each token
+            (committed tokens only). Needed by the three penalties.
+        prompt_mask: bool [B, V], the tokens of the prompt (repetition penalty only); None: none.
+        presence_penalty, frequency_penalty: per row in [-2, 2] (0: off), output tokens only.
+        repetition_penalty: per row, finite and > 0 (1: off), prompt and output tokens.
+        logit_bias: float32 [B, V], added to the raw logits (0: off). A NaN / +inf bias makes the
+            node's row invalid as a NaN logit would; -inf bans the token.
+        min_p: per row in [0, 1] (0: off): after temperature, tokens with probability < min_p x the
+            largest are dropped, before top-k / top-p (vLLM v1's order; ``logits_to_probs``).
+        token_bitmask: int32 [B, N, ceil(V / 32)], per NODE: bit v % 32 of word v // 32 set = token
+            v allowed after that node (structured output); the others get -inf.
+        The per-row values are Python numbers (every row) or float tensors [B].
+        Order: logit bias, repetition, frequency, presence penalties on the raw logits, then the
+        bitmask, then temperature, min_p, top-k, top-p. Greedy (temperature 0) takes the argmax of
+        the processed logits (min_p, top-k, top-p cannot change it).
+        Validity: a visited node is invalid (accept_len = -1) when its raw logits are (NaN, +inf,
+        all -inf) or its processed logits are: a +inf (a repetition penalty < 1 overflowing a huge
+        logit), or no token left (all -inf: e.g. a bitmask that allows no token, or only tokens
+        whose logit is -inf). A bitmask allowing nothing is therefore not an exception but an
+        invalid row, as on CUDA (no host sync); the caller must allow at least one token (EOS).
     Returns:
         accept_len: int64 [B], number of accepted draft tokens; -1 if a row's logits or draft
             probs at a visited node are not finite (see ``logits_are_valid``): no tokens emitted.
@@ -236,6 +461,13 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     check_parents(parents)
     num_real = check_draft_token_ids(draft_token_ids, vocab)
     row_params = verify_row_params(bsz, temperature, top_k, top_p)
+    processing = dict(output_counts=output_counts, prompt_mask=prompt_mask, presence_penalty=presence_penalty,
+                      frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                      logit_bias=logit_bias, token_bitmask=token_bitmask)
+    proc = verify_processing(bsz, n, vocab, **processing, min_p=min_p)
+    processed = verify_processed_logits(target_logits, parents, draft_token_ids, **processing) \
+        if processing_active(proc) else None
+    min_ps = [0.0] * bsz if proc["min_p"] is None else proc["min_p"].tolist()
     accept_len = torch.zeros(bsz, dtype=torch.int64)
     accept_index = torch.full((bsz, n), -1, dtype=torch.int64)
     output = torch.full((bsz, n), -1, dtype=torch.int64)
@@ -251,6 +483,11 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
             if not logits_are_valid(logits):
                 valid = False
                 break
+            if processed is not None:
+                logits = processed[b, node]
+                if not logits_are_valid(logits):
+                    valid = False
+                    break
             if greedy:
                 t = int(torch.argmax(logits.float()))
                 nxt = next((c for c in children[node] if int(draft_token_ids[b, c]) == t), None)
@@ -261,7 +498,7 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
                 path.append(nxt)
                 node, n_acc = nxt, n_acc + 1
                 continue
-            p = logits_to_probs(logits, temp_b, top_k_b, top_p_b).double()
+            p = logits_to_probs(logits, temp_b, top_k_b, top_p_b, min_ps[b]).double()
             q = None
             if draft_probs is not None and children[node]:
                 q = draft_probs[b, node].double().clone()

@@ -158,10 +158,19 @@ def _row_tensor(value: float | int, dtype: torch.dtype, bsz: int, device: torch.
     return t
 
 
+_ROW_PROCESSING = {  # per-row logit-processing parameter: its rule (reference.check_*)
+    "presence_penalty": reference.check_penalty, "frequency_penalty": reference.check_penalty,
+    "repetition_penalty": reference.check_repetition, "min_p": reference.check_min_p}
+
+
 def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
            uniform: Tensor, temperature: float | Tensor, top_k: int | Tensor = 0, top_p: float | Tensor = 1.0,
            accept_len: Tensor | None = None, accept_index: Tensor | None = None,
-           output_token_ids: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+           output_token_ids: Tensor | None = None, output_counts: Tensor | None = None,
+           prompt_mask: Tensor | None = None, presence_penalty: float | Tensor | None = None,
+           frequency_penalty: float | Tensor | None = None, repetition_penalty: float | Tensor | None = None,
+           logit_bias: Tensor | None = None, min_p: float | Tensor | None = None,
+           token_bitmask: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Fused softmax + speculative acceptance (chain or tree); see ``reference.verify``.
 
     target_logits: [B, N, V] float; parents, draft_token_ids: int64 [B, N] (draft id -1: a padding
@@ -174,6 +183,21 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     the row invalid (accept_len -1) on CUDA, which cannot raise without a host sync.
     Returns accept_len int64 [B] (-1: non-finite logits, nothing emitted),
     accept_index int64 [B, N], output_token_ids int64 [B, N] (padded with -1).
+
+    Logit processing (optional trailing arguments; none given: exactly the behaviour above; the
+    semantics, order and arithmetic are ``reference.verify``'s): each node is processed with the
+    tokens of its own path (``output_counts`` + the drafts from the root to the node, node
+    included, root excluded), in one call, no loop per node.
+    output_counts: int32 [B, V] (committed output token counts, >= 0; needed by the penalties);
+    prompt_mask: bool [B, V] (prompt tokens; repetition penalty only);
+    presence_penalty, frequency_penalty ([-2, 2], 0 off), repetition_penalty (> 0, 1 off),
+    min_p ([0, 1], 0 off): Python numbers (checked here, broadcast to float64 [B]) or float32 /
+    float64 tensors [B];
+    logit_bias: float32 [B, V] (added to the raw logits);
+    token_bitmask: int32 [B, N, ceil(V / 32)] (per node, bit v % 32 of word v // 32 set = allowed;
+    a visited node that allows no token makes the row invalid, accept_len -1).
+    Tensors go on target_logits' device, contiguous (else a contiguous copy is made each call).
+    Bad values in tensors raise on CPU naming the row; the CUDA kernel marks the row invalid.
     """
     bsz, n = target_logits.shape[:2] if target_logits.dim() == 3 else (0, 0)
     dev = target_logits.device
@@ -182,6 +206,22 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
     top_p = top_p if isinstance(top_p, Tensor) else float(top_p)
     _check_sampling_scalars(None if isinstance(temperature, Tensor) else temperature,
                             None if isinstance(top_k, Tensor) else top_k, None if isinstance(top_p, Tensor) else top_p)
+    rows = {"presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty,
+            "repetition_penalty": repetition_penalty, "min_p": min_p}
+    for name, value in rows.items():
+        if value is None or isinstance(value, Tensor):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RuntimeError(f"verify: {name} must be a number or a float tensor [B], got {value!r}")
+        message = _ROW_PROCESSING[name](float(value))
+        if message:
+            raise RuntimeError(f"verify: {name} must be {message}, got {float(value)}")
+        rows[name] = float(value)
+    if output_counts is None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if rows[name] is not None:
+                raise RuntimeError(f"verify: {name} needs output_counts (int32 [B, V], the request's generated "
+                                   f"token counts; zeros for a fresh request)")
     if accept_len is None:
         accept_len = torch.empty(bsz, dtype=torch.int64, device=dev)
     if accept_index is None:
@@ -196,13 +236,23 @@ def verify(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draf
             top_k = _row_tensor(top_k, torch.int64, bsz, dev, reuse)
         if not isinstance(top_p, Tensor):
             top_p = _row_tensor(top_p, torch.float64, bsz, dev, reuse)
+        for name, value in rows.items():
+            if value is not None and not isinstance(value, Tensor):
+                rows[name] = _row_tensor(value, torch.float64, bsz, dev, reuse)
         torch.ops.turbospec.verify.default(target_logits, parents, draft_token_ids, draft_probs, uniform,
-                                           temperature, top_k, top_p, accept_len, accept_index, output_token_ids)
+                                           temperature, top_k, top_p, accept_len, accept_index, output_token_ids,
+                                           output_counts, prompt_mask, rows["presence_penalty"],
+                                           rows["frequency_penalty"], rows["repetition_penalty"], logit_bias,
+                                           rows["min_p"], token_bitmask)
     else:
         temperature, top_k, top_p = (v.cpu() if isinstance(v, Tensor) else v for v in (temperature, top_k, top_p))
+        cpu = {name: v.cpu() if isinstance(v, Tensor) else v for name, v in rows.items()}
+        extra = {name: None if t is None else t.cpu() for name, t in (
+            ("output_counts", output_counts), ("prompt_mask", prompt_mask), ("logit_bias", logit_bias),
+            ("token_bitmask", token_bitmask))}
         outs = reference.verify(target_logits.cpu(), parents.cpu(), draft_token_ids.cpu(),
                                 None if draft_probs is None else draft_probs.cpu(), uniform.cpu(),
-                                temperature, top_k, top_p)
+                                temperature, top_k, top_p, **cpu, **extra)
         for dst, src in zip((accept_len, accept_index, output_token_ids), outs):
             dst.copy_(src)
     return accept_len, accept_index, output_token_ids
@@ -435,7 +485,11 @@ def _check_build_tree_fake(parents: Tensor, tree_mask: Tensor, tree_mask_packed:
 
 def _check_verify_fake(target_logits: Tensor, parents: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                        uniform: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, accept_len: Tensor,
-                       accept_index: Tensor, output_token_ids: Tensor) -> None:
+                       accept_index: Tensor, output_token_ids: Tensor, output_counts: Tensor | None = None,
+                       prompt_mask: Tensor | None = None, presence_penalty: Tensor | None = None,
+                       frequency_penalty: Tensor | None = None, repetition_penalty: Tensor | None = None,
+                       logit_bias: Tensor | None = None, min_p: Tensor | None = None,
+                       token_bitmask: Tensor | None = None) -> None:
     op = "verify"
     torch._check(target_logits.dim() == 3 and target_logits.dtype in _FLOATS,
                  lambda: f"{op}: target_logits must be float32, bfloat16 or float16 [B, N, V], got "
@@ -469,6 +523,29 @@ def _check_verify_fake(target_logits: Tensor, parents: Tensor, draft_token_ids: 
     _check_tensor(op, "top_p", top_p, (torch.float32, torch.float64), (("B", bsz),))
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         _check_device(op, name, t, target_logits, "target_logits")
+    # the optional logit processing (checks.h check_verify_processing)
+    if output_counts is not None:
+        _check_tensor(op, "output_counts", output_counts, (torch.int32,), (("B", bsz), ("V", vocab)))
+    if prompt_mask is not None:
+        _check_tensor(op, "prompt_mask", prompt_mask, (torch.bool,), (("B", bsz), ("V", vocab)))
+    if logit_bias is not None:
+        _check_tensor(op, "logit_bias", logit_bias, (torch.float32,), (("B", bsz), ("V", vocab)))
+    if token_bitmask is not None:
+        _check_tensor(op, "token_bitmask", token_bitmask, (torch.int32,),
+                      (("B", bsz), ("N", n), ("ceil(V / 32)", (vocab + 31) // 32)))
+    per_row = (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+               ("repetition_penalty", repetition_penalty), ("min_p", min_p))
+    for name, t in per_row:
+        if t is not None:
+            _check_tensor(op, name, t, (torch.float32, torch.float64), (("B", bsz),))
+    for name, t in (("output_counts", output_counts), ("prompt_mask", prompt_mask), *per_row[:3],
+                    ("logit_bias", logit_bias), ("min_p", min_p), ("token_bitmask", token_bitmask)):
+        if t is not None:
+            _check_device(op, name, t, target_logits, "target_logits")
+    for name, t in per_row[:3]:
+        torch._check(t is None or output_counts is not None,
+                     lambda: f"{op}: {name} needs output_counts (int32 [B, V], the request's generated token counts; "
+                             f"zeros for a fresh request)")
 
 
 def _check_compact_kv_fake(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor,
@@ -623,9 +700,12 @@ if _EXTENSION:
 
     @torch.library.register_fake("turbospec::verify")
     def _verify_fake(target_logits, parents, draft_token_ids, draft_probs, uniform, temperature, top_k,
-                     top_p, accept_len, accept_index, output_token_ids):
+                     top_p, accept_len, accept_index, output_token_ids, output_counts=None, prompt_mask=None,
+                     presence_penalty=None, frequency_penalty=None, repetition_penalty=None, logit_bias=None,
+                     min_p=None, token_bitmask=None):
         _check_verify_fake(target_logits, parents, draft_token_ids, draft_probs, uniform, temperature, top_k, top_p,
-                           accept_len, accept_index, output_token_ids)
+                           accept_len, accept_index, output_token_ids, output_counts, prompt_mask, presence_penalty,
+                           frequency_penalty, repetition_penalty, logit_bias, min_p, token_bitmask)
         return None
 
     @torch.library.register_fake("turbospec::compact_kv")

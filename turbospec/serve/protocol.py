@@ -54,16 +54,16 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 
 # The fields each endpoint implements (a null counts as absent, as OpenAI's API treats it).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-           "n", "speculate", "user", "stop_token_ids"}
+           "n", "speculate", "user", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "min_p", "logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice"}
 _FIELDS = {True: _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
            False: _COMMON | {"prompt", "best_of", "logprobs"}}
 # Fields of the OpenAI API (and vLLM's extras) that are accepted only at the value that changes
 # nothing: anything else would be silently ignored, so it is refused, naming the field.
-_NEUTRAL = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-            "min_p": (0, 0.0), "logit_bias": ({},), "top_logprobs": (0,),  # (completions: logprobs=k)
+_NEUTRAL = {"top_logprobs": (0,),  # (completions: logprobs=k)
             "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-            "parallel_tool_calls": (True, False), "store": (False,),
-            "response_format": ({"type": "text"},), "ignore_eos": (False,), "min_tokens": (0,)}
+            "parallel_tool_calls": (True, False), "store": (False,), "ignore_eos": (False,), "min_tokens": (0,)}
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -156,9 +156,70 @@ def parse(body, chat: bool, served_model: str, max_seq_len: int) -> Parsed:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
         raise APIError(f"stop_token_ids must be a list of up to 64 token ids, got {stop_ids!r}", param="stop_token_ids")
     logprobs, top_logprobs = _logprobs(body, chat)
+    processing = dict(presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+                      frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+                      repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True)),
+                      min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)), logit_bias=_logit_bias(body))
     request = Request(prompt, max_tokens, float(temperature), int(top_k), float(top_p), stop, seed, speculate,
-                      stop_token_ids=stop_ids or None, logprobs=logprobs, top_logprobs=top_logprobs)
+                      stop_token_ids=stop_ids or None, logprobs=logprobs, top_logprobs=top_logprobs,
+                      grammar=_grammar(body), **processing)
     return Parsed(request, chat, stream, bool(options.get("include_usage")), model, n)
+
+
+def _logit_bias(body: dict) -> dict | None:
+    """``logit_bias``: {token id (a string, as JSON keys are): bias in [-100, 100]}."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise APIError(f"logit_bias must be an object of up to {MAX_LOGIT_BIAS} token id: bias entries",
+                       param="logit_bias")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            tok = -1
+        if tok < 0 or str(tok) != str(key).strip():
+            raise APIError(f"logit_bias: {key!r} is not a token id", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise APIError(f"logit_bias[{key!r}] must be a number in [-100, 100], got {bias!r}", param="logit_bias")
+        out[tok] = float(bias)
+    return out or None
+
+
+def _grammar(body: dict) -> dict | None:
+    """Structured output: ``response_format`` ({"type": "text" | "json_object" | "json_schema"}) or
+    vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice``; at most one of them."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(f"response_format must be {{\"type\": \"text\" | \"json_object\" | \"json_schema\"}}, "
+                           f"got {fmt!r}", param="response_format")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": "
+                               "{...}}}", param="response_format")
+            found.append(("response_format", {"json_schema": schema}))
+    for name, kind, ok in (("guided_json", "json_schema", lambda v: isinstance(v, (dict, str))),
+                           ("guided_regex", "regex", lambda v: isinstance(v, str) and v),
+                           ("guided_choice", "choice", lambda v: isinstance(v, list) and v
+                            and all(isinstance(c, str) and c for c in v))):
+        v = body.get(name)
+        if v is None:
+            continue
+        if not ok(v):
+            raise APIError(f"{name} has the wrong type: {v!r}", param=name)
+        found.append((name, {kind: v}))
+    if len(found) > 1:
+        raise APIError(f"at most one of response_format (json) and guided_json / guided_regex / guided_choice, "
+                       f"got {', '.join(n for n, _ in found)}", param=found[1][0])
+    return found[0][1] if found else None
 
 
 def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:

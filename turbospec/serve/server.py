@@ -2,12 +2,14 @@
 server-sent events for streaming, Prometheus metrics).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (stream or not; ``usage``;
-``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``n=1``, ``logprobs``
+``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``seed``, ``n`` (1-16), ``logprobs``
 (chat: with ``top_logprobs``; the log-probabilities of the distribution each token was drawn from,
-the same with speculation as without; a stream's chunks carry those of their tokens); the extra
-field ``"speculate": false`` turns speculation off for a request; any other field, or a field such as
-``frequency_penalty`` / ``response_format`` at a value that would change the output, gets a 400 naming
-it instead of being ignored), ``GET /v1/models``,
+the same with speculation as without; a stream's chunks carry those of their tokens),
+``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``repetition_penalty``, ``min_p``, ``guided_json`` / ``guided_regex`` /
+``guided_choice``, all exact under speculation; the extra field ``"speculate": false`` turns
+speculation off for a request; any other field, or a field such as ``echo`` / ``tools`` at a value
+that would change the output, gets a 400 naming it instead of being ignored), ``GET /v1/models``,
 ``GET /health``, ``GET /metrics``. A bad request gets the OpenAI error shape with status 400; a full
 queue 429; a request that fails inside the engine 500 (or an error event in its stream). A client
 that disconnects mid-stream cancels its request: its slot is free at the next step.
