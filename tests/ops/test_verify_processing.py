@@ -114,6 +114,39 @@ def test_kernel_matches_reference(features, with_q, kind):
     assert changed > 0, "the processing never changed an outcome: the test has no power"
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("vocab", [49_152, 128_256])
+def test_kernel_matches_reference_large_vocab(device, vocab):
+    """Every feature on a real vocabulary size (CPU: torch's softmax path; CUDA: processed rows skip
+    the chunk pass, row 3 is neutral and uses it), greedy and sampled rows with top-k / top-p."""
+    dev = need_kernels(device)
+    g = gen(vocab % 1000)
+    bsz, n = 4, 5
+    inputs = make_verify_inputs(bsz, n, vocab, "random", False, 1.0, 0, 1.0, seed=vocab % 977, scale=4.0, boost=4.0, hot=8)
+    kw = random_processing(bsz, n, vocab, FEATURES, g, neutral_rows=(3,))
+    params = (row_params(bsz, (0,)), torch.tensor([0, 0, 40, 0]), torch.tensor([1.0, 0.9, 1.0, 0.95], dtype=torch.float64))
+    ref = reference.verify(*inputs, *params, **kw)
+    out = ops.verify(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in inputs],
+                     *[t.to(dev) for t in params], **{k: v.to(dev) for k, v in kw.items()})
+    assert_same([t.cpu() for t in out], ref, f"(V={vocab}, {device})")
+
+
+@pytest.mark.parametrize("features", [["presence", "frequency", "repetition"], FEATURES], ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+def test_cuda_kernel_matches_reference(features, with_q):
+    """The CUDA kernel (a GPU) against the reference, as test_kernel_matches_reference on CPU."""
+    dev = need_kernels("cuda")
+    for trial, (bsz, n, vocab) in enumerate([(4, 9, 50), (4, 12, 300), (4, 6, 1500)]):
+        seed = 500 + trial + len(features)
+        inputs = make_verify_inputs(bsz, n, vocab, "random", with_q, 1.0, 0, 1.0, seed=seed, boost=2.0)
+        kw = random_processing(bsz, n, vocab, features, gen(seed), neutral_rows=(1,))
+        params = (row_params(bsz, (0, 3)), torch.tensor([0, 0, 20, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0], dtype=torch.float64))
+        ref = reference.verify(*inputs, *params, **kw)
+        out = ops.verify(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in inputs],
+                         *[t.to(dev) for t in params], **{k: v.to(dev) for k, v in kw.items()})
+        assert_same([t.cpu() for t in out], ref, f"({features}, V={vocab}, cuda)")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_kernel_matches_reference_half_logits(dtype):
     need_kernels("cpu")
@@ -391,6 +424,25 @@ def test_overflow_to_inf_is_invalid():
         args = (logits, torch.tensor([[-1]]), torch.tensor([[0]]), None, torch.zeros(1, 1), 0.0, 0, 1.0)
         assert fn(*args, **kw)[0].tolist() == [-1]
         assert fn(*args)[0].tolist() == [0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_raw_logits_are_still_checked(temperature):
+    """A NaN / +inf raw logit makes the node invalid even where the bitmask disallows that token, and
+    all -inf raw logits stay invalid whatever the bias (the model is broken, not the request)."""
+    need_kernels("cpu")
+    vocab = 40
+    logits = torch.randn(3, 1, vocab, generator=gen(2))
+    logits[0, 0, 5] = float("nan")
+    logits[1, 0, 6] = float("inf")
+    logits[2, 0] = float("-inf")
+    allowed = torch.ones(3, 1, vocab, dtype=torch.bool)
+    allowed[0, 0, 5] = allowed[1, 0, 6] = False
+    kw = dict(token_bitmask=reference.pack_token_bitmask(allowed), logit_bias=torch.full((3, vocab), 2.0))
+    args = (logits, torch.full((3, 1), -1), torch.zeros(3, 1, dtype=torch.int64), None, torch.zeros(3, 1),
+            temperature, 0, 1.0)
+    for fn in (ops.verify, reference.verify):
+        assert fn(*args, **kw)[0].tolist() == [-1, -1, -1]
 
 
 # ----------------------------------------------------------------------------------------------
