@@ -253,29 +253,41 @@ def test_greedy_walk_with_single_node_verifies():
     """Greedy, literally one node per verify (N = 1): the emitted argmax moves to the first child with
     that token; each single-node verify's counts include the path so far."""
     need_kernels("cpu")
-    bsz, n, vocab = 3, 10, 30
-    g = gen(9)
-    logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "wide", False, 0.0, 0, 1.0, seed=9, boost=2.0)
-    kw = random_processing(bsz, n, vocab, ["presence", "frequency", "repetition", "logit_bias", "bitmask"], g)
-    a_len, a_idx, out = ops.verify(logits, parents, tokens, None, uniform, 0.0, **kw)
-    for b in range(bsz):
-        counts = kw["output_counts"][b].clone()
-        node, path, emitted = 0, [0], []
-        while True:
-            sub = {k: v[b:b + 1] for k, v in kw.items() if k not in ("output_counts", "token_bitmask")}
-            one = ops.verify(logits[b:b + 1, node:node + 1], torch.tensor([[-1]]), tokens[b:b + 1, node:node + 1], None,
-                             uniform[b:b + 1, :1], 0.0, output_counts=counts[None].clone(),
-                             token_bitmask=kw["token_bitmask"][b:b + 1, node:node + 1], **sub)
-            t = int(one[2][0, 0])
-            emitted.append(t)
-            nxt = next((c for c in range(node + 1, n) if int(parents[b, c]) == node and int(tokens[b, c]) == t), None)
-            if nxt is None:
-                break
-            path.append(nxt)
-            counts[t] += 1
-            node = nxt
-        assert a_idx[b, :len(path)].tolist() == path and out[b, :len(emitted)].tolist() == emitted
-        assert int(a_len[b]) == len(path) - 1
+    bsz, n, vocab = 4, 10, 30
+    for seed in (9, 11):
+        g = gen(seed)
+        logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "wide", False, 0.0, 0, 1.0, seed=seed)
+        # drafts from a small alphabet, favoured at their parents: paths repeat tokens
+        tokens[:, 1:] = torch.randint(0, 3, (bsz, n - 1), generator=g)
+        row_max = logits.amax(-1)
+        for b in range(bsz):
+            for i in range(1, n):
+                p = int(parents[b, i])
+                logits[b, p, int(tokens[b, i])] = row_max[b, p] + 2.0 + 2.0 * float(torch.rand(1, generator=g))
+        kw = random_processing(bsz, n, vocab, ["presence", "frequency", "repetition", "logit_bias", "bitmask"], g,
+                               strength=0.4)
+        kw["token_bitmask"][:, :, 0] |= 0b111  # the drafts' alphabet stays allowed everywhere
+        a_len, a_idx, out = ops.verify(logits, parents, tokens, None, uniform, 0.0, **kw)
+        assert int(a_len.max()) >= 2, "paths too short to test the path counts"
+        for b in range(bsz):
+            counts = kw["output_counts"][b].clone()
+            node, path, emitted = 0, [0], []
+            while True:
+                sub = {k: v[b:b + 1] for k, v in kw.items() if k not in ("output_counts", "token_bitmask")}
+                one = ops.verify(logits[b:b + 1, node:node + 1], torch.tensor([[-1]]), tokens[b:b + 1, node:node + 1],
+                                 None, uniform[b:b + 1, :1], 0.0, output_counts=counts[None].clone(),
+                                 token_bitmask=kw["token_bitmask"][b:b + 1, node:node + 1], **sub)
+                t = int(one[2][0, 0])
+                emitted.append(t)
+                nxt = next((c for c in range(node + 1, n) if int(parents[b, c]) == node and int(tokens[b, c]) == t),
+                           None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                counts[t] += 1
+                node = nxt
+            assert a_idx[b, :len(path)].tolist() == path and out[b, :len(emitted)].tolist() == emitted, (seed, b)
+            assert int(a_len[b]) == len(path) - 1
 
 
 # ----------------------------------------------------------------------------------------------
