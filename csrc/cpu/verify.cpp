@@ -63,28 +63,69 @@ struct Processing {
   bool active = false;               // anything to do
 };
 
-// reference.process_logits for one token with output count c (committed + path).
-inline float process_one(float x, int64_t v, int64_t c, const Processing& pr, const int32_t* mask_row) {
-  if (pr.bias != nullptr) x = x + pr.bias[v];
-  if (pr.repetition != 1.0f && (c > 0 || (pr.prompt != nullptr && pr.prompt[v])))
-    x = x > 0.0f ? x / pr.repetition : x * pr.repetition;
+// The penalties of reference.process_logits (after the bias, before the bitmask) for one token with
+// output count c (committed + path).
+inline float penalize(float x, int64_t c, bool in_prompt, const Processing& pr) {
+  if (pr.repetition != 1.0f && (c > 0 || in_prompt)) x = x > 0.0f ? x / pr.repetition : x * pr.repetition;
   if (c > 0) {
     if (pr.frequency != 0.0f) x = x - pr.frequency * static_cast<float>(c);
     if (pr.presence != 0.0f) x = x - pr.presence;
   }
-  if (mask_row != nullptr && !((static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31)) & 1u))
-    x = -std::numeric_limits<float>::infinity();
   return x;
+}
+
+inline bool allowed(const int32_t* mask_row, int64_t v) {
+  return mask_row == nullptr || ((static_cast<uint32_t>(mask_row[v >> 5]) >> (v & 31)) & 1u);
+}
+
+// reference.process_logits for one token with output count c.
+inline float process_one(float x, int64_t v, int64_t c, const Processing& pr, const int32_t* mask_row) {
+  if (pr.bias != nullptr) x = x + pr.bias[v];
+  x = penalize(x, c, pr.prompt != nullptr && pr.prompt[v], pr);
+  return allowed(mask_row, v) ? x : -std::numeric_limits<float>::infinity();
 }
 
 // y <- the processed logits of one node: every token with its committed count, then each distinct
 // token on the node's path (path_tokens[0, n_path): the draft tokens of the nodes root -> node,
-// root excluded) again with its path occurrences added.
+// root excluded) again with its path occurrences added. The whole row goes in passes (each token's
+// operations in process_one's order): widen + bias, the penalties on the tokens seen (most are
+// not), the bitmask word by word. Returns false if the raw row holds a NaN or +inf (an all -inf raw
+// row leaves the processed row all -inf or NaN, which the caller's scan rejects).
 template <typename T>
-void process_node(const T* raw, int64_t V, const Processing& pr, const int32_t* mask_row, const int64_t* path_tokens,
+bool process_node(const T* raw, int64_t V, const Processing& pr, const int32_t* mask_row, const int64_t* path_tokens,
                   int64_t n_path, float* y) {
-  for (int64_t v = 0; v < V; ++v)
-    y[v] = process_one(static_cast<float>(raw[v]), v, pr.counts != nullptr ? pr.counts[v] : 0, pr, mask_row);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  bool bad = false;
+  if (pr.bias != nullptr) {
+    for (int64_t v = 0; v < V; ++v) {
+      const float r = static_cast<float>(raw[v]);
+      bad |= (r != r) | (r == kInf);
+      y[v] = r + pr.bias[v];
+    }
+  } else {
+    for (int64_t v = 0; v < V; ++v) {
+      const float r = static_cast<float>(raw[v]);
+      bad |= (r != r) | (r == kInf);
+      y[v] = r;
+    }
+  }
+  if (pr.repetition != 1.0f || pr.frequency != 0.0f || pr.presence != 0.0f) {
+    const bool by_prompt = pr.prompt != nullptr && pr.repetition != 1.0f;
+    for (int64_t v = 0; v < V; ++v) {
+      const int64_t c = pr.counts != nullptr ? pr.counts[v] : 0;
+      const bool in_prompt = by_prompt && pr.prompt[v];
+      if (c > 0 || in_prompt) y[v] = penalize(y[v], c, in_prompt, pr);
+    }
+  }
+  if (mask_row != nullptr) {
+    for (int64_t w = 0; w * 32 < V; ++w) {
+      const uint32_t m = static_cast<uint32_t>(mask_row[w]);
+      if (m == 0xffffffffu) continue;
+      const int64_t end = std::min<int64_t>(V, w * 32 + 32);
+      for (int64_t v = w * 32; v < end; ++v)
+        if (!((m >> (v & 31)) & 1u)) y[v] = -kInf;
+    }
+  }
   for (int64_t k = 0; k < n_path; ++k) {
     const int64_t t = path_tokens[k];
     bool first = true;
@@ -95,6 +136,7 @@ void process_node(const T* raw, int64_t V, const Processing& pr, const int32_t* 
     const int64_t c = (pr.counts != nullptr ? pr.counts[t] : 0) + extra;
     y[t] = process_one(static_cast<float>(raw[t]), t, c, pr, mask_row);
   }
+  return !bad;
 }
 
 // Per-thread buffers, kept across calls (they only grow): allocating and faulting in a few MB per
@@ -325,18 +367,17 @@ void verify_row(const T* logits, int64_t s0, int64_t s1, const at::Tensor* draft
   while (true) {
     const T* raw = logits + b * s0 + node * s1;
     int64_t argmax = 0;
-    if (!scan_logits(raw, V, &argmax)) {
-      valid = false;
-      break;
-    }
     if (pr.active) {  // this node's processed logits replace the raw ones from here on
       for (int64_t k = 1; k <= n_acc; ++k) path_tokens[k - 1] = io.tokens[path[k]];
       const int32_t* mask_row = pr.bitmask != nullptr ? pr.bitmask + node * pr.words : nullptr;
-      process_node(raw, V, pr, mask_row, path_tokens, n_acc, w.y.data());
-      if (!scan_logits(w.y.data(), V, &argmax)) {
+      if (!process_node(raw, V, pr, mask_row, path_tokens, n_acc, w.y.data()) ||
+          !scan_logits(w.y.data(), V, &argmax)) {
         valid = false;
         break;
       }
+    } else if (!scan_logits(raw, V, &argmax)) {
+      valid = false;
+      break;
     }
     if (greedy) {
       int64_t next = -1;

@@ -221,6 +221,10 @@ struct VerifySmem {
   int next;
   int flag;
   NodeDist dist;
+  // the row's logit processing (shared: kept out of the registers of the rows without it)
+  RowProcessing proc;
+  float* processed;  // the workspace row, or nullptr: no processing for this row
+  float min_p;       // 0: off
 };
 
 __device__ __forceinline__ float scaled_logit(const void* row, int type, int64_t i, float temperature) {
@@ -421,29 +425,30 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
   const double top_p = load_real(P.top_p, b, P.top_p_f64);
   const bool greedy = temperature_d == 0.0;
   const float temperature = static_cast<float>(temperature_d);
-  // The row's logit processing (every thread reads the same values).
-  const double presence_d = P.presence != nullptr ? load_real(P.presence, b, P.presence_f64) : 0.0;
-  const double frequency_d = P.frequency != nullptr ? load_real(P.frequency, b, P.frequency_f64) : 0.0;
-  const double repetition_d = P.repetition != nullptr ? load_real(P.repetition, b, P.repetition_f64) : 1.0;
-  const double min_p = P.min_p != nullptr ? load_real(P.min_p, b, P.min_p_f64) : 0.0;
-  RowProcessing pr;
-  pr.counts = P.counts != nullptr ? P.counts + b * V : nullptr;
-  pr.prompt = P.prompt != nullptr ? P.prompt + b * V : nullptr;
-  pr.bias = P.bias != nullptr ? P.bias + b * V : nullptr;
-  pr.bitmask = P.bitmask != nullptr ? P.bitmask + b * N * P.words : nullptr;
-  pr.presence = static_cast<float>(presence_d);
-  pr.frequency = static_cast<float>(frequency_d);
-  pr.repetition = static_cast<float>(repetition_d);
-  const bool active = P.processed != nullptr && (pr.bias != nullptr || pr.bitmask != nullptr || pr.presence != 0.0f ||
-                                                 pr.frequency != 0.0f || pr.repetition != 1.0f);
-  float* processed = P.processed != nullptr ? P.processed + b * V : nullptr;
   __syncthreads();
   if (tid == 0) {  // a row with a bad parent, token id or parameter is invalid: nothing is read out of bounds
     const double kInfD = static_cast<double>(__uint_as_float(0x7f800000u));
     bool ok = sm.parents[0] == -1;
     ok = ok && temperature_d >= 0.0 && temperature_d < kInfD && top_k >= 0 && top_p > 0.0 && top_p <= 1.0;
+    // the row's logit processing
+    const double presence_d = P.presence != nullptr ? load_real(P.presence, b, P.presence_f64) : 0.0;
+    const double frequency_d = P.frequency != nullptr ? load_real(P.frequency, b, P.frequency_f64) : 0.0;
+    const double repetition_d = P.repetition != nullptr ? load_real(P.repetition, b, P.repetition_f64) : 1.0;
+    const double min_p_d = P.min_p != nullptr ? load_real(P.min_p, b, P.min_p_f64) : 0.0;
     ok = ok && presence_d >= -2.0 && presence_d <= 2.0 && frequency_d >= -2.0 && frequency_d <= 2.0;
-    ok = ok && repetition_d > 0.0 && repetition_d < kInfD && min_p >= 0.0 && min_p <= 1.0;
+    ok = ok && repetition_d > 0.0 && repetition_d < kInfD && min_p_d >= 0.0 && min_p_d <= 1.0;
+    RowProcessing& pr = sm.proc;
+    pr.counts = P.counts != nullptr ? P.counts + b * V : nullptr;
+    pr.prompt = P.prompt != nullptr ? P.prompt + b * V : nullptr;
+    pr.bias = P.bias != nullptr ? P.bias + b * V : nullptr;
+    pr.bitmask = P.bitmask != nullptr ? P.bitmask + b * N * P.words : nullptr;
+    pr.presence = static_cast<float>(presence_d);
+    pr.frequency = static_cast<float>(frequency_d);
+    pr.repetition = static_cast<float>(repetition_d);
+    const bool active = P.processed != nullptr && (pr.bias != nullptr || pr.bitmask != nullptr ||
+                                                   pr.presence != 0.0f || pr.frequency != 0.0f || pr.repetition != 1.0f);
+    sm.processed = active ? P.processed + b * V : nullptr;
+    sm.min_p = static_cast<float>(min_p_d);
     int num_real = N;  // draft ids: a token in [0, V) or -1 (padding), the padding after the real nodes
     for (int i = 1; i < N; ++i) {
       ok = ok && sm.parents[i] >= 0 && sm.parents[i] < i;
@@ -474,10 +479,12 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     // 1. validity, max and argmax
     int flags = 0;  // bit 0: a NaN or +inf; bit 1: a value other than -inf
     ArgMax best{-kInf, V};
-    if (active) {
+    if (sm.processed != nullptr) {
       // 0. the node's processed logits: every token with its committed count, then each distinct
       // token on the path (root excluded, node included) with its path occurrences added.
       __syncthreads();  // sm.path is complete; the previous node is done with the workspace row
+      const RowProcessing& pr = sm.proc;
+      float* processed = sm.processed;
       const int32_t* mask_row = pr.bitmask != nullptr ? pr.bitmask + node * P.words : nullptr;
       for (int64_t i = tid; i < V; i += blockDim.x) {
         const float raw = load_float(row, i, row_type);
@@ -536,7 +543,8 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
     // same node state; thread 0 publishes it to shared memory for the per-element functions.
     const float x_max = best.value / temperature;  // division by t > 0 preserves the order
     float inv_sum0 = 0.0f;
-    if (min_p > 0.0) {  // min_p: the softmax over every token first
+    const float min_p = sm.min_p;
+    if (min_p > 0.0f) {  // min_p: the softmax over every token first
       double sum0 = 0.0;
       for (int64_t i = tid; i < V; i += blockDim.x) sum0 += expf(scaled_logit(row, row_type, i, temperature) - x_max);
       inv_sum0 = 1.0f / static_cast<float>(block_reduce(sum0, Sum(), sm.red_d));
@@ -551,9 +559,9 @@ __global__ void __launch_bounds__(kMaxThreads) verify_kernel(const VerifyParams 
       dist.q_row = q_row;
       dist.temperature = temperature;
       dist.x_max = x_max;
-      dist.min_p = min_p > 0.0;
+      dist.min_p = min_p > 0.0f;
       dist.inv_sum0 = inv_sum0;
-      dist.min_p_threshold = mul_rn(inv_sum0, static_cast<float>(min_p));  // min_p x the largest probability
+      dist.min_p_threshold = mul_rn(inv_sum0, min_p);  // min_p x the largest probability
       dist.kth = -kInf;
       dist.rejected = 0;
     }

@@ -114,6 +114,39 @@ def test_kernel_matches_reference(features, with_q, kind):
     assert changed > 0, "the processing never changed an outcome: the test has no power"
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("vocab", [49_152, 128_256])
+def test_kernel_matches_reference_large_vocab(device, vocab):
+    """Every feature on a real vocabulary size (CPU: torch's softmax path; CUDA: processed rows skip
+    the chunk pass, row 3 is neutral and uses it), greedy and sampled rows with top-k / top-p."""
+    dev = need_kernels(device)
+    g = gen(vocab % 1000)
+    bsz, n = 4, 5
+    inputs = make_verify_inputs(bsz, n, vocab, "random", False, 1.0, 0, 1.0, seed=vocab % 977, scale=4.0, boost=4.0, hot=8)
+    kw = random_processing(bsz, n, vocab, FEATURES, g, neutral_rows=(3,))
+    params = (row_params(bsz, (0,)), torch.tensor([0, 0, 40, 0]), torch.tensor([1.0, 0.9, 1.0, 0.95], dtype=torch.float64))
+    ref = reference.verify(*inputs, *params, **kw)
+    out = ops.verify(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in inputs],
+                     *[t.to(dev) for t in params], **{k: v.to(dev) for k, v in kw.items()})
+    assert_same([t.cpu() for t in out], ref, f"(V={vocab}, {device})")
+
+
+@pytest.mark.parametrize("features", [["presence", "frequency", "repetition"], FEATURES], ids=lambda f: "+".join(f))
+@pytest.mark.parametrize("with_q", [False, True], ids=["point", "q"])
+def test_cuda_kernel_matches_reference(features, with_q):
+    """The CUDA kernel (a GPU) against the reference, as test_kernel_matches_reference on CPU."""
+    dev = need_kernels("cuda")
+    for trial, (bsz, n, vocab) in enumerate([(4, 9, 50), (4, 12, 300), (4, 6, 1500)]):
+        seed = 500 + trial + len(features)
+        inputs = make_verify_inputs(bsz, n, vocab, "random", with_q, 1.0, 0, 1.0, seed=seed, boost=2.0)
+        kw = random_processing(bsz, n, vocab, features, gen(seed), neutral_rows=(1,))
+        params = (row_params(bsz, (0, 3)), torch.tensor([0, 0, 20, 0]), torch.tensor([1.0, 0.9, 1.0, 1.0], dtype=torch.float64))
+        ref = reference.verify(*inputs, *params, **kw)
+        out = ops.verify(*[t.to(dev) if isinstance(t, torch.Tensor) else t for t in inputs],
+                         *[t.to(dev) for t in params], **{k: v.to(dev) for k, v in kw.items()})
+        assert_same([t.cpu() for t in out], ref, f"({features}, V={vocab}, cuda)")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_kernel_matches_reference_half_logits(dtype):
     need_kernels("cpu")
@@ -220,29 +253,41 @@ def test_greedy_walk_with_single_node_verifies():
     """Greedy, literally one node per verify (N = 1): the emitted argmax moves to the first child with
     that token; each single-node verify's counts include the path so far."""
     need_kernels("cpu")
-    bsz, n, vocab = 3, 10, 30
-    g = gen(9)
-    logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "wide", False, 0.0, 0, 1.0, seed=9, boost=2.0)
-    kw = random_processing(bsz, n, vocab, ["presence", "frequency", "repetition", "logit_bias", "bitmask"], g)
-    a_len, a_idx, out = ops.verify(logits, parents, tokens, None, uniform, 0.0, **kw)
-    for b in range(bsz):
-        counts = kw["output_counts"][b].clone()
-        node, path, emitted = 0, [0], []
-        while True:
-            sub = {k: v[b:b + 1] for k, v in kw.items() if k not in ("output_counts", "token_bitmask")}
-            one = ops.verify(logits[b:b + 1, node:node + 1], torch.tensor([[-1]]), tokens[b:b + 1, node:node + 1], None,
-                             uniform[b:b + 1, :1], 0.0, output_counts=counts[None].clone(),
-                             token_bitmask=kw["token_bitmask"][b:b + 1, node:node + 1], **sub)
-            t = int(one[2][0, 0])
-            emitted.append(t)
-            nxt = next((c for c in range(node + 1, n) if int(parents[b, c]) == node and int(tokens[b, c]) == t), None)
-            if nxt is None:
-                break
-            path.append(nxt)
-            counts[t] += 1
-            node = nxt
-        assert a_idx[b, :len(path)].tolist() == path and out[b, :len(emitted)].tolist() == emitted
-        assert int(a_len[b]) == len(path) - 1
+    bsz, n, vocab = 4, 10, 30
+    for seed in (9, 11):
+        g = gen(seed)
+        logits, parents, tokens, _, uniform = make_verify_inputs(bsz, n, vocab, "wide", False, 0.0, 0, 1.0, seed=seed)
+        # drafts from a small alphabet, favoured at their parents: paths repeat tokens
+        tokens[:, 1:] = torch.randint(0, 3, (bsz, n - 1), generator=g)
+        row_max = logits.amax(-1)
+        for b in range(bsz):
+            for i in range(1, n):
+                p = int(parents[b, i])
+                logits[b, p, int(tokens[b, i])] = row_max[b, p] + 2.0 + 2.0 * float(torch.rand(1, generator=g))
+        kw = random_processing(bsz, n, vocab, ["presence", "frequency", "repetition", "logit_bias", "bitmask"], g,
+                               strength=0.4)
+        kw["token_bitmask"][:, :, 0] |= 0b111  # the drafts' alphabet stays allowed everywhere
+        a_len, a_idx, out = ops.verify(logits, parents, tokens, None, uniform, 0.0, **kw)
+        assert int(a_len.max()) >= 2, "paths too short to test the path counts"
+        for b in range(bsz):
+            counts = kw["output_counts"][b].clone()
+            node, path, emitted = 0, [0], []
+            while True:
+                sub = {k: v[b:b + 1] for k, v in kw.items() if k not in ("output_counts", "token_bitmask")}
+                one = ops.verify(logits[b:b + 1, node:node + 1], torch.tensor([[-1]]), tokens[b:b + 1, node:node + 1],
+                                 None, uniform[b:b + 1, :1], 0.0, output_counts=counts[None].clone(),
+                                 token_bitmask=kw["token_bitmask"][b:b + 1, node:node + 1], **sub)
+                t = int(one[2][0, 0])
+                emitted.append(t)
+                nxt = next((c for c in range(node + 1, n) if int(parents[b, c]) == node and int(tokens[b, c]) == t),
+                           None)
+                if nxt is None:
+                    break
+                path.append(nxt)
+                counts[t] += 1
+                node = nxt
+            assert a_idx[b, :len(path)].tolist() == path and out[b, :len(emitted)].tolist() == emitted, (seed, b)
+            assert int(a_len[b]) == len(path) - 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,6 +436,25 @@ def test_overflow_to_inf_is_invalid():
         args = (logits, torch.tensor([[-1]]), torch.tensor([[0]]), None, torch.zeros(1, 1), 0.0, 0, 1.0)
         assert fn(*args, **kw)[0].tolist() == [-1]
         assert fn(*args)[0].tolist() == [0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_raw_logits_are_still_checked(temperature):
+    """A NaN / +inf raw logit makes the node invalid even where the bitmask disallows that token, and
+    all -inf raw logits stay invalid whatever the bias (the model is broken, not the request)."""
+    need_kernels("cpu")
+    vocab = 40
+    logits = torch.randn(3, 1, vocab, generator=gen(2))
+    logits[0, 0, 5] = float("nan")
+    logits[1, 0, 6] = float("inf")
+    logits[2, 0] = float("-inf")
+    allowed = torch.ones(3, 1, vocab, dtype=torch.bool)
+    allowed[0, 0, 5] = allowed[1, 0, 6] = False
+    kw = dict(token_bitmask=reference.pack_token_bitmask(allowed), logit_bias=torch.full((3, vocab), 2.0))
+    args = (logits, torch.full((3, 1), -1), torch.zeros(3, 1, dtype=torch.int64), None, torch.zeros(3, 1),
+            temperature, 0, 1.0)
+    for fn in (ops.verify, reference.verify):
+        assert fn(*args, **kw)[0].tolist() == [-1, -1, -1]
 
 
 # ----------------------------------------------------------------------------------------------
