@@ -410,8 +410,11 @@ class TargetStep:
         for b, s in rows.items():
             n_acc = host[b]
             if n_acc < 0:  # this row's failure only: the scheduler fails its request, the others go on
+                why = "non-finite logits (NaN/inf)"
+                if s.params.processed or s.constraint is not None:  # (verify's invalid-row rule covers both)
+                    why += " or logits its penalties / grammar left no token to choose from"
                 results[b] = NonFiniteLogitsError(
-                    f"the target produced non-finite logits (NaN/inf) at position {s.cache_len}"
+                    f"the target produced {why} at position {s.cache_len}"
                     + (f" for the request in slot {b}" if self.slots > 1 else "") + "; no token was emitted from them")
                 continue
             toks = host[rb + b * n: rb + b * n + n_acc + 1]
