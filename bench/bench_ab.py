@@ -6,8 +6,9 @@ Each round runs every checkout once, in turn (A B A B ...), each in its own proc
 checkout's ``turbospec`` (its own built ``_C``): the default model (SmolLM2-135M-Instruct, the
 GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
 (no drafts), at ``--threads`` threads, per ``--dtype``; and a verify pass of ``--nodes`` tokens.
-Prints each checkout's median decode tok/s and verify ms, and their ratio; writes JSON with
---out. Only same-run ratios mean anything (machines and their load differ).
+Then speculative decoding through the whole step at fixed lengths (n-gram chains of 8, the shipped
+EAGLE-3 head's 16-node trees) on a rewrite prompt. Prints each checkout's medians and their
+ratios; writes JSON with --out. Only same-run ratios mean anything (machines and their load differ).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import time
 
 CHILD = r"""
 import json, sys, time, torch
-import turbospec
+import turbospec, turbospec.heads.shipped
 from turbospec import Engine
 dtype, tokens, threads, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 torch.set_num_threads(threads)
@@ -41,8 +42,19 @@ for _ in range(7):
     s = time.perf_counter()
     t.forward(x, pos, cache, 100, logits="normed")
     times.append(time.perf_counter() - s)
-print(json.dumps({"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
-                  "verify_ms": sorted(times)[3] * 1e3, "ids": g.token_ids[:16]}))
+out = {"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
+       "verify_ms": sorted(times)[3] * 1e3, "ids": g.token_ids[:16]}
+# speculative decoding through the whole step (drafts, tree verify, lazy LM head, compaction):
+# n-gram chains and the shipped EAGLE-3 head's 16-node trees, fixed lengths
+rewrite = "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes."
+for name, kw in (("ngram", dict(drafter="ngram", num_draft=8)),
+                 ("eagle3", dict(drafter="eagle", head=turbospec.heads.shipped.shipped_heads()["eagle3"],
+                                 num_draft=16))):
+    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, **kw)
+    e.generate(rewrite, max_new_tokens=8)
+    s = e.generate(rewrite, max_new_tokens=tokens)
+    out[name + "_tok_s"], out[name + "_ids"] = s.stats["decode_tokens_per_s"], s.token_ids[:16]
+print(json.dumps(out))
 """
 
 
@@ -86,14 +98,19 @@ def main() -> None:
                 raise SystemExit(f"{name} {d}: the rounds decoded different tokens")
             tok = statistics.median(x["tok_s"] for x in runs)
             ver = statistics.median(x["verify_ms"] for x in runs)
-            base = base or (tok, ver)
+            spec = {k: statistics.median(x[k + "_tok_s"] for x in runs) for k in ("ngram", "eagle3")}
+            base = base or (tok, ver, spec)
             summary[f"{d} {name}"] = {"tok_s": tok, "verify_ms": ver, "tok_s_ratio": tok / base[0],
-                                      "verify_ratio": ver / base[1]}
+                                      "verify_ratio": ver / base[1],
+                                      **{f"{k}_tok_s": v for k, v in spec.items()},
+                                      **{f"{k}_ratio": v / base[2][k] for k, v in spec.items()}}
             print(f"{d:9s} {name:10s} decode {tok:7.1f} tok/s ({tok / base[0]:.3f}x)  "
-                  f"verify {args.nodes} nodes {ver:6.2f} ms ({ver / base[1]:.3f}x)")
-        ids = {name: res[d][name][0]["ids"] for name, _ in trees}
-        if len({tuple(v) for v in ids.values()}) != 1:
-            print(f"WARNING {d}: the checkouts decoded different tokens: {ids}")
+                  f"verify {args.nodes} nodes {ver:6.2f} ms ({ver / base[1]:.3f}x)  "
+                  + "  ".join(f"{k} {v:6.1f} tok/s ({v / base[2][k]:.3f}x)" for k, v in spec.items()))
+        for key in ("ids", "ngram_ids", "eagle3_ids"):
+            ids = {name: res[d][name][0][key] for name, _ in trees}
+            if len({tuple(v) for v in ids.values()}) != 1:
+                print(f"WARNING {d} {key}: the checkouts decoded different tokens: {ids}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(sys.argv), "date": start, "machine": platform.processor() or
