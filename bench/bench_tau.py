@@ -138,6 +138,9 @@ def main(argv=None) -> int:
                              "tok_s": emitted["overall"] / secs})
                 print(f"{name} @ {n} nodes, round {rnd}: τ {rows[-1]['tau']['overall']:.3f}, "
                       f"{rows[-1]['tok_s']:.1f} tok/s (prefill included)", file=sys.stderr)
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out + ".partial", "w") as f:  # what is done so far, should the run be cut
+                    json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     if args.plain:
         rows.insert(0, plain_row)
     cats = [c for c in dict.fromkeys(q["category"] for q in prompts)] + ["overall"]
