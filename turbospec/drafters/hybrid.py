@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
+from .eagle import EagleDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixDrafter, build_tree
 from ..ops.sampling import SamplingParams
@@ -231,7 +232,7 @@ class HeadSuffixDrafter(Drafter):
     PRIOR = {"head": 1.0, "suffix": 0.5}
 
     def __init__(self, head: Drafter, suffix: SuffixDrafter, calibration: Calibration | None = None):
-        if not hasattr(head, "vocab_ids") or not hasattr(head, "depth_budget"):
+        if not isinstance(head, EagleDrafter):
             raise ValueError(f"drafter='hybrid' needs an EAGLE / EAGLE-3 head drafter, got {type(head).__name__}")
         if not isinstance(suffix, SuffixDrafter):
             raise ValueError(f"HeadSuffixDrafter: suffix must be a SuffixDrafter, got {type(suffix).__name__}")
