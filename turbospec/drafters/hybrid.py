@@ -222,10 +222,9 @@ class HeadSuffixDrafter(Drafter):
     Both propose for the whole budget; ``merge_scored`` keeps the likeliest nodes of their union. A
     head node scores its path probability under the head (EAGLE-2's own ranking), a suffix node the
     frequency of its path among the match's continuations (``build_tree``); each conditional step is
-    scaled by how often that source's drafts were right at that depth (head) or match length (suffix;
-    a full-length match further by how far back it really agrees, < 16, < 32, 32+ tokens: a repeated
-    passage rather than a common phrase, each starting from its match length's ratio), measured
-    (``Calibration``). So a long match in a repeated text fills the tree with the
+    scaled by how often that source's drafts were right at that depth (head) or match length and
+    run of unmissed suffix steps in this request (0, 1, 2+: a copy going on; each run length starts
+    from its match length's ratio), measured (``Calibration``). So a long match in a repeated text fills the tree with the
     remembered continuation, and a short, unreliable one only adds a few nodes beside the head's.
 
     Sampling: when the suffix cache has a match, the head drafts its greedy top-k tree
@@ -250,11 +249,13 @@ class HeadSuffixDrafter(Drafter):
         self.name = f"{head.name}+suffix"
         self.features = head.features
         self._last: list[tuple[Draft, list]] = []  # the last proposal's (tree, calibration keys) per source
+        self._streak = 0  # this request's steps in a row whose suffix tree did not miss (a copy going on)
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         self.head.begin(prompt_ids, features=features)
         self.suffix.begin(prompt_ids)
         self._last = []
+        self._streak = 0
 
     def prepare(self, tokens: list[int]) -> None:
         self.head.prepare(tokens)
@@ -267,7 +268,9 @@ class HeadSuffixDrafter(Drafter):
         self.head.observe(tokens, num_accepted, features=features)
         emitted = tokens[len(tokens) - num_accepted - 1:]
         for tree, keys in self._last:
-            self.calibration.record(tree, keys, emitted)
+            missed = self.calibration.record(tree, keys, emitted)
+            if keys[0][0] == "suffix":
+                self._streak = 0 if missed else self._streak + 1
         self._last = []
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
@@ -281,8 +284,7 @@ class HeadSuffixDrafter(Drafter):
             return (yield from self.head.propose_steps(tokens, max_tokens, params, generator))
         head = yield from self.head.propose_steps(tokens, max_tokens, params, generator, point_mass=True)
         drafts = []
-        span = self.suffix.cache.match_span(tokens, match) if match >= self.suffix.cache.max_ngram else match
-        suffix_key = ("suffix", match_bucket(match), 0 if span < 16 else 1 if span < 32 else 2)
+        suffix_key = ("suffix", match_bucket(match), min(self._streak, 2))
         for d, keys in ((head, None), (tree, [suffix_key] * len(tree))):
             if d is None:
                 continue

@@ -93,21 +93,6 @@ class SuffixCache:
             self.index = {k: kept for k, v in self.index.items() if (kept := [p for p in v if p[0] in self.seqs])}
             self.stale = 0
 
-    def match_span(self, context: list[int], n: int, limit: int = 64, occurrences: int = 8) -> int:
-        """How far back ``context`` agrees with the most recent earlier occurrences (up to
-        ``occurrences``) of its last ``n`` tokens, at most ``limit`` tokens: the match's length
-        beyond ``max_ngram`` (a whole repeated passage vs a common phrase)."""
-        best = 0
-        for sid, e in reversed(self.index.get(tuple(context[-n:]), ())[-occurrences:]):
-            seq = self.seqs.get(sid)
-            if seq is None:
-                continue
-            k = 0
-            while k < limit and k < e and k < len(context) and seq[e - 1 - k] == context[-1 - k]:
-                k += 1
-            best = max(best, k)
-        return best
-
     def continuations(self, context: list[int], depth: int, max_occurrences: int) -> tuple[int, list[list[int]]]:
         """(the longest n-gram ending ``context`` that occurred with a continuation, the
         continuations of its most recent occurrences, up to ``depth`` tokens each); (0, []) when none."""
