@@ -156,16 +156,13 @@ class Calibration:
         self.stats: dict = {}  # key -> [hits, predicted]
 
     def ratio(self, key) -> float:
-        """hits / predicted for ``key``; a key of 3 parts (source, bucket, finer) starts from its
-        2-part parent's ratio instead of the prior."""
         h, p = self.stats.get(key, (0.0, 0.0))
-        r0 = self.ratio(key[:2]) if len(key) > 2 else self.prior.get(key[0], 1.0)
+        r0 = self.prior.get(key[0], 1.0)
         return (h + 2.0 * r0) / (p + 2.0)
 
-    def record(self, draft: Draft, keys: list, emitted: list[int]) -> bool:
+    def record(self, draft: Draft, keys: list, emitted: list[int]) -> None:
         """``draft`` (scores: its drafter's path probabilities), ``keys`` (one per node), ``emitted``:
-        what the target kept after the root (accepted drafts + its own token). Returns whether the
-        draft missed (the target left it where it had a continuation)."""
+        what the target kept after the root (accepted drafts + its own token)."""
         parents = draft.parents if draft.parents is not None else list(range(len(draft)))
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(parents):
@@ -176,18 +173,14 @@ class Calibration:
             for c in kids.get(node, ()):
                 parent_score = 1.0 if node == 0 else draft.scores[node - 1]
                 cond = draft.scores[c - 1] / parent_score if parent_score > 0 else 0.0
-                hit = draft.token_ids[c - 1] == t
-                key = keys[c - 1]
-                for k in ((key, key[:2]) if len(key) > 2 else (key,)):
-                    st = self.stats.setdefault(k, [0.0, 0.0])
-                    st[1] += min(cond, 1.0)
-                    st[0] += 1.0 if hit else 0.0
-                if hit:
+                st = self.stats.setdefault(keys[c - 1], [0.0, 0.0])
+                st[1] += min(cond, 1.0)
+                if draft.token_ids[c - 1] == t:
+                    st[0] += 1.0
                     nxt = c
             if nxt is None:
-                return bool(kids.get(node))
+                break
             node = nxt
-        return False
 
     def apply(self, draft: Draft, keys: list) -> Draft:
         """``draft`` with its scores calibrated (a new Draft; the scores stay non-increasing)."""
@@ -222,9 +215,8 @@ class HeadSuffixDrafter(Drafter):
     Both propose for the whole budget; ``merge_scored`` keeps the likeliest nodes of their union. A
     head node scores its path probability under the head (EAGLE-2's own ranking), a suffix node the
     frequency of its path among the match's continuations (``build_tree``); each conditional step is
-    scaled by how often that source's drafts were right at that depth (head) or match length and
-    run of unmissed suffix steps in this request (0, 1, 2+: a copy going on; each run length starts
-    from its match length's ratio), measured (``Calibration``). So a long match in a repeated text fills the tree with the
+    scaled by how often that source's drafts were right at that depth (head) or match length
+    (suffix), measured (``Calibration``). So a long match in a repeated text fills the tree with the
     remembered continuation, and a short, unreliable one only adds a few nodes beside the head's.
 
     Sampling: when the suffix cache has a match, the head drafts its greedy top-k tree
@@ -249,13 +241,11 @@ class HeadSuffixDrafter(Drafter):
         self.name = f"{head.name}+suffix"
         self.features = head.features
         self._last: list[tuple[Draft, list]] = []  # the last proposal's (tree, calibration keys) per source
-        self._streak = 0  # this request's steps in a row whose suffix tree did not miss (a copy going on)
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         self.head.begin(prompt_ids, features=features)
         self.suffix.begin(prompt_ids)
         self._last = []
-        self._streak = 0
 
     def prepare(self, tokens: list[int]) -> None:
         self.head.prepare(tokens)
@@ -268,9 +258,7 @@ class HeadSuffixDrafter(Drafter):
         self.head.observe(tokens, num_accepted, features=features)
         emitted = tokens[len(tokens) - num_accepted - 1:]
         for tree, keys in self._last:
-            missed = self.calibration.record(tree, keys, emitted)
-            if keys[0][0] == "suffix":
-                self._streak = 0 if missed else self._streak + 1
+            self.calibration.record(tree, keys, emitted)
         self._last = []
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
@@ -284,8 +272,7 @@ class HeadSuffixDrafter(Drafter):
             return (yield from self.head.propose_steps(tokens, max_tokens, params, generator))
         head = yield from self.head.propose_steps(tokens, max_tokens, params, generator, point_mass=True)
         drafts = []
-        suffix_key = ("suffix", match_bucket(match), min(self._streak, 2))
-        for d, keys in ((head, None), (tree, [suffix_key] * len(tree))):
+        for d, keys in ((head, None), (tree, [("suffix", match_bucket(match))] * len(tree))):
             if d is None:
                 continue
             keys = keys or [("head", min(x, 8)) for x in node_depths(d)]
