@@ -10,6 +10,14 @@ output of every run is checked against plain decoding token for token.
         --head gpu=/work/train/gpu-eagle3 --nodes 8,16,32 --per-category 4 --max-new-tokens 96
     python bench/bench_tau.py --drafter ngram --drafter suffix --rounds 2 --nodes 16
     python bench/bench_tau.py --drafter ngram --drafter suffix --drafter lookahead --nodes 16
+    python bench/bench_tau.py --workload multiturn --plain --drafter suffix --drafter hybrid \\
+        --head shipped=turbospec/heads_data/smollm2-eagle3 --nodes 8,16,32
+
+Workloads (``--workload``, see bench/workloads.py): ``specbench`` (the sample's first turns, by
+category), ``multiturn`` (three-turn chats resending the model's own earlier answers; categories are
+the turns) and ``codeedit`` (a snippet and an edit whose answer mostly copies it; categories are the
+edit kinds). Prompts run in order on one engine per drafter and budget, so the suffix drafter's
+cache holds the earlier requests (a chat's earlier turns).
 
 Prints a markdown table (τ per Spec-Bench category and overall, per head and node budget) and
 writes it with the per-prompt figures to --out (JSON).
@@ -25,6 +33,7 @@ import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/workloads.py
 
 import torch  # noqa: E402
 
@@ -34,8 +43,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head", action="append", default=[],
                    help="NAME=PATH of a head checkpoint (repeat); PATH alone names it by its folder")
-    p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix", "lookahead"],
-                   help="a model-free drafter to run too (repeat)")
+    p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix", "lookahead", "hybrid"],
+                   help="a model-free drafter to run too (repeat); hybrid: the EAGLE head of --hybrid-head "
+                        "and suffix decoding in one tree")
+    p.add_argument("--hybrid-head", default=None,
+                   help="the head of --drafter hybrid (default: the shipped EAGLE-3 head for the default model)")
+    p.add_argument("--plain", action="store_true", help="also report plain decoding (tau 1 by definition) as a row")
+    p.add_argument("--workload", default="specbench", choices=["specbench", "multiturn", "codeedit"],
+                   help="the prompts (see bench/workloads.py)")
+    p.add_argument("--conversations", type=int, default=8, help="multiturn: conversations (3 turns each)")
+    p.add_argument("--codeedit", type=int, default=20, help="codeedit: prompts")
     p.add_argument("--rounds", type=int, default=1,
                    help="ask every prompt this many times on the same engine (a repeated workload: the "
                         "suffix drafter's cache holds the earlier answers); tau is reported per round")
@@ -53,13 +70,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, help="the head's dtype (default: the target's)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-timings", action="store_true",
+                   help="leave the tok/s column out of the table (a shared machine: timings invalid)")
     p.add_argument("--out", default=os.path.join("bench", "out", "tau.json"))
     args = p.parse_args(argv)
     nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
     if not nodes or any(n < 1 for n in nodes):
         raise SystemExit(f"--nodes {args.nodes!r}: expected a comma list of integers >= 1")
-    if not args.head and not args.drafter:
-        raise SystemExit("nothing to run: pass --head and / or --drafter")
+    if not args.head and not args.drafter and not args.plain:
+        raise SystemExit("nothing to run: pass --head, --drafter and / or --plain")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     heads = []
@@ -77,14 +96,26 @@ def main(argv=None) -> int:
     source = turbospec.default_model_path() if args.model == "default" else args.model
     target = turbospec.load_model(source, getattr(torch, args.dtype))
     tok = load_tokenizer(source)
-    prompts = load_prompts(args.spec_bench, args.per_category, args.humaneval)
     plain = turbospec.Engine(target, drafter="none", tokenizer=tok, max_seq_len=2048)
-    ref = [plain.generate(q["text"], max_new_tokens=args.max_new_tokens).token_ids for q in prompts]
+    t_ref = time.perf_counter()
+    prompts, ref = workload_prompts(args, plain, tok)
+    ref_tok_s = sum(map(len, ref)) / (time.perf_counter() - t_ref)
     rows, per_prompt = [], []
     t0 = time.time()
+    plain_row = {"head": "plain", "path": None, "nodes": 0, "round": 1, "tok_s": ref_tok_s,
+                 "tau": {c: 1.0 for c in [q["category"] for q in prompts] + ["overall"]}}
     systems = [(name, path, dict(drafter="eagle", head=path, tree={"depth": args.depth, "top_k": args.top_k},
                                  draft_dtype=args.draft_dtype)) for name, path in heads]
-    systems += [(d, None, dict(drafter=d)) for d in args.drafter]
+    for d in args.drafter:
+        if d == "hybrid":
+            from turbospec.heads.shipped import shipped_heads
+            hpath = args.hybrid_head or (heads[0][1] if heads else shipped_heads().get("eagle3"))
+            if hpath is None:
+                raise SystemExit("--drafter hybrid needs --hybrid-head (or --head)")
+            systems.append(("hybrid", hpath, dict(drafter="hybrid", head=hpath, draft_dtype=args.draft_dtype,
+                                                  tree={"depth": args.depth, "top_k": args.top_k})))
+        else:
+            systems.append((d, None, dict(drafter=d)))
     for name, path, opts in systems:
         for n in nodes:
             eng = turbospec.Engine(target, num_draft=n, adaptive=args.adaptive, tokenizer=tok, max_seq_len=2048,
@@ -93,7 +124,7 @@ def main(argv=None) -> int:
                 emitted, steps = defaultdict(int), defaultdict(int)
                 t_round = time.perf_counter()
                 for q, want in zip(prompts, ref):
-                    g = eng.generate(q["text"], max_new_tokens=args.max_new_tokens)
+                    g = eng.generate(q["prompt"], max_new_tokens=args.max_new_tokens)
                     if g.token_ids != want:
                         raise SystemExit(f"{name} at {n} nodes: output differs from plain decoding on {q['id']}")
                     for cat in (q["category"], "overall"):
@@ -107,11 +138,18 @@ def main(argv=None) -> int:
                              "tok_s": emitted["overall"] / secs})
                 print(f"{name} @ {n} nodes, round {rnd}: τ {rows[-1]['tau']['overall']:.3f}, "
                       f"{rows[-1]['tok_s']:.1f} tok/s (prefill included)", file=sys.stderr)
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out + ".partial", "w") as f:  # what is done so far, should the run be cut
+                    json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    if args.plain:
+        rows.insert(0, plain_row)
     cats = [c for c in dict.fromkeys(q["category"] for q in prompts)] + ["overall"]
-    lines = ["| drafter | nodes | round | " + " | ".join(cats) + " | tok/s |", "|---|---|---|" + "---|" * (len(cats) + 1)]
+    timed = not args.no_timings
+    lines = ["| drafter | nodes | round | " + " | ".join(cats) + (" | tok/s |" if timed else " |"),
+             "|---|---|---|" + "---|" * (len(cats) + timed)]
     for r in rows:
         lines.append(f"| {r['head']} | {r['nodes']} | {r['round']} | "
-                     + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + f" | {r['tok_s']:.1f} |")
+                     + " | ".join(f"{r['tau'][c]:.2f}" for c in cats) + (f" | {r['tok_s']:.1f} |" if timed else " |"))
     table = "\n".join(lines)
     print(table)
     from turbospec.train.trainer import checkout_commit
@@ -121,10 +159,32 @@ def main(argv=None) -> int:
         json.dump({"command": " ".join(sys.argv), "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                    time.gmtime()), "machine": platform.processor() or platform.machine(),
                    "seconds": round(time.time() - t0, 1), "prompts": len(prompts),
-                   "max_new_tokens": args.max_new_tokens, "depth": args.depth, "top_k": args.top_k,
+                   "workload": args.workload, "max_new_tokens": args.max_new_tokens, "depth": args.depth, "top_k": args.top_k,
                    "adaptive": args.adaptive, "threads": torch.get_num_threads(),
                    "rows": rows, "per_prompt": per_prompt, "table": table}, f, indent=1)
     return 0
+
+
+def workload_prompts(args, plain, tok) -> tuple[list[dict], list[list[int]]]:
+    """The workload's prompts [{"id", "category", "prompt"}] and plain decoding's output for each
+    (the reference every drafter must reproduce)."""
+    from turbospec.benchmark import load_prompts
+    from workloads import codeedit_prompts, multiturn_conversations, multiturn_prompts
+    n = args.max_new_tokens
+    if args.workload == "multiturn":
+        answers: dict[int, list[int]] = {}
+
+        def answer(messages):
+            ids = plain.generate(messages, max_new_tokens=n).token_ids
+            answers[len(answers)] = ids
+            return tok.decode(ids, skip_special_tokens=True)
+        prompts = multiturn_prompts(multiturn_conversations(args.spec_bench, args.conversations), answer)
+        return prompts, [answers[i] for i in range(len(prompts))]
+    if args.workload == "codeedit":
+        prompts = codeedit_prompts(args.spec_bench, args.codeedit)
+    else:
+        prompts = [dict(q, prompt=q["text"]) for q in load_prompts(args.spec_bench, args.per_category, args.humaneval)]
+    return prompts, [plain.generate(q["prompt"], max_new_tokens=n).token_ids for q in prompts]
 
 
 if __name__ == "__main__":

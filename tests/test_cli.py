@@ -42,6 +42,20 @@ def test_generate_with_model_free_drafter_equals_plain(smollm2_dir, capsys, draf
     assert out.rstrip("\n") == Engine(smollm2_dir, drafter="none", max_seq_len=4096).generate(prompt, 16).text
 
 
+def test_generate_with_head_suffix_hybrid_equals_plain(smollm2_dir, capsys):
+    """--drafter hybrid --head DIR: the shipped EAGLE-3 head and suffix decoding in one tree."""
+    from turbospec import Engine
+    from turbospec.heads.shipped import shipped_heads
+    prompt = "Repeat exactly: red green blue red green blue"
+    assert cli.main(["generate", prompt, "--model", smollm2_dir, "--drafter", "hybrid", "--head",
+                     shipped_heads()["eagle3"], "--max-new-tokens", "16", "--threads", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "drafter eagle+suffix" in err
+    assert out.rstrip("\n") == Engine(smollm2_dir, drafter="none", max_seq_len=4096).generate(prompt, 16).text
+    rc = cli.main(["generate", prompt, "--model", smollm2_dir, "--drafter", "hybrid", "--max-new-tokens", "4"])
+    assert rc == 2 and "drafter='hybrid' needs head=" in capsys.readouterr()[1]
+
+
 def test_generate_logprobs_table(smollm2_dir, smollm2, capsys):
     """--logprobs N: the completion, then one line per token with its logprob and N alternatives:
     the engine's numbers without drafts."""

@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft", type=int, default=8)
     p.add_argument("--systems", default=None,
                    help="comma list from hf_plain,hf_lookup,hf_assisted,ts_plain,ts_ngram,ts_suffix,ts_lookahead,ts_draft_model,"
-                        "ts_layer_skip (default: all that apply)")
+                        "ts_layer_skip, ts_<head method>[_ngram], ts_hybrid_<eagle method> (default: all that apply)")
     p.add_argument("--head", action="append", default=[],
                    help="a draft-head checkpoint (EAGLE / EAGLE-3 / Medusa, any layout load_head reads); "
                         "repeat for several; each runs as ts_<method>. Default: the heads shipped for the "
@@ -230,6 +230,8 @@ def head_systems(args, target) -> dict:
         out[name] = (head, dict(opts, tree=tree))
         if ngram:
             out[f"{name}_ngram"] = (head, dict(opts, tree={**tree, "ngram": ngram}))
+        if method in ("eagle", "eagle3"):  # the head and suffix decoding in one tree
+            out[f"ts_hybrid_{method}"] = (head, dict(opts, drafter="hybrid", tree=tree))
     return out
 
 

@@ -31,10 +31,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    p.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa"],
+    p.add_argument("--drafter", default="auto", choices=["auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa", "hybrid"],
                    help="auto: the default model's shipped head when there is one, else ngram")
     p.add_argument("--head", default=None,
-                   help="draft-head checkpoint for --drafter eagle/medusa (turbospec, EAGLE, EAGLE-3 or Medusa layout)")
+                   help="draft-head checkpoint for --drafter eagle/medusa/hybrid (turbospec, EAGLE, EAGLE-3 or Medusa "
+                        "layout; hybrid: an EAGLE head and suffix decoding in one tree)")
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--prefix-cache-mb", type=int, default=512,
                    help="MiB of prompt K/V kept for later prompts that start the same way (0: off)")
@@ -130,11 +131,11 @@ def _audit(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     head = args.head
-    if head is None and args.drafter in ("eagle", "medusa"):
+    if head is None and args.drafter in ("eagle", "medusa", "hybrid"):
         if args.model != "default":
             raise ValueError(f"--drafter {args.drafter} needs --head (shipped heads exist for the default model only)")
         heads = shipped_heads()
-        method = next((m for m in (("eagle3", "eagle") if args.drafter == "eagle" else ("medusa",)) if m in heads), None)
+        method = next((m for m in (("medusa",) if args.drafter == "medusa" else ("eagle3", "eagle")) if m in heads), None)
         if method is None:
             raise ValueError(f"--drafter {args.drafter}: no shipped head; pass --head")
         head = heads[method]
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "speculation, chi-square per position, with a biased-acceptance negative "
                                    "control that must be rejected. Exit status 1 when the audit fails.")
     a.add_argument("--model", default="default", help="as in generate")
-    a.add_argument("--drafter", default="auto", choices=["auto", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa"],
+    a.add_argument("--drafter", default="auto", choices=["auto", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa", "hybrid"],
                    help="the drafter to audit (eagle / medusa without --head: the default model's shipped head)")
     a.add_argument("--head", default=None, help="draft head checkpoint directory")
     a.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")

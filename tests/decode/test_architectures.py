@@ -55,7 +55,7 @@ def arch(request):
 def _drafter_options(name: str, kind: str, target) -> dict:
     if name == "draft_model":
         return dict(draft_model=make_tiny_model(kind, seed=5, num_hidden_layers=1))
-    if name == "eagle":
+    if name in ("eagle", "hybrid"):
         return dict(head=make_head("eagle3", target, seed=2), tree={"depth": 3, "top_k": 3})
     if name == "medusa":
         return dict(head=make_head("medusa", target, seed=2), tree={"num_nodes": 12})

@@ -14,7 +14,7 @@ from turbospec.drafters.draft_model import layer_skip_draft
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.decode.batch import Request
 
-from helpers import make_tiny_model, make_tiny_tokenizer
+from helpers import make_head, make_tiny_model, make_tiny_tokenizer
 
 
 V = 256
@@ -278,7 +278,7 @@ def test_eos_stops_generation(tiny, drafter):
     assert g.stats["new_tokens"] == j + 1 and g.stats["finish_reason"] == "eos"
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "oracle-tree"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "hybrid", "oracle-tree"])
 def test_stop_token_ids_end_like_eos(tiny, drafter):
     """stop_token_ids end a generation at the first of them (kept as its last token, finish "eos"),
     with every drafter as without, alone and batched; bad ids are refused naming them."""
@@ -286,6 +286,8 @@ def test_stop_token_ids_end_like_eos(tiny, drafter):
     j = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])
     kw = dict(drafter=OracleDrafter(len(REPEAT_PROMPT), ref, tree=True)) if drafter == "oracle-tree" else \
         dict(drafter=drafter)
+    if drafter == "hybrid":  # an EAGLE-3 head and suffix decoding in one tree
+        kw["head"] = make_head("eagle3", target, seed=2)
     eng = Engine(target, num_draft=8, adaptive=False, max_seq_len=128, **kw)
     g = eng.generate(REPEAT_PROMPT, N_NEW, stop_token_ids=[ref[j], 255 if ref[j] != 255 else 254])
     assert g.token_ids == ref[: j + 1] and g.finish_reason == "eos"

@@ -32,7 +32,7 @@ from helpers import N_NEW, PROMPT, engine, make_head, make_tiny_model, make_tiny
 from test_engine import OracleDrafter
 
 TOP = 5
-SPEC = ["ngram", "suffix", "lookahead", "draft_model", "eagle", "eagle3", "medusa", "oracle_tree"]
+SPEC = ["ngram", "suffix", "lookahead", "draft_model", "eagle", "eagle3", "medusa", "hybrid", "oracle_tree"]
 
 
 def spec_engine(name: str, target, ref: list[int], vocab: list[int], **kw) -> Engine:
@@ -44,6 +44,8 @@ def spec_engine(name: str, target, ref: list[int], vocab: list[int], **kw) -> En
         return engine(target, name, head, vocab=vocab, **kw)
     if name == "draft_model":
         return Engine(target, drafter="draft_model", draft_model=layer_skip_draft(target, 2), **kw)
+    if name == "hybrid":
+        return Engine(target, drafter="hybrid", head=make_head("eagle3", target, vocab=vocab), **dict(kw, num_draft=12))
     if name == "oracle_tree":
         return Engine(target, drafter=OracleDrafter(len(PROMPT), ref, tree=True), **kw)
     return Engine(target, drafter=name, **kw)

@@ -355,8 +355,8 @@ def test_shipped_head_loads_and_drafts_exactly(smollm2):
 
 
 def test_benchmark_runs_shipped_heads_alone_and_hybrid(smollm2):
-    """turbospec bench's default head systems: each shipped head alone, and merged with prompt
-    lookup when it ships that way (or --head-ngram asks)."""
+    """turbospec bench's default head systems: each shipped head alone, merged with prompt lookup
+    when it ships that way (or --head-ngram asks), and an EAGLE head with suffix decoding (hybrid)."""
     import argparse
     from turbospec.benchmark import head_systems
     model, _ = smollm2
@@ -364,6 +364,9 @@ def test_benchmark_runs_shipped_heads_alone_and_hybrid(smollm2):
     systems = head_systems(args, model)
     assert "ngram" not in systems["ts_eagle3"][1]["tree"]
     assert systems["ts_eagle3_ngram"][1]["tree"]["ngram"] == 8 and "ts_medusa" in systems
+    # the EAGLE head and suffix decoding in one tree; a Medusa head has no hybrid
+    assert systems["ts_hybrid_eagle3"][1]["drafter"] == "hybrid" and "ngram" not in systems["ts_hybrid_eagle3"][1]["tree"]
+    assert "ts_hybrid_medusa" not in systems
     args.head_ngram = 4
     systems = head_systems(args, model)
     assert systems["ts_medusa_ngram"][1]["tree"] == {"num_nodes": 16, "ngram": 4}

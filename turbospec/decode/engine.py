@@ -44,7 +44,8 @@ class Engine:
             any other target: "ngram"), "none", "ngram", "suffix" (suffix decoding over this request and
             the earlier ones this engine served, see ``turbospec.drafters.suffix``), "lookahead" (lookahead
             decoding: Jacobi iteration fills an n-gram pool, see ``turbospec.drafters.lookahead``),
-            "draft_model" (needs ``draft_model``),
+            "draft_model" (needs ``draft_model``), "hybrid" (an EAGLE head, ``head``, and suffix decoding in
+            one tree, see ``turbospec.drafters.hybrid.HeadSuffixDrafter``; the default model: its shipped head),
             "eagle" / "medusa" (need ``head``), a ``Drafter`` instance (one request at a time), or a
             callable returning a new ``Drafter`` (one per concurrent request), e.g.
             ``functools.partial(NgramDrafter, min_ngram=1)``.
@@ -62,7 +63,8 @@ class Engine:
             and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
             see ``turbospec.drafters.hybrid``); suffix {"depth", "max_occurrences", "min_prob",
             "nodes_per_match", "cache_tokens", "max_ngram", "min_ngram"}; lookahead {"window", "ngram",
-            "guesses", "pool_from_context"}.
+            "guesses", "pool_from_context"}; hybrid {"depth", "top_k", "draft_vocab", "suffix": {suffix
+            options}}.
         draft_dtype: precision of the draft head (default: the target's); it changes acceptance only,
             never the output.
         device: where the target, its KV cache and the verify step run ("cpu", "cuda", "cuda:1";

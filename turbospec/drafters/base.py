@@ -23,6 +23,9 @@ class Draft:
     parents: list[int] | None = None  # [k] parent node of nodes 1..k (None: a chain, node i's parent is i-1)
     draft_probs: Tensor | None = None  # [k + 1, V] q at each node (node i's children were drawn from
     #                                    draft_probs[i]); None: point-mass drafts
+    scores: list[float] | None = None  # [k] optional: the drafter's estimate of the chance that the
+    #                                    target accepts the path to node i + 1, in [0, 1] (never above
+    #                                    the parent's); hybrids allocate a shared node budget by it
 
     def __len__(self) -> int:
         return len(self.token_ids)

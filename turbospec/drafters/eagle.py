@@ -17,6 +17,8 @@ from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache
 from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
+
+GREEDY = SamplingParams(0.0, 0, 1.0)
 from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, inference_copy, to_draft
 
 
@@ -97,7 +99,12 @@ class EagleDrafter(Drafter):
         return idx if self.vocab_ids is None else self.vocab_ids[idx]
 
     def propose_steps(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                      generator: torch.Generator | None):
+                      generator: torch.Generator | None, point_mass: bool = False):
+        """The EAGLE-2 tree (see the class). ``point_mass``: grow the greedy tree (top-k children,
+        re-ranked to ``max_tokens``, no draft probabilities) even when ``params`` sample, and without
+        the timed depth budget, so that the tree depends on the context only (a hybrid verifies it as
+        point masses beside other point-mass drafts: exact under sampling too). Greedy and
+        ``point_mass`` drafts carry ``Draft.scores`` (the head's path probabilities)."""
         t_start = time.perf_counter()
         if self.depth_budget is not None and self._t_end is not None and self._steps_since == 1:
             self.depth_budget.record(0, 0, None, t_start - self._t_end)  # one step's verify + the rest
@@ -127,9 +134,10 @@ class EagleDrafter(Drafter):
         frontier = [-1]
         root_q = None
         k = self.top_k
-        greedy = params.greedy
+        greedy = params.greedy or point_mass
+        tree_params = GREEDY if point_mass else params
         depth = min(self.depth, max_tokens)
-        if greedy and self.depth_budget is not None:
+        if params.greedy and self.depth_budget is not None:
             depth = self.depth_budget.choose(depth)
         rounds, t_rounds = 0, 0.0
         for d in range(1, depth + 1):
@@ -140,7 +148,7 @@ class EagleDrafter(Drafter):
                 kk = k if greedy else min(k, max_tokens - len(nodes))
                 if kk <= 0:
                     break
-                idx, lq, q = choose_children(logits[f], kk, params, generator)
+                idx, lq, q = choose_children(logits[f], kk, tree_params, generator)
                 if f < 0:
                     root_q = q
                 else:
@@ -184,6 +192,6 @@ class EagleDrafter(Drafter):
         if not nodes:
             return None
         keep = ancestor_closed_top(nodes, max_tokens) if greedy else list(range(len(nodes)))
-        if greedy:
+        if params.greedy:
             self._pending = (max(nodes[i].depth for i in keep), t_rounds / rounds if rounds else None)
-        return to_draft(nodes, keep, root_q, self.vocab_ids, vocab)
+        return to_draft(nodes, keep, root_q, self.vocab_ids, vocab, with_scores=greedy)

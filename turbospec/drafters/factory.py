@@ -14,13 +14,13 @@ from ..model.transformer import Transformer
 from .base import Drafter
 from .draft_model import DraftModelDrafter, DraftPool, check_compatible
 from .eagle import EagleDrafter
-from .hybrid import HybridDrafter
+from .hybrid import Calibration, HeadSuffixDrafter, HybridDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
 from .suffix import SuffixCache, SuffixDrafter
 
-DRAFTERS = ("auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa")
+DRAFTERS = ("auto", "none", "ngram", "suffix", "lookahead", "draft_model", "eagle", "medusa", "hybrid")
 SUFFIX_CACHE_OPTIONS = {"cache_tokens": "max_tokens", "max_ngram": "max_ngram", "min_ngram": "min_ngram"}
 SUFFIX_OPTIONS = ("depth", "max_occurrences", "min_prob", "nodes_per_match")
 LOOKAHEAD_OPTIONS = ("window", "ngram", "guesses", "pool_from_context")
@@ -100,6 +100,8 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         return suffix_drafter_builder(tree or {})
     if drafter == "lookahead":
         return lookahead_drafter_builder(tree or {})
+    if drafter == "hybrid":
+        return hybrid_drafter_builder(s, head, tree or {})
     if drafter == "draft_model":
         if draft_model is None:
             raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
@@ -130,6 +132,43 @@ def suffix_drafter_builder(tree: dict) -> Callable[[], Drafter]:
     opts = {k: v for k, v in tree.items() if k in SUFFIX_OPTIONS}
     SuffixDrafter(cache, **opts)  # bad drafter options fail here, when the engine is built
     return lambda: SuffixDrafter(cache, **opts)
+
+
+HYBRID_HEAD_OPTIONS = ("depth", "top_k", "draft_vocab")
+
+
+def hybrid_drafter_builder(s: DraftSettings, head, tree: dict) -> Callable[[], Drafter]:
+    """drafter="hybrid": an EAGLE / EAGLE-3 head (``head``; the default model: its shipped one) and
+    suffix decoding in one tree (``HeadSuffixDrafter``). ``tree``: the head's depth, top_k,
+    draft_vocab, and "suffix": a dict of suffix options (as for drafter="suffix"). The drafters built
+    share the head's prepared copy, one ``SuffixCache`` and one ``Calibration``."""
+    bad = set(tree) - set(HYBRID_HEAD_OPTIONS) - {"suffix"}
+    if bad:
+        raise ValueError(f"tree options {sorted(bad)} are not hybrid options ({', '.join(HYBRID_HEAD_OPTIONS)}, "
+                         f"suffix)")
+    suffix_opts = tree.get("suffix", {})
+    if not isinstance(suffix_opts, dict):
+        raise ValueError(f"tree['suffix'] must be a dict of suffix options, got {suffix_opts!r}")
+    head_tree = {k: v for k, v in tree.items() if k != "suffix"}
+    if head is None and s.default_target:
+        heads = shipped_heads()
+        path = next((heads[m] for m in ("eagle3", "eagle") if m in heads), None)
+        if path is not None:
+            head = load_head(path, target_cfg=s.target.cfg)
+            shipped = dict(head.extra.get("engine", {}).get("tree", {}))
+            head_tree = {**{k: v for k, v in shipped.items() if k in HYBRID_HEAD_OPTIONS}, **head_tree}
+    if head is None:
+        raise ValueError("drafter='hybrid' needs head= (an EAGLE or EAGLE-3 head checkpoint directory or a loaded "
+                         "head)")
+    if isinstance(head, (str, bytes)) or hasattr(head, "__fspath__"):
+        head = load_head(head, target_cfg=s.target.cfg)
+    method = getattr(getattr(head, "cfg", None), "method", None)
+    if method not in ("eagle", "eagle3"):
+        raise ValueError(f"drafter='hybrid' needs an eagle or eagle3 head, got a {method!r} head")
+    new_head = head_drafter_builder("eagle", s, head, head_tree)
+    new_suffix = suffix_drafter_builder(suffix_opts)
+    calibration = Calibration(HeadSuffixDrafter.PRIOR)
+    return lambda: HeadSuffixDrafter(new_head(), new_suffix(), calibration)
 
 
 def lookahead_drafter_builder(tree: dict) -> Callable[[], Drafter]:

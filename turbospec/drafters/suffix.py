@@ -137,15 +137,20 @@ class SuffixDrafter(Drafter):
     def begin(self, prompt_ids: list[int]) -> None:
         self.sid = self.cache.new_sequence(list(prompt_ids))
 
-    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                generator: torch.Generator | None) -> Draft | None:
-        if max_tokens <= 0:
-            return None
+    def lookup(self, tokens: list[int]) -> tuple[int, list[list[int]]]:
+        """Enters ``tokens`` (this request's sequence so far) into the cache and returns the longest
+        match's length and its continuations (``SuffixCache.continuations``)."""
         if self.sid is None:
             self.sid = self.cache.new_sequence(list(tokens))
         else:
             self.cache.extend(self.sid, tokens)
-        match, conts = self.cache.continuations(tokens, self.depth, self.max_occurrences)
+        return self.cache.continuations(tokens, self.depth, self.max_occurrences)
+
+    def propose(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft | None:
+        if max_tokens <= 0:
+            return None
+        match, conts = self.lookup(tokens)
         if not match:
             return None
         return build_tree(conts, min(max_tokens, max(1, round(self.nodes_per_match * match))), self.min_prob)
@@ -153,7 +158,8 @@ class SuffixDrafter(Drafter):
 
 def build_tree(conts: list[list[int]], budget: int, min_prob: float) -> Draft | None:
     """The ``budget`` most likely nodes of the trie of ``conts`` (score: the product of conditional
-    frequencies along the path; at least ``min_prob``), as a draft tree in topological order."""
+    frequencies along the path; at least ``min_prob``), as a draft tree in topological order, each
+    node's score in ``Draft.scores``."""
     # trie: node -> (count, {token: child}); node 0 is the root
     counts, children = [len(conts)], [{}]
     for c in conts:
@@ -168,7 +174,7 @@ def build_tree(conts: list[list[int]], budget: int, min_prob: float) -> Draft | 
             counts[nxt] += 1
             node = nxt
     # best first: a child never scores above its parent, so the chosen set is ancestor-closed
-    token_ids, parents = [], []
+    token_ids, parents, scores = [], [], []
     heap = [(-counts[ch] / counts[0], ch, t, 0) for t, ch in children[0].items()]
     heapq.heapify(heap)
     while heap and len(token_ids) < budget:
@@ -178,7 +184,8 @@ def build_tree(conts: list[list[int]], budget: int, min_prob: float) -> Draft | 
             break
         token_ids.append(tok)
         parents.append(parent)
+        scores.append(score)
         me = len(token_ids)  # this node's number in the draft (root 0)
         for t, ch in children[node].items():
             heapq.heappush(heap, (-score * counts[ch] / counts[node], ch, t, me))
-    return Draft(token_ids=token_ids, parents=parents) if token_ids else None
+    return Draft(token_ids=token_ids, parents=parents, scores=scores) if token_ids else None

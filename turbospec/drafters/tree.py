@@ -19,6 +19,7 @@ the distribution test). Medusa's "typical acceptance" is lossy and is not implem
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -74,11 +75,12 @@ class Node:
     children: list[int] = field(default_factory=list)
 
 
-def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, vocab_ids: Tensor | None, vocab: int
-             ) -> Draft:
+def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, vocab_ids: Tensor | None, vocab: int,
+             with_scores: bool = False) -> Draft:
     """A ``Draft`` of the nodes ``keep`` (an ancestor-closed subset of ``nodes``), ordered by depth
     and then by their order in ``nodes`` (siblings stay in the order they were drawn). ``vocab_ids``:
-    the target id of each draft-vocabulary entry q is over (None: q is over the whole vocabulary)."""
+    the target id of each draft-vocabulary entry q is over (None: q is over the whole vocabulary).
+    ``with_scores``: ``Draft.scores`` from the nodes' cumulative draft log-probabilities."""
     keep = sorted(set(keep), key=lambda i: (nodes[i].depth, i))
     pos = {i: j + 1 for j, i in enumerate(keep)}  # node index -> draft node number (root = 0)
     parents = [0 if nodes[i].parent < 0 else pos[nodes[i].parent] for i in keep]
@@ -92,7 +94,8 @@ def to_draft(nodes: list[Node], keep: list[int], root_q: Tensor | None, vocab_id
                 probs[r] = q
             else:
                 probs[r, vocab_ids] = q
-    return Draft(token_ids=[nodes[i].token for i in keep], parents=parents, draft_probs=probs)
+    scores = [math.exp(min(nodes[i].score, 0.0)) for i in keep] if with_scores else None
+    return Draft(token_ids=[nodes[i].token for i in keep], parents=parents, draft_probs=probs, scores=scores)
 
 
 def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
