@@ -317,7 +317,12 @@ def test_profile_ncu_refuses_without_cuda_kernels(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-BENCH_PY = sorted(f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py"))
+def _is_script(name: str) -> bool:  # (bench/workloads.py is a module the scripts import)
+    with open(os.path.join(ROOT, "bench", name)) as f:
+        return '__name__ == "__main__"' in f.read()
+
+
+BENCH_PY = sorted(f for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py") and _is_script(f))
 
 
 @pytest.mark.parametrize("script", BENCH_PY)
