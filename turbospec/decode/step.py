@@ -132,15 +132,20 @@ class _Staging:
         self.host = torch.zeros(at, dtype=torch.uint8, pin_memory=self.pin)
         self.dev = torch.zeros(at, dtype=torch.uint8, device=self.device) if self.pin else self.host
         self._extra: dict[str, tuple[Tensor, Tensor | None]] = {}
+        self._views: dict[tuple, dict[str, Tensor]] = {}
 
     def views(self, rows: int, n: int, on_device: bool = False) -> dict[str, Tensor]:
         """Every field's [rows, n] (node fields) or [rows] (row fields) view of the host buffer (or
-        of its device twin)."""
-        buf = self.dev if on_device else self.host
-        out = {}
-        for name, (at, nbytes, dt) in self._at.items():
-            flat = buf[at: at + nbytes].view(dt)
-            out[name] = flat[: rows * n].view(rows, n) if name in self.NODES else flat[:rows]
+        of its device twin); made once per shape (the buffers never move)."""
+        key = (rows, n, on_device)
+        out = self._views.get(key)
+        if out is None:
+            buf = self.dev if on_device else self.host
+            out = {}
+            for name, (at, nbytes, dt) in self._at.items():
+                flat = buf[at: at + nbytes].view(dt)
+                out[name] = flat[: rows * n].view(rows, n) if name in self.NODES else flat[:rows]
+            self._views[key] = out
         return out
 
     def extra(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
@@ -309,19 +314,22 @@ class TargetStep:
         v = st.views(rb, n)
         ids, draft_ids, parents, positions, packed, uniform = (v[k] for k in _Staging.NODES)
         cache_len, temperature, top_k, top_p = (v[k] for k in _Staging.ROWS)
-        ids.zero_()
-        draft_ids.fill_(-1)
-        draft_ids[:, 0] = 0
-        parents.zero_()
-        parents[:, 0] = -1
-        positions.zero_()
-        packed.copy_(self._pad[:n].expand(rb, n))
-        cache_len.zero_()
-        uniform.zero_()
-        # float64: the Python numbers exactly, as given
-        temperature.zero_()
-        top_k.zero_()
-        top_p.fill_(1.0)
+        # every row and node is written below when every row of the pass is a request with n nodes
+        # (one request alone); else the rest are padding: a node attending only itself, never accepted
+        if len(rows) < rb or any((0 if s.draft is None else len(s.draft)) + 1 < n for s in rows.values()):
+            ids.zero_()
+            draft_ids.fill_(-1)
+            draft_ids[:, 0] = 0
+            parents.zero_()
+            parents[:, 0] = -1
+            positions.zero_()
+            packed.copy_(self._pad[:n].expand(rb, n))
+            cache_len.zero_()
+            uniform.zero_()
+            # float64: the Python numbers exactly, as given
+            temperature.zero_()
+            top_k.zero_()
+            top_p.fill_(1.0)
         vocab = self.target.cfg.vocab_size
         with_probs = any(s.draft is not None and s.draft.draft_probs is not None for s in rows.values())
         probs = st.extra("probs", (rb, n, vocab), torch.float32).zero_() if with_probs else None
@@ -339,6 +347,7 @@ class TargetStep:
             k = 0 if d is None else len(d)
             root = s.tokens[-1]
             ids[b, 0] = draft_ids[b, 0] = root
+            parents[b, 0] = -1
             cache_len[b] = s.cache_len
             if k:
                 ids[b, 1:k + 1] = draft_ids[b, 1:k + 1] = torch.tensor(d.token_ids)

@@ -70,6 +70,7 @@ class TargetRunner:
     def __init__(self, target: Transformer, cache: KVCache, features=None, static: bool | None = None,
                  graphs: bool | None = None, buckets=DEFAULT_BUCKETS):
         self.target, self.cache, self.features = target, cache, features
+        self._first_row = cache.rows(0, 1) if cache.k[0].shape[0] > 1 else cache  # (the dynamic path's row)
         dev = target.device
         on_cuda = dev.type == "cuda"
         if graphs and not on_cuda:
@@ -133,7 +134,7 @@ class TargetRunner:
                 tree_mask = (tree_mask_packed[..., None] >> bits) & 1 == 1
             if tree_mask is not None:
                 tree_mask = tree_mask.to(self.target.device)
-            return self.target.forward(node_ids, positions, self.cache.rows(0, 1), cache_len, tree_mask,
+            return self.target.forward(node_ids, positions, self._first_row, cache_len, tree_mask,
                                        logits=logits, features=self.features)
         self.cache_len[:1].fill_(cache_len)
         mask = self._chain[:, :n] if tree_mask_packed is None else tree_mask_packed
