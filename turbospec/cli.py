@@ -167,11 +167,11 @@ def _check_common(args) -> None:
         return
     if max_seq < 2:
         raise ValueError(f"--max-seq-len must be >= 2 (prompt + new tokens), got {max_seq}")
-    from .model.loader import default_model_path, load_hf_config, resolve_model_dir
+    from .model.loader import default_model_path, read_model_config, resolve_model_dir
     source = default_model_path() if args.model == "default" else args.model
     if not os.path.exists(source):
         return  # the loader names the missing model
-    limit = getattr(load_hf_config(resolve_model_dir(source)), "max_position_embeddings", None)
+    limit = getattr(read_model_config(resolve_model_dir(source)), "max_position_embeddings", None)
     if limit and max_seq > limit:
         raise ValueError(f"--max-seq-len {max_seq} is past the model's max_position_embeddings ({limit}); "
                          f"pass at most {limit}")

@@ -666,7 +666,8 @@ def test_gguf_config_from_metadata_equals_transformers(tmp_path, arch):
 def test_converted_gguf_loads_without_transformers_config_classes(tmp_path):
     """The first load and later ones read the GGUF's config without importing a transformers config
     class (~2.3 s of imports); the config.json saved for it reads back through AutoConfig to the
-    same fields, and through load_hf_config to the same ModelConfig."""
+    same fields, and through read_model_config to the same ModelConfig; load_hf_config gives
+    transformers' own config class (what its model classes take)."""
     import subprocess
     import sys
     from transformers import AutoConfig
@@ -682,8 +683,11 @@ def test_converted_gguf_loads_without_transformers_config_classes(tmp_path):
         assert r.stdout.strip().splitlines()[-1] == "[]", (run, r.stdout)
     cache = [p for p in tmp_path.iterdir() if p.name.endswith("-meta")]
     assert len(cache) == 1
-    mine = loader.load_hf_config(str(cache[0]))
+    mine = loader.read_model_config(str(cache[0]))
     assert isinstance(mine, loader.GGUFConfig)
+    from transformers import PretrainedConfig
+    assert isinstance(loader.load_hf_config(str(cache[0])), PretrainedConfig)
+    assert loader.load_hf_model(turbospec.default_model_path()) is not None  # (transformers' model class)
     ref = AutoConfig.from_pretrained(str(cache[0]))
     assert _fields(mine) == _fields(ref)
     assert ModelConfig.from_hf(mine) == ModelConfig.from_hf(ref)

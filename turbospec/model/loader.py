@@ -111,7 +111,7 @@ class GGUFConfig:
     (importing one costs ~2.3 s: half of a first load). It holds the config.json keys
     ``gguf_hf_config`` derives from the metadata plus the class defaults of the fields turbospec
     reads, answers ``getattr`` like a transformers config, and saves a config.json that
-    ``AutoConfig.from_pretrained`` reads back to the same values (marked, so that ``load_hf_config``
+    ``AutoConfig.from_pretrained`` reads back to the same values (marked, so that ``read_model_config``
     reads it back without transformers)."""
     MARK = "turbospec_gguf_config"
     _DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "bos_token_id": None,
@@ -165,8 +165,16 @@ def gguf_hf_config(meta: dict, tensors: dict) -> GGUFConfig | None:
 
 
 def load_hf_config(model_dir: str):
-    """The transformers config of a model directory (a converted GGUF's own config.json is read
-    back as the ``GGUFConfig`` it was saved from, without transformers)."""
+    """The transformers config of a model directory (a ``PretrainedConfig``: what transformers'
+    model classes take)."""
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def read_model_config(model_dir: str):
+    """The config turbospec builds its ``ModelConfig`` from: a converted GGUF's own config.json read
+    back as the ``GGUFConfig`` it was saved from (without transformers' config classes), else
+    ``load_hf_config``'s."""
     path = os.path.join(model_dir, "config.json")
     if os.path.isfile(path):
         with open(path) as f:
@@ -174,8 +182,7 @@ def load_hf_config(model_dir: str):
         if raw.pop(GGUFConfig.MARK, False) and raw.get("model_type") in GGUFConfig._CLASSES:
             raw.pop("architectures", None)
             return GGUFConfig(raw.pop("model_type"), **raw)
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model_dir)
+    return load_hf_config(model_dir)
 
 
 def _read_state_dict(model_dir: str) -> dict[str, Tensor]:
@@ -504,7 +511,7 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         raw = convert_hf_state_dict(dict(source.state_dict()), cfg)
     else:
         model_dir = resolve_model_dir(source)
-        cfg = ModelConfig.from_hf(load_hf_config(model_dir))
+        cfg = ModelConfig.from_hf(read_model_config(model_dir))
         gguf_file = gguf_path(source)
         # "dense" reads the converted checkpoint, unless the GGUF is the only copy (_place then
         # dequantizes the blocks)
