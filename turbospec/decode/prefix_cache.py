@@ -28,10 +28,10 @@ from ..ops.checks import is_int
 
 
 class _Block:
-    __slots__ = ("key", "kv", "features", "nbytes")
+    __slots__ = ("key", "uid", "kv", "features", "nbytes")
 
-    def __init__(self, key, kv: list[Tensor], features: Tensor | None):
-        self.key, self.kv, self.features = key, kv, features
+    def __init__(self, key, uid: int, kv: list[Tensor], features: Tensor | None):
+        self.key, self.uid, self.kv, self.features = key, uid, kv, features
         self.nbytes = sum(t.numel() * t.element_size() for t in kv) + (
             0 if features is None else features.numel() * features.element_size())
 
@@ -39,6 +39,8 @@ class _Block:
 class PrefixCache:
     """Blocks of prompt K/V keyed by token prefix, LRU under ``budget_bytes``.
 
+    A block's key is (the uid of the block before it, its own tokens): uids are never reused, so a
+    key stands for its whole prefix, exactly, and hashes in time independent of the prefix length.
     ``match`` finds how many leading tokens of a prompt are cached, ``load`` copies them into a
     KV-cache row, ``store`` keeps a row's prompt blocks. ``hits`` / ``lookups`` count prompt tokens
     served from the cache and prompt tokens looked up."""
@@ -50,29 +52,28 @@ class PrefixCache:
             raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
         self.budget_bytes, self.block_tokens = budget_bytes, block_tokens
         self._blocks: OrderedDict = OrderedDict()  # key -> _Block, least recently used first
+        self._next_uid = 1  # 0: the empty prefix
         self.nbytes = 0
         self.hits = self.lookups = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _keys(self, ids: list[int], upto: int):
-        """The keys of the full blocks of ``ids[:upto]``: (previous key, this block's tokens)."""
-        key = None
-        b = self.block_tokens
+    def _cached_prefix(self, ids: list[int], upto: int) -> list[_Block]:
+        """The cached blocks that cover the longest prefix of ``ids[:upto]`` (whole blocks)."""
+        found, uid, b = [], 0, self.block_tokens
         for s in range(0, upto - upto % b, b):
-            key = (key, tuple(ids[s:s + b]))
-            yield key
+            block = self._blocks.get((uid, tuple(ids[s:s + b])))
+            if block is None:
+                break
+            found.append(block)
+            uid = block.uid
+        return found
 
     def match(self, ids: list[int], upto: int) -> list[_Block]:
         """The cached blocks that cover the longest prefix of ``ids[:upto]`` (whole blocks), most
         recently used from now on."""
-        found = []
-        for key in self._keys(ids, upto):
-            block = self._blocks.get(key)
-            if block is None:
-                break
-            found.append(block)
+        found = self._cached_prefix(ids, upto)
         self._touch([block.key for block in found])
         self.lookups += upto
         self.hits += len(found) * self.block_tokens
@@ -92,28 +93,33 @@ class PrefixCache:
     def store(self, ids: list[int], upto: int, cache: KVCache, features: Tensor | None = None) -> None:
         """Keep the full blocks of ``ids[:upto]`` from ``cache`` (one row, holding their K/V) that
         are not cached yet (``features`` [upto, F]: the drafter's features of those tokens, kept
-        with them). Least recently used blocks go when the budget would be passed; a block larger
-        than the whole budget is not kept."""
+        with them). Least recently used blocks go when the budget would be passed (never this
+        prompt's own); a block larger than the whole budget is not kept."""
         b = self.block_tokens
-        keys = []
-        for i, key in enumerate(self._keys(ids, upto)):
-            keys.append(key)
-            if key in self._blocks:
-                self._touch(keys)  # (the chain so far stays ahead of what this store evicts)
-                continue
+        chain = self._cached_prefix(ids, upto)  # the blocks already cached are a prefix of the chain
+        keys = [block.key for block in chain]
+        self._touch(keys)  # (ahead of what this store evicts)
+        own = set(keys)
+        uid = chain[-1].uid if chain else 0
+        for i in range(len(chain), upto // b):
+            key = (uid, tuple(ids[i * b:(i + 1) * b]))
             kv = [t[0, :, i * b:(i + 1) * b].clone() for t in cache.tensors()]
             f = None if features is None else features[i * b:(i + 1) * b].clone()
-            block = _Block(key, kv, f)
+            block = _Block(key, self._next_uid, kv, f)
             if block.nbytes > self.budget_bytes:
-                return
+                break
             while self.nbytes + block.nbytes > self.budget_bytes:
-                if next(iter(self._blocks)) in keys:  # only this prompt's own blocks are left to evict
+                if next(iter(self._blocks)) in own:  # only this prompt's own blocks are left to evict
+                    self._touch(keys)
                     return
                 _, old = self._blocks.popitem(last=False)
                 self.nbytes -= old.nbytes
+            self._next_uid += 1
             self._blocks[key] = block
             self.nbytes += block.nbytes
-            self._touch(keys)
+            keys.append(key)
+            own.add(key)
+            uid = block.uid
         self._touch(keys)
 
     def _touch(self, keys: list) -> None:
