@@ -166,9 +166,9 @@ def test_chunked_prefill_eagle3_features(cyc, monkeypatch):  # noqa: F811
     started = {}
     real = Sequence.start
 
-    def spy(self, cache_len, features, cached=0):
+    def spy(self, cache_len, features, cached=0, **kw):
         started.setdefault(tuple(self.ids), []).append((cache_len, features))
-        return real(self, cache_len, features, cached)
+        return real(self, cache_len, features, cached, **kw)
 
     monkeypatch.setattr(Sequence, "start", spy)
     jobs, out = chunked_prefill_run(eng, PROMPT + ref)  # (each request also ran alone: a second start)

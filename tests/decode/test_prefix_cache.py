@@ -1,7 +1,8 @@
 """Automatic prefix caching (``decode.prefix_cache``): a prompt's cached prefix gives the same bits
 as prefilling it again (K/V, the drafter's features, the output), alone, in a batch and with
-chunked prefill; blocks are shared by prompts that start the same way and evicted least recently
-used under the byte budget."""
+chunked prefill; a finished request's generated tokens, written by verify passes over trees, are
+the bits a prefill of prompt + answer writes, so they are cached too; blocks are shared by prompts
+that start the same way and evicted least recently used under the byte budget."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,12 @@ import torch
 
 import turbospec
 from turbospec import Engine, Request
+from turbospec.decode.engine import DEFAULTS
 from turbospec.decode.prefix_cache import PrefixCache
 from turbospec.decode.step import TargetStep
 
 from helpers import PROMPT, engine, hf_greedy, make_head, make_tiny_model, prompts_mixed
+from test_engine import OracleDrafter
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,9 @@ def test_engine_output_and_stats_with_the_cache(tiny):
         if turn == 0:
             assert g_on.stats["cached_prompt_tokens"] == 0
         else:
-            # the earlier prompt's full blocks (its generated answer is not cached: see the module)
-            assert g_on.stats["cached_prompt_tokens"] == (len(last) - 1) // 16 * 16, turn
+            # the earlier prompt and its answer, in full blocks (the answer's last token, the next
+            # root, is not in the cache)
+            assert g_on.stats["cached_prompt_tokens"] == (len(last) + 16 - 1) // 16 * 16, turn
         last = prompt
         prompt = prompt + g_on.token_ids + [5, 6, 7]
 
@@ -110,6 +114,79 @@ def test_eagle3_batch_and_chunked_prefill_with_the_cache(cyc):  # noqa: F811
     assert outs[64][:3] == outs[0][:3]
     assert outs[0][2] == outs[0][0]
     assert sum(outs[64][3]) >= 3 * 32 and sum(outs[0][3]) == 0  # the later requests reused the system prompt
+
+
+class _FeatureOracle(OracleDrafter):
+    """The oracle tree drafter reading the target's features (as EAGLE does), recording them."""
+
+    def __init__(self, *args, features=None, **kw):
+        super().__init__(*args, **kw)
+        self.features = features
+
+    def begin(self, prompt_ids, features=None):
+        super().begin(prompt_ids)
+
+    def observe(self, tokens, num_accepted, features=None):
+        pass
+
+
+@pytest.mark.parametrize("dtype,static,features", [("float32", False, None), ("float32", True, (0, 1)),
+                                                   ("bfloat16", False, "final"), ("bfloat16", True, None)])
+def test_generated_tokens_have_the_bits_of_a_prefill(tiny, dtype, static, features):
+    """After a generation whose verify passes accepted tree nodes that are not contiguous (compact_kv
+    moves them), the slot's K/V of prompt + answer, and the features the steps gave, equal bit for
+    bit those of prefilling prompt + answer whole: what makes caching generated tokens exact. Fails
+    if a verify pass computed a node's K/V with other numbers than a prefill (or compact_kv moved
+    the wrong rows)."""
+    hf, target = tiny
+    prompt = _system(30, seed=4)
+    ref = Engine(target, drafter="none", dtype=dtype, max_seq_len=128, prefix_cache=0).generate(prompt, 24).token_ids
+    oracle = _FeatureOracle(len(prompt), ref, tree=True, correct_cycle=[3, 1, 4, 0, 2], features=features)
+    eng = Engine(target, drafter=oracle, num_draft=8, adaptive=False, dtype=dtype, max_seq_len=128,
+                 static_shapes=static)
+    seq, it = eng._run(prompt, False, dict(DEFAULTS, max_new_tokens=24), {})
+    out = [t for kept in it for t in kept]
+    assert out == ref
+    assert seq.steps < 20  # drafts were accepted
+    n = min(seq.cache_len, len(seq.tokens))
+    assert n == len(prompt) + 24 - 1
+    whole = TargetStep(eng.target, 128, features=features)
+    n_ref, f_ref, _ = whole.prefill(0, seq.tokens[:n + 1])
+    assert n_ref == n
+    for t, r in zip(eng.cache.rows(0, 1).tensors(), whole.cache.tensors()):
+        assert torch.equal(t[:, :, :n], r[:, :, :n])
+    if features is not None:
+        assert torch.equal(torch.cat(seq.written_features)[:n], f_ref)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3"])
+def test_chat_turns_reuse_the_answer_alone_and_batched(tiny, drafter):
+    """The next turn of a chat resends the answer: with the cache on, it is served from the cache
+    (alone and through the batch scheduler; with EAGLE-3, the answer's features too), and the output
+    equals the cache off and HF."""
+    hf, target = tiny
+    sys_ids = _system(37, seed=5)
+    head = make_head("eagle3", target) if drafter == "eagle3" else None
+    for batched in (False, True):
+        if head is None:
+            on = Engine(target, drafter="ngram", max_seq_len=256)
+            off = Engine(target, drafter="ngram", max_seq_len=256, prefix_cache=0)
+        else:
+            on = engine(target, "eagle3", head, max_seq_len=256, num_draft=6, adaptive=False)
+            off = engine(target, "eagle3", head, max_seq_len=256, num_draft=6, adaptive=False, prefix_cache=0)
+        prompt = sys_ids
+        for turn in range(3):
+            if batched:
+                g_on, other = on.generate([prompt, sys_ids[:20]], 20)
+                g_off, _ = off.generate([prompt, sys_ids[:20]], 20)
+            else:
+                g_on, g_off = on.generate(prompt, 20), off.generate(prompt, 20)
+            assert g_on.token_ids == g_off.token_ids == hf_greedy(hf, prompt, 20), (batched, turn)
+            assert g_on.stats["tau"] == g_off.stats["tau"]  # the drafter saw the same features
+            if turn:
+                assert g_on.stats["cached_prompt_tokens"] == (len(last) + 20 - 1) // 16 * 16, (batched, turn)
+            last = prompt
+            prompt = prompt + g_on.token_ids + [1, 2]
 
 
 def test_lru_eviction_under_the_budget(tiny):

@@ -189,6 +189,7 @@ class Scheduler:
             finished = job.seq.finish is not None
             out.append(StepOutput(job, kept, proposed, res.accepted, finished))
             if finished:
+                self.batch.store_written(slot, job.seq)
                 self.leave(job)
         return out
 
@@ -209,7 +210,7 @@ class Scheduler:
                     if budget is not None:
                         budget -= n
                     job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
-                    job.seq.start(*self.batch.prefill(slot, ids))
+                    job.seq.start(*self.batch.prefill(slot, ids), keep_features=self.batch.keeps_features)
                     del self.prefilling[slot]
                     continue
                 if budget is not None and budget <= 0:
@@ -232,7 +233,7 @@ class Scheduler:
                     features = torch.cat(state[1]) if state[1] else None
                     self.batch.store_prefix(slot, ids, features)
                     job.seq.drafter = self.drafter_for_slot(slot) if job.speculate else None
-                    job.seq.start(n, features, state[2])
+                    job.seq.start(n, features, state[2], keep_features=self.batch.keeps_features)
             except (ValueError, NonFiniteLogitsError) as e:
                 self.leave(job, e)
                 out.append(StepOutput(job, []))

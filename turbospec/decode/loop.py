@@ -69,12 +69,19 @@ class Sequence:
         self.accepted_at, self.proposed_at = [0] * num_draft, [0] * num_draft
         self.draft: Draft | None = None
         self._t_plan = self._draft_seconds = 0.0
+        # the drafter's features of every token whose K/V are in the cache (prompt, then each step's
+        # root and accepted nodes), kept when the finished request's tokens go to the prefix cache
+        # (``start(keep_features=True)``); None otherwise
+        self.written_features: list[Tensor] | None = None
 
-    def start(self, cache_len: int, features: Tensor | None, cached: int = 0) -> None:
+    def start(self, cache_len: int, features: Tensor | None, cached: int = 0, keep_features: bool = False) -> None:
         """After the prompt's prefill (``cache_len`` tokens in the cache, ``cached`` of them copied
-        from the prefix cache; the drafter's features of them)."""
+        from the prefix cache; the drafter's features of them). ``keep_features``: keep the features
+        of every token written from now on too (``written_features``)."""
         self.cache_len = cache_len
         self.cached_prompt_tokens = cached
+        if keep_features and features is not None:
+            self.written_features = [features]
         if self.drafter is not None:
             self.drafter.begin(self.tokens, features=features)
             # a draft model reads the prompt here (part of the prefill) when that is expected to pay
@@ -148,6 +155,8 @@ class Sequence:
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < n_acc
         self.cache_len += n_acc + 1
+        if self.written_features is not None and features is not None:
+            self.written_features.append(features)
         new = new[: self.max_new_tokens - self.emitted]
         for j, t in enumerate(new):
             if t in self.eos_token_ids:
@@ -192,10 +201,13 @@ def run(step: TargetStep, seq: Sequence) -> Iterator[list[int]]:
     """Generate ``seq`` alone on ``step`` (in slot 0): yields each step's kept tokens. Fills
     ``seq.stats`` when done; ``stats["stop_text_end"]``: where a stop string begins in the generated
     text, when one matched."""
-    seq.start(*step.prefill(0, seq.ids))
+    seq.start(*step.prefill(0, seq.ids), keep_features=step.keeps_features)
     while seq.finish is None:
         seq.plan()
         result = step.step({0: seq})[0]
         if isinstance(result, Exception):
             raise result
-        yield seq.commit(result)
+        kept = seq.commit(result)
+        if seq.finish is not None:
+            step.store_written(0, seq)  # before the caller hears the end and starts another request
+        yield kept

@@ -11,10 +11,12 @@ concurrent requests share its blocks (each copies them into its own slot).
 Exactness: a cached prefix gives the same bits as recomputing it. Prefill computes every prompt
 token with the same forward whatever else shares its pass (the chunked-prefill property the batch
 scheduler already relies on), so the K/V read back from a block are the ones a whole prefill would
-write, and the rest of the prompt, prefilled after them, sees the same numbers. Only prompt tokens
-are cached: a generated token's K/V come from a verify pass (another attention over a tree), which
-may differ in the last bits from a prefill's, so a later prompt that contains an earlier answer
-recomputes that part.
+write, and the rest of the prompt, prefilled after them, sees the same numbers. The same property
+covers generated tokens: a verify pass computes a tree node with the same kernels and the same
+reduction order as a prefill of its path (attention over its ancestors only), so the K/V and
+features of the tokens a request accepted are the bits a prefill of prompt + answer writes. A
+finished request's whole text is therefore kept too (``TargetStep.store_written``), and the next
+turn of a chat, which resends the answer, prefills only its new message.
 """
 from __future__ import annotations
 

@@ -282,6 +282,29 @@ class TargetStep:
         if self.prefix_cache is not None:
             self.prefix_cache.store(ids, len(ids) - 1, self.cache.rows(slot, slot + 1), features)
 
+    @property
+    def keeps_features(self) -> bool:
+        """Do requests keep the drafter's features of their tokens for the prefix cache?"""
+        return self.prefix_cache is not None and self.features is not None
+
+    def store_written(self, slot: int, seq) -> None:
+        """Keep a finished request's tokens whose K/V are in ``slot`` (its prompt and what it
+        generated; ``loop.Sequence``) in the prefix cache, so a later prompt that contains the answer
+        (the next turn of a chat) is not prefilled again. A generated token's K/V and features, written
+        by a verify pass, are the same bits a prefill of the whole text writes (every token's numbers
+        are the same whatever shares its pass; tests/decode/test_prefix_cache.py checks it)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        upto = min(seq.cache_len, len(seq.tokens))  # drafts accepted past an EOS or the length cut are in the cache, not in tokens
+        features = None
+        if self.features is not None:
+            if seq.written_features is None:
+                return
+            features = torch.cat(seq.written_features)
+            upto = min(upto, features.shape[0])
+        pc.store(seq.tokens, upto, self.cache.rows(slot, slot + 1), features)
+
     @torch.inference_mode()
     def prefill_part(self, slot: int, ids: list[int], start: int, end: int) -> Tensor | None:
         """Prompt tokens ``ids[start:end]`` into the slot after the ``start`` already there (chunked
