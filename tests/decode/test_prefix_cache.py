@@ -61,6 +61,27 @@ def test_cached_prefix_gives_the_bits_of_a_full_prefill(tiny, features):
         assert torch.equal(f, f_ref)
 
 
+def test_a_partial_last_block_is_reused_by_prompts_that_extend_it(tiny):
+    """A prompt's last partial block (4 tokens past 3 full ones) is kept as a leaf: a prompt that
+    continues the same text reuses all 52 tokens (bit for bit as a whole prefill), one that leaves
+    it inside the partial block reuses the 48 of the full blocks only."""
+    _, target = tiny
+    a = _system(53, seed=6)
+    cached = TargetStep(target, 128, prefix_cache=PrefixCache(1 << 30))
+    cached.prefill(0, a)
+    assert len(cached.prefix_cache) == 4
+    longer = a[:52] + [3, 1, 4, 1, 5]
+    n, _, hit = cached.prefill(0, longer)
+    assert hit == 52
+    plain = TargetStep(target, 128)
+    plain.prefill(0, longer)
+    for t, r in zip(cached.cache.tensors(), plain.cache.tensors()):
+        assert torch.equal(t[:, :, :n], r[:, :, :n])
+    assert cached.prefill(0, a[:50] + [9, 9, 9])[2] == 48
+    assert cached.prefill(0, a)[2] == 52  # its own leaf, found again (no duplicate stored)
+    assert len(cached.prefix_cache) == 4 + 1 + 1  # longer's leaf of 8 tokens past 48, the third prompt's
+
+
 def test_engine_output_and_stats_with_the_cache(tiny):
     """Turns of a chat (each prompt extends the last one): the same tokens as with the cache off and
     as HF; the stats say how many prompt tokens came from the cache."""
@@ -76,9 +97,9 @@ def test_engine_output_and_stats_with_the_cache(tiny):
         if turn == 0:
             assert g_on.stats["cached_prompt_tokens"] == 0
         else:
-            # the earlier prompt and its answer, in full blocks (the answer's last token, the next
-            # root, is not in the cache)
-            assert g_on.stats["cached_prompt_tokens"] == (len(last) + 16 - 1) // 16 * 16, turn
+            # the earlier prompt and its answer, its last partial block included (the answer's last
+            # token, the next root, is not in the cache)
+            assert g_on.stats["cached_prompt_tokens"] == len(last) + 16 - 1, turn
         last = prompt
         prompt = prompt + g_on.token_ids + [5, 6, 7]
 
@@ -184,7 +205,7 @@ def test_chat_turns_reuse_the_answer_alone_and_batched(tiny, drafter):
             assert g_on.token_ids == g_off.token_ids == hf_greedy(hf, prompt, 20), (batched, turn)
             assert g_on.stats["tau"] == g_off.stats["tau"]  # the drafter saw the same features
             if turn:
-                assert g_on.stats["cached_prompt_tokens"] == (len(last) + 20 - 1) // 16 * 16, (batched, turn)
+                assert g_on.stats["cached_prompt_tokens"] == len(last) + 20 - 1, (batched, turn)
             last = prompt
             prompt = prompt + g_on.token_ids + [1, 2]
 

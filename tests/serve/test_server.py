@@ -762,7 +762,8 @@ def test_prefix_cache_reported_in_usage(client):
     again = client.completions.create(model=MODEL, prompt=text, max_tokens=6, temperature=0)
     assert again.choices[0].text == first.choices[0].text
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
-    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    # all but the last prompt token (the first root, computed by the first step)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1 > 0
     streamed = client.completions.create(model=MODEL, prompt=text, max_tokens=6, stream=True, temperature=0,
                                          stream_options={"include_usage": True})
     chunks = list(streamed)

@@ -3,9 +3,11 @@
 Chats resend the whole conversation every turn and agents resend long system prompts. A
 ``PrefixCache`` keeps the target's K/V (and the drafter's features, when it reads them) of prompts in
 blocks of ``block_tokens`` tokens, each block keyed by its own tokens and the block before it (so a
-block stands for the whole prefix up to its end, compared exactly: no hash can collide). A new
-prompt's longest run of cached blocks is copied into its KV-cache slot and only the rest is
-prefilled. Blocks are evicted least recently used when the cache would pass its byte budget;
+block stands for the whole prefix up to its end, compared exactly: no hash can collide). A prompt's
+last, partial block is kept too, as a leaf (a chain never continues from it), so a later prompt that
+extends the text (the next turn of a chat) reuses every token up to where it differs rather than
+up to a block boundary. A new prompt's longest run of cached blocks is copied into its KV-cache slot
+and only the rest is prefilled. Blocks are evicted least recently used when the cache would pass its byte budget;
 concurrent requests share its blocks (each copies them into its own slot).
 
 Exactness: a cached prefix gives the same bits as recomputing it. Prefill computes every prompt
@@ -30,10 +32,11 @@ from ..ops.checks import is_int
 
 
 class _Block:
-    __slots__ = ("key", "uid", "kv", "features", "nbytes")
+    __slots__ = ("key", "uid", "kv", "features", "nbytes", "tokens")
 
     def __init__(self, key, uid: int, kv: list[Tensor], features: Tensor | None):
         self.key, self.uid, self.kv, self.features = key, uid, kv, features
+        self.tokens = len(key[1])  # block_tokens, or fewer for a prompt's last (leaf) block
         self.nbytes = sum(t.numel() * t.element_size() for t in kv) + (
             0 if features is None else features.numel() * features.element_size())
 
@@ -62,7 +65,7 @@ class PrefixCache:
         return len(self._blocks)
 
     def _cached_prefix(self, ids: list[int], upto: int) -> list[_Block]:
-        """The cached blocks that cover the longest prefix of ``ids[:upto]`` (whole blocks)."""
+        """The cached full blocks that cover the longest prefix of ``ids[:upto]``."""
         found, uid, b = [], 0, self.block_tokens
         for s in range(0, upto - upto % b, b):
             block = self._blocks.get((uid, tuple(ids[s:s + b])))
@@ -72,41 +75,60 @@ class PrefixCache:
             uid = block.uid
         return found
 
+    def _leaf(self, ids: list[int], upto: int, chain: list[_Block]) -> _Block | None:
+        """The longest cached partial block after ``chain`` that ``ids[:upto]`` continues with."""
+        s = len(chain) * self.block_tokens
+        uid = chain[-1].uid if chain else 0
+        for n in range(min(self.block_tokens - 1, upto - s), 0, -1):
+            block = self._blocks.get((uid, tuple(ids[s:s + n])))
+            if block is not None:
+                return block
+        return None
+
     def match(self, ids: list[int], upto: int) -> list[_Block]:
-        """The cached blocks that cover the longest prefix of ``ids[:upto]`` (whole blocks), most
-        recently used from now on."""
+        """The cached blocks that cover the longest prefix of ``ids[:upto]`` (full blocks, then
+        perhaps a partial one), most recently used from now on."""
         found = self._cached_prefix(ids, upto)
+        leaf = self._leaf(ids, upto, found)
+        if leaf is not None:
+            found.append(leaf)
         self._touch([block.key for block in found])
         self.lookups += upto
-        self.hits += len(found) * self.block_tokens
+        self.hits += sum(block.tokens for block in found)
         return found
 
     def load(self, blocks: list[_Block], cache: KVCache) -> Tensor | None:
         """Copy ``blocks`` (consecutive, from token 0) into ``cache`` (one row); returns their
         features [tokens, F] when they were stored with features."""
-        b = self.block_tokens
-        for i, block in enumerate(blocks):
+        at = 0
+        for block in blocks:
             for dst, src in zip(cache.tensors(), block.kv):
-                dst[0, :, i * b:(i + 1) * b].copy_(src)
+                dst[0, :, at:at + block.tokens].copy_(src)
+            at += block.tokens
         if not blocks or blocks[0].features is None:
             return None
         return torch.cat([block.features for block in blocks])
 
     def store(self, ids: list[int], upto: int, cache: KVCache, features: Tensor | None = None) -> None:
-        """Keep the full blocks of ``ids[:upto]`` from ``cache`` (one row, holding their K/V) that
-        are not cached yet (``features`` [upto, F]: the drafter's features of those tokens, kept
-        with them). Least recently used blocks go when the budget would be passed (never this
-        prompt's own); a block larger than the whole budget is not kept."""
+        """Keep the blocks of ``ids[:upto]`` from ``cache`` (one row, holding their K/V) that are
+        not cached yet, the last partial one included (``features`` [upto, F]: the drafter's
+        features of those tokens, kept with them). Least recently used blocks go when the budget
+        would be passed (never this prompt's own); a block larger than the whole budget is not
+        kept."""
         b = self.block_tokens
         chain = self._cached_prefix(ids, upto)  # the blocks already cached are a prefix of the chain
         keys = [block.key for block in chain]
         self._touch(keys)  # (ahead of what this store evicts)
         own = set(keys)
         uid = chain[-1].uid if chain else 0
-        for i in range(len(chain), upto // b):
-            key = (uid, tuple(ids[i * b:(i + 1) * b]))
-            kv = [t[0, :, i * b:(i + 1) * b].clone() for t in cache.tensors()]
-            f = None if features is None else features[i * b:(i + 1) * b].clone()
+        for i in range(len(chain), -(-upto // b)):
+            s, e = i * b, min(upto, (i + 1) * b)
+            key = (uid, tuple(ids[s:e]))
+            if key in self._blocks:  # the partial block, stored before
+                keys.append(key)
+                break
+            kv = [t[0, :, s:e].clone() for t in cache.tensors()]
+            f = None if features is None else features[s:e].clone()
             block = _Block(key, self._next_uid, kv, f)
             if block.nbytes > self.budget_bytes:
                 break

@@ -263,9 +263,9 @@ class TargetStep:
         return n, features, m
 
     def load_prefix(self, slot: int, ids: list[int]) -> tuple[int, Tensor | None]:
-        """Copy the longest cached prefix of the prompt ``ids`` (whole blocks, all but its last
-        token) into ``slot``; returns how many tokens that is and their features (when the drafter
-        reads them). (0, None) without a prefix cache."""
+        """Copy the longest cached prefix of the prompt ``ids`` (all but its last token) into
+        ``slot``; returns how many tokens that is and their features (when the drafter reads them).
+        (0, None) without a prefix cache."""
         self._check_slot(slot)
         pc = self.prefix_cache
         if pc is None:
@@ -274,7 +274,7 @@ class TargetStep:
         if blocks and self.features is not None and blocks[0].features is None:
             blocks = []  # stored by a step whose drafter read no features: recomputed
         f = pc.load(blocks, self.cache.rows(slot, slot + 1))
-        return len(blocks) * pc.block_tokens, f
+        return sum(block.tokens for block in blocks), f
 
     def store_prefix(self, slot: int, ids: list[int], features: Tensor | None) -> None:
         """Keep the prompt's K/V (and the drafter's ``features`` of it) from ``slot`` in the prefix
