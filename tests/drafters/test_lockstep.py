@@ -1,4 +1,4 @@
-"""A batch's drafting in lockstep (turbospec.heads.lockstep): the requests' shared-weight products
+"""A batch's drafting in lockstep (turbospec.ops.lockstep): the requests' shared-weight products
 go in one call per round, and every request gets exactly the drafts it gets alone."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from turbospec.decode.loop import Sequence
-from turbospec.heads.lockstep import Rows, drive, run_one
+from turbospec.ops.lockstep import Rows, drive, run_one
 from turbospec.drafters.tree import DraftLMHead
 from turbospec.heads.eagle import EagleHead
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..drafters.base import Drafter
 from ..drafters.budget import BatchBudget
-from ..heads.lockstep import drive
+from ..ops.lockstep import drive
 from ..ops import nvtx
 from ..ops.checks import is_int
 from .errors import NonFiniteLogitsError

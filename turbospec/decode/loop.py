@@ -103,7 +103,7 @@ class Sequence:
         return draft
 
     def plan_steps(self, k: int | None = None):
-        """``plan`` as a generator of the drafter's shared-weight requests (``heads.lockstep``),
+        """``plan`` as a generator of the drafter's shared-weight requests (``ops.lockstep``),
         for a batch that drafts all its requests together; the caller then calls ``planned``."""
         k = self._draft_length(k)
         self.draft = None

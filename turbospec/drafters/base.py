@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..heads.lockstep import run_one
+from ..ops.lockstep import run_one
 from ..ops.sampling import SamplingParams
 
 

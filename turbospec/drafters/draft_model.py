@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from ..heads.lockstep import Rows
+from ..ops.lockstep import Rows
 from ..model.runner import cache_slots, chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops.reference import logits_are_valid

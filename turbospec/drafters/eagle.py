@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .budget import DepthBudget
 from .base import Draft, Drafter
-from ..heads.lockstep import Rows
+from ..ops.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
 from ..heads.layers import head_cache

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft, Drafter
-from ..heads.lockstep import Rows
+from ..ops.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
 from ..ops.limits import MAX_TREE_NODES

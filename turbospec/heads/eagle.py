@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .config import HeadConfig
 from ..model.kv_cache import KVCache
 from .layers import MLP, Attention, RMSNorm, Rotary
-from .lockstep import Rows, compute
+from ..ops.lockstep import Rows, compute
 
 
 class EagleLayer(nn.Module):
