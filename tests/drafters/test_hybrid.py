@@ -152,6 +152,32 @@ def test_head_suffix_greedy_exact_and_at_least_the_better_source(cyc, method):  
     assert eng.generate(PROMPT, N_NEW).stats["tau"] >= outs[2].stats["tau"]
 
 
+def test_head_suffix_skips_the_head_where_the_suffix_tree_fills_the_budget(cyc):  # noqa: F811
+    """A request asked again: suffix decoding's remembered answer fills the budget with near-certain
+    nodes, so the head is not run for those steps (counted), and the output is still HF's; with
+    skip_head_at=None the head drafts every step; a bad value is named."""
+    hf, target, ref, _ = cyc
+    kw = dict(num_draft=8, adaptive=False)
+    eng = _hybrid(target, "eagle3", **kw)
+    always = _hybrid(target, "eagle3", tree={"skip_head_at": None}, **kw)
+    for e in (eng, always):
+        calls = []
+        real = e.drafter.head.propose_steps
+
+        def spy(*a, _real=real, **k):
+            calls.append(1)
+            return (yield from _real(*a, **k))
+
+        e.drafter.head.propose_steps = spy
+        for _ in range(3):  # the first pass, then asked again twice (the calibration learns to trust it)
+            assert e.generate(PROMPT, N_NEW).token_ids == ref
+        e.calls = len(calls)
+    assert eng.drafter.head_skipped > 0 and eng.calls < always.calls
+    assert always.drafter.head_skipped == 0
+    with pytest.raises(ValueError, match=r"skip_head_at must be None or a number in \(0, 1\], got 1.5"):
+        _hybrid(target, "eagle3", tree={"skip_head_at": 1.5})
+
+
 def test_head_suffix_batched_equals_alone(cyc):  # noqa: F811
     hf, target, ref, _ = cyc
     prompts = [PROMPT, PROMPT[4:], PROMPT[::-1], PROMPT, PROMPT[2:]]

@@ -140,16 +140,18 @@ HYBRID_HEAD_OPTIONS = ("depth", "top_k", "draft_vocab")
 def hybrid_drafter_builder(s: DraftSettings, head, tree: dict) -> Callable[[], Drafter]:
     """drafter="hybrid": an EAGLE / EAGLE-3 head (``head``; the default model: its shipped one) and
     suffix decoding in one tree (``HeadSuffixDrafter``). ``tree``: the head's depth, top_k,
-    draft_vocab, and "suffix": a dict of suffix options (as for drafter="suffix"). The drafters built
-    share the head's prepared copy, one ``SuffixCache`` and one ``Calibration``."""
-    bad = set(tree) - set(HYBRID_HEAD_OPTIONS) - {"suffix"}
+    draft_vocab, "suffix": a dict of suffix options (as for drafter="suffix"), and "skip_head_at"
+    (``HeadSuffixDrafter``; None: the head always drafts). The drafters built share the head's
+    prepared copy, one ``SuffixCache`` and one ``Calibration``."""
+    bad = set(tree) - set(HYBRID_HEAD_OPTIONS) - {"suffix", "skip_head_at"}
     if bad:
         raise ValueError(f"tree options {sorted(bad)} are not hybrid options ({', '.join(HYBRID_HEAD_OPTIONS)}, "
-                         f"suffix)")
+                         f"suffix, skip_head_at)")
+    skip = tree.get("skip_head_at", HeadSuffixDrafter.SKIP_HEAD_AT)
     suffix_opts = tree.get("suffix", {})
     if not isinstance(suffix_opts, dict):
         raise ValueError(f"tree['suffix'] must be a dict of suffix options, got {suffix_opts!r}")
-    head_tree = {k: v for k, v in tree.items() if k != "suffix"}
+    head_tree = {k: v for k, v in tree.items() if k not in ("suffix", "skip_head_at")}
     if head is None and s.default_target:
         heads = shipped_heads()
         path = next((heads[m] for m in ("eagle3", "eagle") if m in heads), None)
@@ -168,7 +170,8 @@ def hybrid_drafter_builder(s: DraftSettings, head, tree: dict) -> Callable[[], D
     new_head = head_drafter_builder("eagle", s, head, head_tree)
     new_suffix = suffix_drafter_builder(suffix_opts)
     calibration = Calibration(HeadSuffixDrafter.PRIOR)
-    return lambda: HeadSuffixDrafter(new_head(), new_suffix(), calibration)
+    HeadSuffixDrafter.check_skip_head_at(skip)  # a bad value fails when the engine is built
+    return lambda: HeadSuffixDrafter(new_head(), new_suffix(), calibration, skip_head_at=skip)
 
 
 def lookahead_drafter_builder(tree: dict) -> Callable[[], Drafter]:

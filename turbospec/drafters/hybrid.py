@@ -227,16 +227,32 @@ class HeadSuffixDrafter(Drafter):
     ``calibration`` (shared by an engine's hybrid drafters): how far each source's probabilities are
     trusted, measured as the target accepts or rejects their nodes (``Calibration``); suffix trees'
     frequencies start at half trust (a continuation seen once scores 1 by frequency), the head's at
-    full."""
+    full.
+
+    ``skip_head_at``: when the suffix tree alone fills the whole budget with nodes whose calibrated
+    scores are all at least this (a long, reliable match: a repeated request, a copied passage),
+    the head does not draft that step (its rounds cost more than the suffix tree's lookup, and its
+    nodes would only displace the remembered continuation's deepest ones); it reads the committed
+    features at its next proposal. None: the head always drafts."""
 
     PRIOR = {"head": 1.0, "suffix": 0.5}
+    SKIP_HEAD_AT = 0.9
 
-    def __init__(self, head: Drafter, suffix: SuffixDrafter, calibration: Calibration | None = None):
+    @staticmethod
+    def check_skip_head_at(skip_head_at) -> None:
+        if skip_head_at is not None and (isinstance(skip_head_at, bool) or not isinstance(skip_head_at, (int, float))
+                                         or not 0.0 < skip_head_at <= 1.0):
+            raise ValueError(f"skip_head_at must be None or a number in (0, 1], got {skip_head_at!r}")
+
+    def __init__(self, head: Drafter, suffix: SuffixDrafter, calibration: Calibration | None = None,
+                 skip_head_at: float | None = SKIP_HEAD_AT):
         if not isinstance(head, EagleDrafter):
             raise ValueError(f"drafter='hybrid' needs an EAGLE / EAGLE-3 head drafter, got {type(head).__name__}")
         if not isinstance(suffix, SuffixDrafter):
             raise ValueError(f"HeadSuffixDrafter: suffix must be a SuffixDrafter, got {type(suffix).__name__}")
-        self.head, self.suffix = head, suffix
+        self.check_skip_head_at(skip_head_at)
+        self.head, self.suffix, self.skip_head_at = head, suffix, skip_head_at
+        self.head_skipped = 0  # proposals drafted by the suffix tree alone
         self.calibration = calibration if calibration is not None else Calibration(self.PRIOR)
         self.name = f"{head.name}+suffix"
         self.features = head.features
@@ -270,9 +286,16 @@ class HeadSuffixDrafter(Drafter):
         tree = build_tree(conts, max_tokens, self.suffix.min_prob) if match else None
         if tree is None:  # nothing remembered: the head alone (its own sampling, q kept)
             return (yield from self.head.propose_steps(tokens, max_tokens, params, generator))
+        suffix_keys = [("suffix", match_bucket(match))] * len(tree)
+        if self.skip_head_at is not None and len(tree) >= max_tokens:
+            calibrated = self.calibration.apply(tree, suffix_keys)
+            if min(calibrated.scores[:max_tokens]) >= self.skip_head_at:
+                self.head_skipped += 1
+                self._last.append((tree, suffix_keys))
+                return merge_scored([calibrated], max_tokens)
         head = yield from self.head.propose_steps(tokens, max_tokens, params, generator, point_mass=True)
         drafts = []
-        for d, keys in ((head, None), (tree, [("suffix", match_bucket(match))] * len(tree))):
+        for d, keys in ((head, None), (tree, suffix_keys)):
             if d is None:
                 continue
             keys = keys or [("head", min(x, 8)) for x in node_depths(d)]
