@@ -2,6 +2,8 @@
 with a message naming the parameter."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from turbospec import cli
@@ -142,3 +144,24 @@ def test_generate_structured_and_penalized(smollm2_dir, tmp_path, capsys):
     want = plain.generate("Repeat exactly: red green blue red green blue", 16, frequency_penalty=1.5,
                           logit_bias={28: 2.0})
     assert capsys.readouterr()[0].rstrip("\n") == want.text
+
+
+def test_augment_writes_prompts_train_reads(smollm2_dir, tmp_path, capsys):
+    """`turbospec augment` on the real model: self-instruct requests it finished, summaries and
+    translations, with provenance; `turbospec train --data` reads the file."""
+    from turbospec.train.data import read_prompts
+    data = tmp_path / "prompts.jsonl"
+    passage = ("The library opened in 1902 with a gift from a local merchant. It held four thousand books "
+               "at first. A new wing was added in 1960 for children. Today it lends music and films too. ") * 2
+    data.write_text(json.dumps({"prompt": passage}) + "\n" + json.dumps({"prompt": "What is a library?"}) + "\n")
+    out = tmp_path / "aug.jsonl"
+    rc = cli.main(["augment", "--model", smollm2_dir, "--data", str(data), "--out", str(out), "--drafter", "ngram",
+                   "--kinds", "self_instruct=3,summarize=2,translate=2", "--max-new-tokens", "64", "--threads", "1"])
+    assert rc == 0 and "prompts to" in capsys.readouterr().out
+    meta = json.loads((tmp_path / "aug.jsonl.json").read_text())
+    assert meta["kinds"] == {"self_instruct": 3, "summarize": 2, "translate": 2} and meta["data_sha1"]
+    assert meta["by_source"]["augment/summarize"] == 2 and meta["by_source"].get("augment/self_instruct", 0) >= 1
+    assert len(read_prompts(str(out))) == meta["records"]
+    assert cli.main(["augment", "--model", smollm2_dir, "--data", str(data), "--out", str(out),
+                     "--kinds", "poems=1"]) == 2
+    assert "not known" in capsys.readouterr().err

@@ -1,5 +1,5 @@
-"""``turbospec`` command line: ``turbospec generate``, ``turbospec serve``, ``turbospec bench`` and
-``turbospec train``."""
+"""``turbospec`` command line: ``turbospec generate``, ``turbospec serve``, ``turbospec bench``,
+``turbospec train`` and ``turbospec augment``."""
 from __future__ import annotations
 
 import argparse
@@ -316,9 +316,26 @@ def main(argv: list[str] | None = None) -> int:
     from .train.trainer import add_args as add_train_args
     add_train_args(t)
 
+    au = sub.add_parser("augment", help="write training prompts for draft heads with the target",
+                        description="Training prompts beyond --data, written with the target: self-instruct "
+                                    "requests, summaries and questions over passages of --data, translations, "
+                                    "follow-up turns (turbospec/augment.py). Feed the file to 'turbospec train --data'.")
+    _add_engine_args(au)
+    au.add_argument("--data", default=None, help="the training prompts to draw passages and first turns from "
+                                                 "(default: ../shared/data/train_prompts.jsonl)")
+    au.add_argument("--out", required=True, help="JSONL file written (its provenance beside it, + '.json')")
+    au.add_argument("--kinds", required=True, metavar="KIND=N,...",
+                    help="prompts per kind: self_instruct, summarize, passage_qa, translate, follow_up")
+    au.add_argument("--seed", type=int, default=0)
+    au.add_argument("--temperature", type=float, default=0.8, help="sampling of self-instruct requests and questions")
+    au.add_argument("--max-new-tokens", type=int, default=128)
+    au.add_argument("--max-batch", type=int, default=8, help="requests generated together")
+
     args = parser.parse_args(argv)
     try:
         _check_common(args)
+        if args.cmd == "augment":
+            return _augment(args, argv)
         if args.cmd == "generate":
             return _generate(args)
         if args.cmd == "serve":
@@ -333,6 +350,38 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"turbospec: error: {e}", file=sys.stderr)
         return 2
+
+
+def _augment(args, argv) -> int:
+    import datetime
+    import hashlib
+    import subprocess
+
+    from . import augment
+    from .train.config import DEFAULT_DATA
+    from .train.data import read_prompts
+    counts = augment.parse_counts(args.kinds)
+    data = args.data or DEFAULT_DATA
+    prompts = read_prompts(data)
+    eng = _engine(args, max_batch=args.max_batch)
+    aug = augment.Augmenter(eng, prompts, seed=args.seed, temperature=args.temperature,
+                            max_new_tokens=args.max_new_tokens)
+    records = aug.run(counts)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except OSError:
+        commit = None
+    with open(data, "rb") as f:
+        sha1 = hashlib.sha1(f.read()).hexdigest()
+    augment.write(records, args.out, {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+        "command": "turbospec " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": args.model, "data": os.path.basename(data), "data_sha1": sha1, "kinds": counts, "seed": args.seed,
+        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+    print(f"wrote {len(records)} prompts to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
