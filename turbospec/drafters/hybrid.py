@@ -229,11 +229,11 @@ class HeadSuffixDrafter(Drafter):
     frequencies start at half trust (a continuation seen once scores 1 by frequency), the head's at
     full.
 
-    ``skip_head_at``: when the suffix tree alone fills the whole budget with nodes whose calibrated
-    scores are all at least this (a long, reliable match: a repeated request, a copied passage),
-    the head does not draft that step (its rounds cost more than the suffix tree's lookup, and its
-    nodes would only displace the remembered continuation's deepest ones); it reads the committed
-    features at its next proposal. None: the head always drafts."""
+    ``skip_head_at``: when the suffix tree's likeliest path is at least half the budget deep and
+    each of its steps is calibrated at least this likely (a long, reliable match: a repeated
+    request, a copied passage), the head does not draft that step: its rounds cost more than the
+    suffix tree's lookup, and its nodes would only displace the remembered continuation's deepest
+    ones. It reads the committed features at its next proposal. None: the head always drafts."""
 
     PRIOR = {"head": 1.0, "suffix": 0.5}
     SKIP_HEAD_AT = 0.9
@@ -263,6 +263,28 @@ class HeadSuffixDrafter(Drafter):
         self.suffix.begin(prompt_ids)
         self._last = []
 
+    def _suffix_is_sure(self, tree: Draft, keys: list, max_tokens: int) -> bool:
+        """Is the suffix tree's likeliest path at least half the budget deep, with every step on it
+        calibrated at least ``skip_head_at`` likely? (Each step's own probability, not the path's:
+        a remembered continuation is accepted or rejected as a whole far more than independent
+        steps would be.)"""
+        if len(tree) < max(1, max_tokens // 2):
+            return False
+        parents = tree.parents if tree.parents is not None else list(range(len(tree)))
+        best: dict[int, int] = {}  # node -> its likeliest child (ties: the first)
+        for i, p in enumerate(parents):
+            if p not in best or tree.scores[i] > tree.scores[best[p] - 1]:
+                best[p] = i + 1
+        node, depth = 0, 0
+        while node in best:
+            child = best[node]
+            parent_score = 1.0 if node == 0 else tree.scores[node - 1]
+            cond = tree.scores[child - 1] / parent_score if parent_score > 0 else 0.0
+            if min(1.0, self.calibration.ratio(keys[child - 1]) * cond) < self.skip_head_at:
+                return False
+            node, depth = child, depth + 1
+        return depth >= max(1, max_tokens // 2)
+
     def prepare(self, tokens: list[int]) -> None:
         self.head.prepare(tokens)
 
@@ -287,12 +309,10 @@ class HeadSuffixDrafter(Drafter):
         if tree is None:  # nothing remembered: the head alone (its own sampling, q kept)
             return (yield from self.head.propose_steps(tokens, max_tokens, params, generator))
         suffix_keys = [("suffix", match_bucket(match))] * len(tree)
-        if self.skip_head_at is not None and len(tree) >= max_tokens:
-            calibrated = self.calibration.apply(tree, suffix_keys)
-            if min(calibrated.scores[:max_tokens]) >= self.skip_head_at:
-                self.head_skipped += 1
-                self._last.append((tree, suffix_keys))
-                return merge_scored([calibrated], max_tokens)
+        if self.skip_head_at is not None and self._suffix_is_sure(tree, suffix_keys, max_tokens):
+            self.head_skipped += 1
+            self._last.append((tree, suffix_keys))
+            return merge_scored([self.calibration.apply(tree, suffix_keys)], max_tokens)
         head = yield from self.head.propose_steps(tokens, max_tokens, params, generator, point_mass=True)
         drafts = []
         for d, keys in ((head, None), (tree, suffix_keys)):
