@@ -338,6 +338,32 @@ def test_resume_continues_training(tmp_path, bigram):
     assert s["steps"] == 8
 
 
+def test_init_head_starts_from_a_trained_head(tmp_path, bigram):
+    """--init-head: the run's eval at step 0 is the given head's own (not a fresh head's), its draft
+    vocabulary and feature layers are kept; another method's head is refused, naming it."""
+    target, data, d = bigram
+    first = tmp_path / "first"
+    args = _args("eagle3", target, data, first, d / "work")
+    assert cli.main(args) == 0
+    trained = checkpoints.load_head(str(first))
+    fresh_init = trained.extra["eval_history"][0]["acceptance"][0]
+    tuned = tmp_path / "tuned"
+    args2 = _args("eagle3", target, data, tuned, d / "work", "--init-head", str(first))
+    args2[args2.index("--epochs") + 1] = "1"
+    args2[args2.index("--draft-vocab") + 1] = "40"  # ignored: the head keeps its own
+    assert cli.main(args2) == 0
+    head = checkpoints.load_head(str(tuned))
+    start = head.extra["eval_history"][0]
+    assert start["step"] == 0
+    assert start["acceptance"][0] == pytest.approx(trained.extra["eval"]["acceptance"][0], abs=0.03)
+    assert start["acceptance"][0] >= fresh_init + 0.5
+    assert torch.equal(head.draft_vocab_ids(), trained.draft_vocab_ids())
+    assert head.cfg.feature_layers == trained.cfg.feature_layers
+    medusa = _args("medusa", target, data, tmp_path / "m", d / "work", "--init-head", str(first))
+    with pytest.raises(ValueError, match="is a 'eagle3' head; --method is 'medusa'"):
+        train.run(config.config_from_args(_parse(medusa)))
+
+
 def test_time_budget_schedule_anneals_by_the_deadline():
     """The decay follows whichever is further along, steps or time; warmup stays step-based."""
     cfg = config.TrainConfig(method="eagle3", out="x", warmup_steps=10)

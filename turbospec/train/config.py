@@ -55,6 +55,7 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 500
     resume: bool = False
+    init_head: str | None = None       # start from this head's weights (fine-tuning) instead of a fresh one
     loss_on_prompt: bool = False
     step_decay: float = 0.8
     medusa_heads: int = 4
@@ -192,6 +193,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="steps between checkpoints (also after each eval)")
     g.add_argument("--resume", action="store_true",
                    help="continue the saved training state of the same settings")
+    g.add_argument("--init-head", default=None, metavar="DIR",
+                   help="start from this head's weights (fine-tuning: new data for a trained head); its method "
+                        "must be --method, its draft vocabulary and feature layers are kept")
     g.add_argument("--loss-on-prompt", action="store_true",
                    help="eagle/eagle3: also train on prompt positions (the head reads the true tokens there, "
                         "so the target's argmax is a valid target; default: only the response, where "

@@ -138,6 +138,7 @@ class Trainer:
         # made (by a resumed run) and what this run can spend training (set when training starts)
         self.deadline: float | None = None
         self.time_p0, self.train_avail = 0.0, None
+        self.init = None  # --init-head: the head training starts from
 
     def run(self) -> dict:
         """The whole pipeline; returns a summary (stage infos, final eval, checkpoint path)."""
@@ -152,6 +153,7 @@ class Trainer:
             self.deadline = self.t_start + cfg.time_budget
         os.makedirs(self.work, exist_ok=True)
         target, tok = self.load_target()
+        self.init = self.load_init_head(target)
         self.generate(target, tok)
         if cfg.stop_after == "generate":
             return self.summary
@@ -164,6 +166,23 @@ class Trainer:
         self.resume()
         self.train()
         return self.summary
+
+    def load_init_head(self, target):
+        """--init-head: the head training starts from (float32), checked against --method and the
+        target; None without it."""
+        cfg = self.cfg
+        if not cfg.init_head:
+            return None
+        from ..heads.formats import load_head
+        head = load_head(cfg.init_head, target_cfg=target.cfg)
+        method = head.cfg.method
+        if method != cfg.method:
+            raise ValueError(f"--init-head {cfg.init_head!r} is a {method!r} head; --method is {cfg.method!r}")
+        if cfg.feature_layers and list(cfg.feature_layers) != list(head.cfg.feature_layers or []):
+            raise ValueError(f"--feature-layers {list(cfg.feature_layers)} differ from --init-head's "
+                             f"{list(head.cfg.feature_layers or [])}: a head keeps its feature layers")
+        log(f"train: starting from the head in {cfg.init_head}")
+        return head.float()
 
     # -----------------------------------------------------------------------------------------
     # Stages 1 and 2: the target and its self-distillation data
@@ -207,7 +226,7 @@ class Trainer:
         n = len(self.samples)
         self.n_eval = cfg.eval_samples if cfg.eval_samples is not None else min(64, max(1, round(0.05 * n)))
         layers_kw = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
-        probe = HeadConfig.for_target(cfg.method, target.cfg, **layers_kw)
+        probe = HeadConfig.for_target(cfg.method, target.cfg, **layers_kw) if self.init is None else self.init.cfg
         spec = tuple(probe.feature_layers) if cfg.method == "eagle3" else "final"
         self.feat_dir, self.manifest = distill.collect_features(
             target, self.gen_dir, self.samples, self.work, spec, eval_samples=self.n_eval,
@@ -233,7 +252,7 @@ class Trainer:
             counts += torch.bincount(torch.tensor(s["response_ids"], dtype=torch.int64), minlength=vocab)
         frozen = Frozen(embed=target.embed.detach().float(), lm_w=lm_head_weight(target).detach().float(),
                         t2d=None)
-        head = build_head(cfg, target, counts, self.source)
+        head = build_head(cfg, target, counts, self.source) if self.init is None else self.init
         if cfg.method == "eagle3":
             t2d = torch.full((vocab,), -100, dtype=torch.int64)
             ids = head.draft_vocab_ids()
