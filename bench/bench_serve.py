@@ -24,8 +24,10 @@ bench/out/serve_peers-<time>.json). Servers (bench/http_peers.py starts them):
 * ``turbospec``: ``turbospec serve`` on the GGUF as shipped (Q4_1 kept quantized, fp32 activations;
   ``--turbospec-flags`` adds options, e.g. "--weights dense");
 * ``vllm`` / ``vllm-ngram``: vLLM's CPU build from ``--vllm-venv`` on the GGUF dequantized to an fp32
-  safetensors directory (``--hf-dir``, written once), prefix caching on; ``vllm-ngram`` adds its n-gram
-  speculation (``--ngram-tokens``, ``--ngram-max``, ``--ngram-min``);
+  safetensors directory (``--hf-dir``, written once), prefix caching on, ``--vllm-dtype`` (float32: the
+  same arithmetic as turbospec's exact activations); ``vllm-ngram`` adds its n-gram speculation
+  (``--ngram-tokens``, ``--ngram-max``, ``--ngram-min``); ``vllm-bf16`` is ``vllm`` in bfloat16 (its
+  fast CPU path where the CPU has AVX-512 BF16 / AMX);
 * ``llama-server``: the same GGUF, ``-np`` = the highest concurrency, ``cache_prompt`` on.
 
     python bench/bench_serve.py --servers turbospec vllm vllm-ngram llama-server --threads 2 \
@@ -181,7 +183,7 @@ def hf_padded(source: str, tokenizer, prompts, levels, max_new, temperature, dev
     return out
 
 
-SERVERS = ("turbospec", "vllm", "vllm-ngram", "llama-server")
+SERVERS = ("turbospec", "vllm", "vllm-ngram", "vllm-bf16", "llama-server")
 
 
 def server_spec(name: str, args, port: int, gguf: str):
@@ -196,11 +198,12 @@ def server_spec(name: str, args, port: int, gguf: str):
     if name == "llama-server":
         return http_peers.llama_spec(args.llama_server, gguf, port, args.threads, slots, args.ctx_per_slot,
                                      cache_prompt=True)
-    if name in ("vllm", "vllm-ngram"):
+    if name in ("vllm", "vllm-ngram", "vllm-bf16"):
         ngram = dict(num_speculative_tokens=args.ngram_tokens, prompt_lookup_max=args.ngram_max,
                      prompt_lookup_min=args.ngram_min) if name == "vllm-ngram" else None
+        dtype = "bfloat16" if name == "vllm-bf16" else args.vllm_dtype
         return http_peers.vllm_spec(args.vllm_venv, args.hf_dir, port, args.threads, slots, args.ctx_per_slot,
-                                    ngram=ngram, prefix_caching=True, dtype=args.vllm_dtype,
+                                    ngram=ngram, prefix_caching=True, dtype=dtype,
                                     kv_cache_gib=args.vllm_kv_gib, name=name, omp_bind=args.vllm_omp_bind)
     raise ValueError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 

@@ -106,6 +106,8 @@ def test_http_args_and_commands(tmp_path):
         assert v.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and v.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
         assert str(tmp_path / "lib" / "libiomp5.so") in v.env["LD_PRELOAD"].split(":")
     assert "--speculative-config" not in specs["vllm"].cmd
+    bf16 = bench_serve.server_spec("vllm-bf16", args, 1, "/m.gguf").cmd
+    assert bf16[bf16.index("--dtype") + 1] == "bfloat16" and "--speculative-config" not in bf16
     sc = json.loads(specs["vllm-ngram"].cmd[specs["vllm-ngram"].cmd.index("--speculative-config") + 1])
     assert sc == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
