@@ -3,28 +3,29 @@
 Each chat resends its whole conversation every turn (a system prompt, then user / assistant turns,
 the assistant's answers being the server's own), as chat clients do. Per server and cache setting it
 records, per turn, the time to first token (TTFT) and the time to the whole answer, streamed over
-HTTP with the OpenAI chat API, greedy, ``--max-tokens`` per answer; chats run one after another
-(``--concurrency`` at a time). Servers, each started here on the same GGUF and thread count:
+HTTP with the OpenAI chat API, greedy, ``--max-tokens`` per answer; chats run one after another.
+Servers, each started here (bench/http_peers.py) on the same model and thread count:
 
 * turbospec serve, prefix cache on (default) and off (``--prefix-cache-mb 0``);
-* llama-server (``--llama-server PATH``), ``cache_prompt`` true and false per request.
+* llama-server (``--llama-server PATH``), ``cache_prompt`` true and false per request;
+* vLLM's CPU build (``--vllm [VENV]``) on the GGUF dequantized to fp32 safetensors,
+  ``--enable-prefix-caching`` and ``--no-enable-prefix-caching``.
 
     python bench/bench_multiturn.py --chats 6 --turns 4 --llama-server ~/.cache/turbospec-peers/llama.cpp/build/bin/llama-server \
-        --out bench/out/multiturn
+        --vllm --out bench/out/multiturn
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
-import socket
 import statistics
-import subprocess
 import sys
-import time
 
-import httpx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/http_peers.py
+
+import http_peers  # noqa: E402
+from http_peers import free_port, stream_chat  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "..", "shared", "data", "specbench_dev.jsonl")
@@ -34,45 +35,9 @@ FOLLOW_UPS = ["Can you say that more simply?", "Give one example.", "What is the
               "Summarise our conversation in one sentence.", "Why does that matter?"]
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def wait_up(base: str, proc: subprocess.Popen, path: str = "/health") -> None:
-    for _ in range(1200):
-        try:
-            if httpx.get(base + path, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode})")
-        time.sleep(0.25)
-    raise RuntimeError("the server did not come up")
-
-
 def chat_turn(base: str, model: str, messages: list, max_tokens: int, extra: dict) -> tuple[str, float, float]:
     """One streamed answer: (text, TTFT s, total s)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, **extra}
-    t0 = time.perf_counter()
-    ttft, text = None, ""
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            for ch in ev.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    text += piece
-    return text, (ttft if ttft is not None else time.perf_counter() - t0), time.perf_counter() - t0
+    return stream_chat(base, model, messages, max_tokens, extra)
 
 
 def run_chats(base: str, model: str, questions: list[str], turns: int, max_tokens: int, extra: dict) -> dict:
@@ -96,6 +61,32 @@ def run_chats(base: str, model: str, questions: list[str], turns: int, max_token
             "answers": answers}
 
 
+def setups(args, gguf: str) -> list[tuple[str, str, dict]]:
+    """(label, server key, request fields) per measured setting; setups sharing a key share a server."""
+    out = [("turbospec, prefix cache on", "turbospec-cache", {}),
+           ("turbospec, prefix cache off", "turbospec-nocache", {})]
+    if args.llama_server:
+        out += [("llama-server, cache_prompt on", "llama", {"cache_prompt": True}),
+                ("llama-server, cache_prompt off", "llama", {"cache_prompt": False})]
+    if args.vllm:
+        out += [("vllm, prefix caching on", "vllm-cache", {}),
+                ("vllm, prefix caching off", "vllm-nocache", {})]
+    return out
+
+
+def server_spec(key: str, args, gguf: str, port: int) -> http_peers.ServerSpec:
+    """One chat at a time: one slot each, the same GGUF (vLLM: its fp32 safetensors) and threads."""
+    if key.startswith("turbospec"):
+        flags = ["--drafter", args.drafter, "--prefix-cache-mb", "512" if key == "turbospec-cache" else "0"]
+        return http_peers.turbospec_spec(gguf, port, args.threads, 1, 4096, flags, name=key)
+    if key == "llama":
+        return http_peers.llama_spec(args.llama_server, gguf, port, args.threads, 1, 8192, name=key)
+    if key.startswith("vllm"):
+        return http_peers.vllm_spec(args.vllm, args.hf_dir, port, args.threads, 1, 4096,
+                                    prefix_caching=key == "vllm-cache", dtype=args.vllm_dtype, name=key)
+    raise ValueError(key)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chats", type=int, default=6)
@@ -103,63 +94,51 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--drafter", default="auto")
-    p.add_argument("--llama-server", default=None, help="path of llama-server (left out: turbospec only)")
+    p.add_argument("--llama-server", default=None, help="path of llama-server (left out: no llama-server)")
+    p.add_argument("--vllm", nargs="?", const=http_peers.DEFAULT_VLLM_VENV, default=None, metavar="VENV",
+                   help=f"also vLLM's CPU build from this venv (default {http_peers.DEFAULT_VLLM_VENV}), prefix "
+                        "caching on and off")
+    p.add_argument("--hf-dir", default=http_peers.DEFAULT_HF_DIR,
+                   help="the safetensors directory vLLM loads (written once from the GGUF)")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--data", default=DATA)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     from turbospec.model.loader import default_model_path
     gguf = default_model_path()
+    if args.vllm:
+        args.hf_dir = http_peers.ensure_hf_dir(gguf, args.hf_dir)
     questions = []
     with open(args.data) as f:
         for line in f:
             questions.append(json.loads(line)["turns"][0][:400])
             if len(questions) == args.chats:
                 break
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    results = {}
-    setups = [("turbospec, prefix cache on", ["--prefix-cache-mb", "512"], {}),
-              ("turbospec, prefix cache off", ["--prefix-cache-mb", "0"], {})]
-    if args.llama_server:
-        setups += [("llama-server, cache_prompt on", None, {"cache_prompt": True}),
-                   ("llama-server, cache_prompt off", None, {"cache_prompt": False})]
-    procs = {}
+    results, servers = {}, {}
+    running: tuple[str, http_peers.Server] | None = None
     try:
-        for name, flags, extra in setups:
-            kind = "turbospec" if flags is not None else "llama"
-            key = (kind, tuple(flags or ()))
-            if key not in procs:
-                for proc, _ in procs.values():
-                    proc.terminate()
-                    proc.wait(30)
-                procs.clear()
+        for name, key, extra in setups(args, gguf):
+            if running is None or running[0] != key:
+                if running is not None:
+                    running[1].stop()
                 port = free_port()
-                if kind == "turbospec":
-                    cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--model", gguf, "--port", str(port),
-                           "--threads", str(args.threads), "--drafter", args.drafter, "--max-batch", "1",
-                           "--log-level", "warning", *flags]
-                else:
-                    cmd = [args.llama_server, "-m", gguf, "--port", str(port), "-t", str(args.threads), "-c", "8192",
-                           "-np", "1", "--log-disable"]
-                    model = "x"  # llama-server serves its one model whatever the name
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                base = f"http://127.0.0.1:{port}"
-                wait_up(base, proc)
-                if kind == "turbospec":
-                    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
-                procs[key] = (proc, (base, model))
-            base, model = procs[key][1]
-            chat_turn(base, model, [{"role": "user", "content": "warm up"}], 4, extra)
+                spec = server_spec(key, args, gguf, port)
+                servers[key] = spec.describe()
+                running = (key, http_peers.Server(spec, port).__enter__())
+            srv = running[1]
+            chat_turn(srv.base, srv.model, [{"role": "user", "content": "warm up"}], 4, extra)
             print(f"[multiturn] {name}", flush=True)
-            results[name] = run_chats(base, model, questions, args.turns, args.max_tokens, extra)
+            results[name] = run_chats(srv.base, srv.model, questions, args.turns, args.max_tokens, extra)
             print(f"  TTFT median by turn (ms): {results[name]['ttft_ms_median_by_turn']}; "
                   f"answer (ms): {results[name]['answer_ms_median_by_turn']}", flush=True)
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor(),
-           "gguf": gguf, "threads": args.threads, "chats": args.chats, "turns": args.turns,
-           "max_tokens": args.max_tokens, "results": results}
+        if running is not None:
+            running[1].stop()
+    info = http_peers.machine_info()
+    out = {"date": info["date"], "machine": info["machine"], "avx512f": info["avx512f"], "commit": info["commit"],
+           "command": info["command"], "gguf": gguf, "threads": args.threads, "chats": args.chats,
+           "turns": args.turns, "max_tokens": args.max_tokens, "servers": servers, "results": results}
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:
