@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", action="append", default=[], choices=["ngram", "suffix", "lookahead", "hybrid"],
                    help="a model-free drafter to run too (repeat); hybrid: the EAGLE head of --hybrid-head "
                         "and suffix decoding in one tree")
+    p.add_argument("--hybrid-skip-head-at", default="default",
+                   help="--drafter hybrid: its skip_head_at tree option (a number in (0, 1], 'none': the head "
+                        "always drafts; default: the drafter's)")
     p.add_argument("--hybrid-head", default=None,
                    help="the head of --drafter hybrid (default: the shipped EAGLE-3 head for the default model)")
     p.add_argument("--plain", action="store_true", help="also report plain decoding (tau 1 by definition) as a row")
@@ -112,8 +115,10 @@ def main(argv=None) -> int:
             hpath = args.hybrid_head or (heads[0][1] if heads else shipped_heads().get("eagle3"))
             if hpath is None:
                 raise SystemExit("--drafter hybrid needs --hybrid-head (or --head)")
-            systems.append(("hybrid", hpath, dict(drafter="hybrid", head=hpath, draft_dtype=args.draft_dtype,
-                                                  tree={"depth": args.depth, "top_k": args.top_k})))
+            tree = {"depth": args.depth, "top_k": args.top_k}
+            if args.hybrid_skip_head_at != "default":
+                tree["skip_head_at"] = None if args.hybrid_skip_head_at == "none" else float(args.hybrid_skip_head_at)
+            systems.append(("hybrid", hpath, dict(drafter="hybrid", head=hpath, draft_dtype=args.draft_dtype, tree=tree)))
         else:
             systems.append((d, None, dict(drafter=d)))
     for name, path, opts in systems:
@@ -135,9 +140,15 @@ def main(argv=None) -> int:
                 secs = time.perf_counter() - t_round
                 rows.append({"head": name, "path": path, "nodes": n, "round": rnd,
                              "tau": {c: emitted[c] / max(steps[c], 1) for c in emitted},
-                             "tok_s": emitted["overall"] / secs})
+                             "tok_s": emitted["overall"] / secs, "steps": steps["overall"]})
+                skipped = getattr(eng.drafter, "head_skipped", None)  # the hybrid: steps drafted without the head
+                if skipped is not None:
+                    rows[-1]["head_skipped"] = skipped - sum(r.get("head_skipped", 0) for r in rows[:-1]
+                                                             if r["head"] == name and r["nodes"] == n)
                 print(f"{name} @ {n} nodes, round {rnd}: τ {rows[-1]['tau']['overall']:.3f}, "
-                      f"{rows[-1]['tok_s']:.1f} tok/s (prefill included)", file=sys.stderr)
+                      f"{rows[-1]['tok_s']:.1f} tok/s (prefill included)"
+                      + (f", head skipped at {rows[-1]['head_skipped']} of {steps['overall']} steps"
+                         if skipped is not None else ""), file=sys.stderr)
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 with open(args.out + ".partial", "w") as f:  # what is done so far, should the run be cut
                     json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
