@@ -571,7 +571,7 @@ def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
 
 
 # ------------------------------------------------------------------------------------------------
-# A GGUF's config and tokenizer, converted once into the cache (issue 37: first load)
+# A GGUF's config (read once into the cache) and tokenizer (from its metadata) (issue 37: first load)
 # ------------------------------------------------------------------------------------------------
 _FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
@@ -583,9 +583,10 @@ def _fields(cfg) -> dict:
 
 
 def test_default_gguf_config_and_tokenizer_equal_transformers_conversion(tmp_path, monkeypatch):
-    """resolve_model_dir builds the config from the GGUF's metadata itself and the tokenizer through
-    transformers' GGUF tokenizer builder without its whole-file read: the same config fields, and
-    the same ids, text and chat template as AutoConfig / AutoTokenizer(gguf_file=...) give."""
+    """resolve_model_dir builds the config from the GGUF's metadata itself and load_tokenizer the
+    tokenizer (gguf_tokenizer; tests/model/test_gguf_tokenizer.py compares it in depth): the same
+    config fields, and the same ids, text and chat template as AutoConfig / AutoTokenizer(gguf_file=...)
+    give."""
     from transformers import AutoConfig, AutoTokenizer
     from turbospec.model.gguf import read_gguf
     path = turbospec.default_model_path()

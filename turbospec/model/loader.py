@@ -1,9 +1,9 @@
 """Load Llama-family checkpoints into turbospec's own model (``model.Transformer``).
 
 Sources: a local directory (config.json + *.safetensors or pytorch_model.bin), a GGUF file (its
-quantized tensors kept as stored, ``read_gguf_weights``; its config and tokenizer, and a
-dequantized copy for ``weights="dense"``, converted by transformers once and cached), or an
-in-memory ``transformers`` model. Nothing is downloaded.
+quantized tensors kept as stored, ``read_gguf_weights``; its config read from its metadata and cached,
+its tokenizer built from its metadata each load, ``gguf_tokenizer``), or an in-memory
+``transformers`` model. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .gguf import read_gguf
+from .gguf_tokenizer import TOKENIZER_ARRAYS, gguf_tokenizer, unsupported_reason
 from .transformer import ModelConfig, Transformer
 from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
 from ..ops.reference import is_block_format
@@ -44,11 +45,13 @@ def _cache_root() -> Path:
 
 
 def resolve_model_dir(source: str | os.PathLike) -> str:
-    """A directory with config.json and the tokenizer for ``source`` (a directory, returned as it is,
-    or a GGUF file). For a GGUF, the config and tokenizer are converted once from its metadata
-    (transformers' GGUF mapping) into $TURBOSPEC_CACHE or ~/.cache/turbospec, next to a link to the
-    GGUF itself: the weights stay in the GGUF as stored (no dequantized copy on disk or in memory),
-    and ``load_model`` / ``load_hf_model`` read them from there."""
+    """A directory with config.json for ``source`` (a directory, returned as it is, or a GGUF file).
+    For a GGUF, the config is read once from its metadata into $TURBOSPEC_CACHE or
+    ~/.cache/turbospec, next to a link to the GGUF itself: the weights stay in the GGUF as stored (no
+    dequantized copy on disk or in memory), and ``load_model`` / ``load_hf_model`` read them from
+    there; ``load_tokenizer`` builds the tokenizer from the GGUF's metadata (``gguf_tokenizer``). Only
+    a tokenizer ``gguf_tokenizer`` does not build (not byte-level BPE, or an unknown pre-tokenizer) is
+    converted by transformers and saved here."""
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(source)!r} does not exist (expected a directory with "
@@ -70,20 +73,17 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     if (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, path):
         return str(out)
     meta, tensors = read_gguf(str(path))  # a corrupt or truncated file is named here, not in the conversion
-    from transformers import PreTrainedTokenizerFast
     cfg = gguf_hf_config(meta, tensors)
     if cfg is None:  # an architecture turbospec does not map itself: transformers' (slower) conversion
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    # transformers' tokenizer from the GGUF's vocabulary and merges, without its reading the whole file
-    # again for a config (what AutoTokenizer does): the same tokenizer, ~0.3 s instead of ~3 s
-    tok = PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent))
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     cfg.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
+    if unsupported_reason(meta) is not None:
+        _converted_tokenizer(path).save_pretrained(str(tmp))
     os.symlink(path.resolve(), tmp / GGUF_LINK)
     if out.exists():  # another process converted it meanwhile, or a stale entry: keep one
         shutil.rmtree(out, ignore_errors=True)
@@ -95,6 +95,15 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
 
 
 GGUF_LINK = "model.gguf"  # in a converted GGUF's directory: a link to the GGUF (the weights)
+
+
+def _converted_tokenizer(path: Path):
+    """transformers' GGUF tokenizer conversion: the fallback for the tokenizers ``gguf_tokenizer`` does
+    not build (SentencePiece "llama" vocabularies, unigram "t5", byte-level BPE with a pre-tokenizer
+    not in ``BYTE_LEVEL_SPLITS``). The fast tokenizer without transformers reading the whole file
+    again for a config (what AutoTokenizer does)."""
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent))
 
 
 # transformers config keys from a GGUF's "{arch}." keys (llama.cpp's names), for the architectures
@@ -544,13 +553,20 @@ def gguf_path(source) -> str | None:
 
 
 def load_tokenizer(source):
-    """The tokenizer stored with a model directory or GGUF (None for an in-memory model)."""
+    """The tokenizer of a model directory or GGUF (None for an in-memory model, or a directory with
+    neither tokenizer files nor a GGUF): a GGUF's is built from its metadata (``gguf_tokenizer``)."""
     if isinstance(source, torch.nn.Module):
         return None
     model_dir = resolve_model_dir(source)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
-        return None  # weights only: prompts must then be token ids
+        gguf = gguf_path(model_dir)  # a converted GGUF's directory (its link), or a directory holding a GGUF
+        if gguf is None:
+            return None  # weights only: prompts must then be token ids
+        meta, _ = read_gguf(gguf, TOKENIZER_ARRAYS)
+        if unsupported_reason(meta) is None:
+            return gguf_tokenizer(gguf, meta)
+        return _converted_tokenizer(Path(gguf))
     if os.path.isfile(os.path.join(model_dir, GGUF_LINK)) and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         # a converted GGUF: the fast tokenizer it was saved from (AutoTokenizer would read the config
         # through transformers' config classes first)
