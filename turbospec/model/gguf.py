@@ -8,8 +8,10 @@ asked for by key (``arrays``: the tokenizer's vocabulary, merges and token types
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+import weakref
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -22,6 +24,31 @@ _STRING, _ARRAY = 8, 9
 _DENSE = {0: np.float32, 1: np.float16, 30: np.uint16}  # F32, F16, BF16 (raw words)
 _ARRAY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                  7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}  # array item type -> numpy (little endian)
+
+
+# (start address, end address, the mmap) of each GGUF mapped by read_gguf while it is alive
+_MAPPINGS: list[tuple[int, int, weakref.ref]] = []
+
+
+def release_pages(t) -> None:
+    """Unmap the file pages under tensor ``t`` from this process (madvise DONTNEED) when ``t`` is a view
+    of a GGUF mapped by ``read_gguf``, else nothing: for a tensor just copied into another layout, so
+    that a load holds the copy, not the copy and the pages it was read from (they stay in the page
+    cache; reading ``t`` again maps them again, with the file's bytes: a value this process wrote
+    into the copy-on-write mapping would be lost, and nothing writes a GGUF's weights). Only the pages
+    wholly inside ``t`` (a neighbour's bytes may share its first and last page)."""
+    if not _MAPPINGS or not hasattr(mmap, "MADV_DONTNEED") or not t.is_contiguous() or t.device.type != "cpu":
+        return
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    for lo, hi, ref in _MAPPINGS:
+        mapping = ref()
+        if mapping is not None and lo <= start and end <= hi:
+            a = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            b = end // mmap.PAGESIZE * mmap.PAGESIZE
+            if b > a:
+                mapping.madvise(mmap.MADV_DONTNEED, a - lo, b - a)
+            return
 
 
 @dataclass
@@ -38,7 +65,13 @@ def read_gguf(path: str, arrays: Collection[str] = ()) -> tuple[dict, dict[str, 
     str for strings, a numpy array for numbers), {name: GGUFTensor})."""
     if os.path.getsize(path) < 24:
         raise ValueError(f"{path}: not a GGUF file ({os.path.getsize(path)} bytes: shorter than a GGUF header)")
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    with open(path, "rb") as f:
+        # copy-on-write: the tensors are writable views of the file's pages (torch wants writable
+        # arrays); a write would change this process's copy only, never the file
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    mm = np.frombuffer(mapping, dtype=np.uint8)
+    _MAPPINGS[:] = [m for m in _MAPPINGS if m[2]() is not None]
+    _MAPPINGS.append((mm.ctypes.data, mm.ctypes.data + len(mm), weakref.ref(mapping)))
     try:
         return _parse(path, mm, frozenset(arrays))
     except (struct.error, IndexError, OverflowError, MemoryError) as e:  # the header runs past the file

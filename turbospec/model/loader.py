@@ -7,6 +7,7 @@ its tokenizer built from its metadata each load, ``gguf_tokenizer``), or an in-m
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -302,7 +303,8 @@ _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "gate_up": ("ffn_gate", "f
 
 def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The weights of a GGUF file in turbospec names, block-quantized tensors kept as stored
-    (``QuantWeight``, no dequantization), the rest as dense tensors in ``dtype``. llama.cpp stores
+    (``QuantWeight``, no dequantization, views of the memory-mapped file: no copy until a layout
+    change needs one), the rest as dense tensors in ``dtype``. llama.cpp stores
     the q/k rows of "llama" models permuted for its rotary layout; the rows are put back in HF order
     (the permutation transformers' GGUF loader undoes), which moves whole rows, blocks untouched.
     Formats turbospec has no kernel for are dequantized (gguf's own dequantization)."""
@@ -323,11 +325,11 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
             rows = t.shape[1]
             data = data[expert * rows:(expert + 1) * rows]
         if is_block_format(t.ggml_type):
-            w = QuantWeight(torch.from_numpy(data.copy()), t.ggml_type, k)
+            w = QuantWeight(torch.from_numpy(data), t.ggml_type, k)
         elif t.ggml_type == 30:  # BF16 words
-            w = torch.from_numpy(data.copy()).view(torch.bfloat16).to(dtype)
+            w = torch.from_numpy(data).view(torch.bfloat16).to(dtype)
         elif data is not None:
-            w = torch.from_numpy(data.copy()).to(dtype)
+            w = torch.from_numpy(data).to(dtype)
         else:  # a format without a turbospec kernel: gguf's own dequantization
             from gguf import GGUFReader, dequantize as gguf_dequantize
             if not other:
@@ -525,7 +527,8 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         # "dense" reads the converted checkpoint, unless the GGUF is the only copy (_place then
         # dequantizes the blocks)
         if gguf_file is not None and (mode != "dense" or _weights_are_gguf(model_dir, gguf_file)):
-            raw = read_gguf_weights(gguf_file, cfg, dtype)
+            with one_thread():
+                raw = read_gguf_weights(gguf_file, cfg, dtype)
         else:
             raw = convert_hf_state_dict(_read_state_dict(model_dir), cfg)
     _check_shapes(raw, cfg)
@@ -534,7 +537,25 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
     for name, w in raw.items():
         linear = name.rsplit(".", 1)[-1] in _LINEARS or name == "lm_head" or (tied and name == "embed")
         out[name] = _place(w, dtype, device, mode, linear)
-    return Transformer(cfg, out).set_activations(activations)
+    with one_thread():  # the Linears merge parts and regroup blocks: byte moves
+        return Transformer(cfg, out).set_activations(activations)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to 1 inside, restored after: for a load's byte moves (q/k rows
+    permuted, parts merged, blocks regrouped; memory-bound, hundreds of small ops), where a parallel op
+    waits for threads the machine may not be giving it. On the 2-core machine with other jobs running,
+    a 1 MB uint8 torch.cat took 15 ms with 2 threads and 0.02 ms with 1, and SmolLM2's load_model
+    2.9 s against 0.2 s (2026-11-28, bench/results/2026-11-28-gguf-tokenizer-load.md)."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
 
 
 def gguf_path(source) -> str | None:
