@@ -88,7 +88,8 @@ def main() -> None:
             try:
                 res = one(m, cache)
                 res["cache_files"] = dir_files(cache)
-                res["cache_bytes"] = sum(v for k, v in res["cache_files"].items() if not k.endswith(".gguf"))
+                # (the link to the GGUF counts as a link, not as the file)
+                res["cache_bytes"] = sum(res["cache_files"].values())
                 if args.second:
                     res["second"] = one(m, cache)
             finally:
@@ -96,17 +97,20 @@ def main() -> None:
             results[m].append(res)
             print(f"round {r + 1} {os.path.basename(m)}: engine {res['engine_s']:.2f} s (import {res['import_s']:.2f} s, "
                   f"process {res['process_s']:.2f} s), peak RSS {res['peak_rss_mib']:.0f} MiB "
-                  f"(after imports {res['rss_after_import_mib']:.0f}), cache {res['cache_bytes'] / 1e6:.2f} MB"
+                  f"(after imports {res['rss_after_import_mib']:.0f}), cache {res['cache_bytes']} B "
+                  f"({', '.join(sorted(res['cache_files']))})"
                   + (f"; second process: engine {res['second']['engine_s']:.2f} s" if args.second else ""), flush=True)
-    print("\n| model | file MB | Engine s (rounds) | import s | peak RSS MiB (rounds) | peak / file | cache MB |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| model | file MB | Engine s (rounds) | import s | peak RSS MiB (rounds) | peak / file | "
+          "(peak - RSS after imports) / file | cache bytes |")
+    print("|---|---|---|---|---|---|---|---|")
     for m, rs in results.items():
         size = os.path.getsize(m)
         peak = [x["peak_rss_mib"] for x in rs]
         secs = " / ".join(f"{x['engine_s']:.2f}" for x in rs)
         print(f"| {os.path.basename(m)} | {size / 1e6:.0f} | {secs} | "
               f"{statistics.median(x['import_s'] for x in rs):.2f} | {' / '.join(f'{p:.0f}' for p in peak)} | "
-              f"{max(peak) * 2 ** 20 / size:.2f} | {rs[0]['cache_bytes'] / 1e6:.2f} |")
+              f"{max(peak) * 2 ** 20 / size:.2f} | {max(x['peak_rss_mib'] - x['rss_after_import_mib'] for x in rs) * 2 ** 20 / size:.2f} | "
+              f"{rs[0]['cache_bytes']} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
