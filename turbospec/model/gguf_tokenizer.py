@@ -130,7 +130,13 @@ def gguf_tokenizer(path: str, meta: dict | None = None):
     # PreTrainedTokenizerFast(tokenizer_object=...) deep-copies the backend (0.5 s for 151,936 tokens);
     # its constructor keeps a backend already set on the instance, as transformers' own subclasses
     # (GPT2Tokenizer) set it before calling it
+    backend = backend_tokenizer(meta)
     tok = PreTrainedTokenizerFast.__new__(PreTrainedTokenizerFast)
-    tok._tokenizer = backend_tokenizer(meta)
-    PreTrainedTokenizerFast.__init__(tok, **kwargs)
+    tok._tokenizer = backend
+    try:
+        PreTrainedTokenizerFast.__init__(tok, **kwargs)
+    except ValueError:  # a transformers whose constructor wants the backend passed (then copies it)
+        tok = None
+    if tok is None or tok.backend_tokenizer is not backend:
+        tok = PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
     return tok
