@@ -6,15 +6,15 @@ registry and has no ``gguf`` package to convert a GGUF with. SmolLM2-135M-Instru
 the training prompts 8 MB, a trained EAGLE-3 head ~38 MB in float32. So:
 
   here   python bench/gpu_carry.py pack
-             .gpu_carry/call1 .. callN (git-ignored): the model's config.json and tokenizer (no
-             weights), the GGUF cut into parts, the prompts; each call's share fits beside the
+             .gpu_carry/call1 .. callN (git-ignored): the model's config.json (no weights; the
+             tokenizer is read from the GGUF's metadata), the GGUF cut into parts, the prompts; each call's share fits beside the
              repository. Prints the calls to make, back to back: the machine stays warm only ~30 s
              after a call, and a fresh one has lost what the earlier calls left in /tmp.
   there  python bench/gpu_carry.py stash .gpu_carry/callK      (every call but the last: its share to $CARRY)
          LAST_CALL=.gpu_carry/callN python bench/gpu_carry.py ready
                                    (the last: its share, then $CARRY/model joined, sha256-checked)
-             $CARRY/model is a model directory turbospec loads (config.json + tokenizer + one .gguf:
-             turbospec reads the GGUF itself, dequantizing the blocks on CUDA).
+             $CARRY/model is a model directory turbospec loads (config.json + one .gguf: turbospec
+             reads the GGUF itself, its tokenizer too, dequantizing the blocks on CUDA).
   there  python bench/gpu_carry.py split-out FILE... --out $OUT (one .tar.gz in parts of <= 15 MiB)
   here   python bench/gpu_carry.py join-back DIR --dest HEAD    (the parts together, sha256-checked)
 
@@ -99,7 +99,7 @@ def cmd_pack(args) -> int:
     if gguf is None:
         raise SystemExit(f"--model {args.model!r}: expected a .gguf file (or 'default')")
     gguf = Path(gguf)
-    model_dir = Path(resolve_model_dir(gguf))  # config.json and tokenizer, converted here once
+    model_dir = Path(resolve_model_dir(gguf))  # config.json (and the tokenizer files of a GGUF whose tokenizer transformers converts)
     data = [Path(d) for d in args.data]
     for d in data:
         if not d.is_file():

@@ -571,7 +571,7 @@ def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
 
 
 # ------------------------------------------------------------------------------------------------
-# A GGUF's config and tokenizer, converted once into the cache (issue 37: first load)
+# A GGUF's config (read once into the cache) and tokenizer (from its metadata) (issue 37: first load)
 # ------------------------------------------------------------------------------------------------
 _FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
@@ -583,9 +583,10 @@ def _fields(cfg) -> dict:
 
 
 def test_default_gguf_config_and_tokenizer_equal_transformers_conversion(tmp_path, monkeypatch):
-    """resolve_model_dir builds the config from the GGUF's metadata itself and the tokenizer through
-    transformers' GGUF tokenizer builder without its whole-file read: the same config fields, and
-    the same ids, text and chat template as AutoConfig / AutoTokenizer(gguf_file=...) give."""
+    """resolve_model_dir builds the config from the GGUF's metadata itself and load_tokenizer the
+    tokenizer (gguf_tokenizer; tests/model/test_gguf_tokenizer.py compares it in depth): the same
+    config fields, and the same ids, text and chat template as AutoConfig / AutoTokenizer(gguf_file=...)
+    give."""
     from transformers import AutoConfig, AutoTokenizer
     from turbospec.model.gguf import read_gguf
     path = turbospec.default_model_path()
@@ -691,3 +692,50 @@ def test_converted_gguf_loads_without_transformers_config_classes(tmp_path):
     ref = AutoConfig.from_pretrained(str(cache[0]))
     assert _fields(mine) == _fields(ref)
     assert ModelConfig.from_hf(mine) == ModelConfig.from_hf(ref)
+
+
+# ------------------------------------------------------------------------------------------------
+# A GGUF's tensors mapped as stored (issue 37: peak memory at most ~the file)
+# ------------------------------------------------------------------------------------------------
+def test_gguf_tensors_are_views_of_the_file_and_the_embedding_stays_quantized():
+    """load_model keeps a GGUF's blocks where the file maps them (no copy unless a layout change makes
+    one), looks up embedding rows from the stored blocks (no dense table until ``embed`` is asked for),
+    and both give exactly the dense table's values; release_pages leaves a tensor's values as they
+    were (its pages come back from the file)."""
+    from turbospec.model import gguf
+    from turbospec.model.quant import QuantWeight
+    path = turbospec.default_model_path()
+    model = loader.load_model(path)
+    blocks = model._embed_blocks
+    assert isinstance(blocks, QuantWeight) and model._embed is None
+    lo, hi = next((a, b) for a, b, ref in gguf._MAPPINGS if ref() is not None and a <= blocks.data.data_ptr() < b)
+    assert blocks.data.data_ptr() + blocks.data.numel() <= hi
+    ids = torch.tensor([[0, 1, 2, 49151, 7, 7], [300, 12000, 2, 5, 6, 40000]])
+    rows = model.embedding(ids)
+    model.forward(ids[:1], torch.arange(6)[None], model.new_cache(8), 0)
+    assert model._embed is None  # a forward pass made no dense table
+    before = blocks.data.clone()
+    gguf.release_pages(blocks.data)
+    assert torch.equal(blocks.data, before)
+    assert torch.equal(rows, model.embed[ids])  # the dense table, made now
+    assert model.lm_head_weight is model.embed  # (tied)
+
+
+def test_gguf_load_holds_about_the_file(tmp_path):
+    """load_model's peak memory (a new process, after its imports) stays under twice the GGUF's size:
+    the blocks are mapped, a copy made for a kernel layout (merged q/k/v parts, grouped blocks)
+    releases the pages it was read from, and no dense embedding or LM head is made (copying every
+    tensor, or a dense embedding, went over: 98 MB file, ~4x before)."""
+    import subprocess
+    import sys
+    code = ("import os, turbospec; from turbospec.model import loader; import turbospec.ops\n"
+            "def status(k):\n"
+            "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(k + ':'))\n"
+            "p = turbospec.default_model_path(); loader.resolve_model_dir(p)\n"
+            "base = status('VmRSS'); m = loader.load_model(p)\n"
+            "print((status('VmHWM') - base) * 1024 / os.path.getsize(p))")
+    env = {**os.environ, "TURBOSPEC_CACHE": str(tmp_path),
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.strip().splitlines()[-1]) < 2.0, r.stdout

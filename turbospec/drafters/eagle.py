@@ -117,9 +117,8 @@ class EagleDrafter(Drafter):
         if m <= 0 or feats is None or feats.shape[0] != m:
             raise RuntimeError(f"EagleDrafter: expected features for {m} new positions, got "
                                f"{None if feats is None else tuple(feats.shape)}")
-        embed = self.target.embed
         dev = self.device
-        emb = embed[torch.tensor(tokens[self._cached + 1: root_pos + 1], device=dev)].to(self.dtype)[None]
+        emb = self.target.embedding(torch.tensor(tokens[self._cached + 1: root_pos + 1], device=dev)).to(self.dtype)[None]
         pos = torch.arange(self._cached, root_pos, device=dev)[None]
         out = yield from self.head.forward_steps(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
         self._cached = root_pos
@@ -177,7 +176,7 @@ class EagleDrafter(Drafter):
                     mask[j, self._cached + slot_of[a]] = True
                     a = nodes[a].parent
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
-            e_in = embed[torch.tensor([nodes[i].token for i in expand], device=dev)].to(self.dtype)[None]
+            e_in = self.target.embedding(torch.tensor([nodes[i].token for i in expand], device=dev)).to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
             o = yield from self.head.forward_steps(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None],
                                                    fused=True)

@@ -1,12 +1,13 @@
 """Load Llama-family checkpoints into turbospec's own model (``model.Transformer``).
 
 Sources: a local directory (config.json + *.safetensors or pytorch_model.bin), a GGUF file (its
-quantized tensors kept as stored, ``read_gguf_weights``; its config and tokenizer, and a
-dequantized copy for ``weights="dense"``, converted by transformers once and cached), or an
-in-memory ``transformers`` model. Nothing is downloaded.
+quantized tensors kept as stored, ``read_gguf_weights``; its config read from its metadata and cached,
+its tokenizer built from its metadata each load, ``gguf_tokenizer``), or an in-memory
+``transformers`` model. Nothing is downloaded.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .gguf import read_gguf
+from .gguf_tokenizer import TOKENIZER_ARRAYS, gguf_tokenizer, unsupported_reason
 from .transformer import ModelConfig, Transformer
 from .quant import QUANTIZE_ON_LOAD, QuantWeight, quantize, weight_mode
 from ..ops.reference import is_block_format
@@ -44,11 +46,13 @@ def _cache_root() -> Path:
 
 
 def resolve_model_dir(source: str | os.PathLike) -> str:
-    """A directory with config.json and the tokenizer for ``source`` (a directory, returned as it is,
-    or a GGUF file). For a GGUF, the config and tokenizer are converted once from its metadata
-    (transformers' GGUF mapping) into $TURBOSPEC_CACHE or ~/.cache/turbospec, next to a link to the
-    GGUF itself: the weights stay in the GGUF as stored (no dequantized copy on disk or in memory),
-    and ``load_model`` / ``load_hf_model`` read them from there."""
+    """A directory with config.json for ``source`` (a directory, returned as it is, or a GGUF file).
+    For a GGUF, the config is read once from its metadata into $TURBOSPEC_CACHE or
+    ~/.cache/turbospec, next to a link to the GGUF itself: the weights stay in the GGUF as stored (no
+    dequantized copy on disk or in memory), and ``load_model`` / ``load_hf_model`` read them from
+    there; ``load_tokenizer`` builds the tokenizer from the GGUF's metadata (``gguf_tokenizer``). Only
+    a tokenizer ``gguf_tokenizer`` does not build (not byte-level BPE, or an unknown pre-tokenizer) is
+    converted by transformers and saved here."""
     path = Path(source)
     if not path.exists():
         raise FileNotFoundError(f"model path {str(source)!r} does not exist (expected a directory with "
@@ -70,20 +74,17 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     if (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, path):
         return str(out)
     meta, tensors = read_gguf(str(path))  # a corrupt or truncated file is named here, not in the conversion
-    from transformers import PreTrainedTokenizerFast
     cfg = gguf_hf_config(meta, tensors)
     if cfg is None:  # an architecture turbospec does not map itself: transformers' (slower) conversion
         from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    # transformers' tokenizer from the GGUF's vocabulary and merges, without its reading the whole file
-    # again for a config (what AutoTokenizer does): the same tokenizer, ~0.3 s instead of ~3 s
-    tok = PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent))
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     cfg.save_pretrained(str(tmp))
-    tok.save_pretrained(str(tmp))
+    if unsupported_reason(meta) is not None:
+        _converted_tokenizer(path).save_pretrained(str(tmp))
     os.symlink(path.resolve(), tmp / GGUF_LINK)
     if out.exists():  # another process converted it meanwhile, or a stale entry: keep one
         shutil.rmtree(out, ignore_errors=True)
@@ -95,6 +96,15 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
 
 
 GGUF_LINK = "model.gguf"  # in a converted GGUF's directory: a link to the GGUF (the weights)
+
+
+def _converted_tokenizer(path: Path):
+    """transformers' GGUF tokenizer conversion: the fallback for the tokenizers ``gguf_tokenizer`` does
+    not build (SentencePiece "llama" vocabularies, unigram "t5", byte-level BPE with a pre-tokenizer
+    not in ``BYTE_LEVEL_SPLITS``). The fast tokenizer without transformers reading the whole file
+    again for a config (what AutoTokenizer does)."""
+    from transformers import PreTrainedTokenizerFast
+    return PreTrainedTokenizerFast(gguf_file=path.name, name_or_path=str(path.parent))
 
 
 # transformers config keys from a GGUF's "{arch}." keys (llama.cpp's names), for the architectures
@@ -293,7 +303,8 @@ _GGUF_PARTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "gate_up": ("ffn_gate", "f
 
 def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
     """The weights of a GGUF file in turbospec names, block-quantized tensors kept as stored
-    (``QuantWeight``, no dequantization), the rest as dense tensors in ``dtype``. llama.cpp stores
+    (``QuantWeight``, no dequantization, views of the memory-mapped file: no copy until a layout
+    change needs one), the rest as dense tensors in ``dtype``. llama.cpp stores
     the q/k rows of "llama" models permuted for its rotary layout; the rows are put back in HF order
     (the permutation transformers' GGUF loader undoes), which moves whole rows, blocks untouched.
     Formats turbospec has no kernel for are dequantized (gguf's own dequantization)."""
@@ -314,11 +325,11 @@ def read_gguf_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict:
             rows = t.shape[1]
             data = data[expert * rows:(expert + 1) * rows]
         if is_block_format(t.ggml_type):
-            w = QuantWeight(torch.from_numpy(data.copy()), t.ggml_type, k)
+            w = QuantWeight(torch.from_numpy(data), t.ggml_type, k)
         elif t.ggml_type == 30:  # BF16 words
-            w = torch.from_numpy(data.copy()).view(torch.bfloat16).to(dtype)
+            w = torch.from_numpy(data).view(torch.bfloat16).to(dtype)
         elif data is not None:
-            w = torch.from_numpy(data.copy()).to(dtype)
+            w = torch.from_numpy(data).to(dtype)
         else:  # a format without a turbospec kernel: gguf's own dequantization
             from gguf import GGUFReader, dequantize as gguf_dequantize
             if not other:
@@ -516,7 +527,8 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         # "dense" reads the converted checkpoint, unless the GGUF is the only copy (_place then
         # dequantizes the blocks)
         if gguf_file is not None and (mode != "dense" or _weights_are_gguf(model_dir, gguf_file)):
-            raw = read_gguf_weights(gguf_file, cfg, dtype)
+            with one_thread():
+                raw = read_gguf_weights(gguf_file, cfg, dtype)
         else:
             raw = convert_hf_state_dict(_read_state_dict(model_dir), cfg)
     _check_shapes(raw, cfg)
@@ -525,7 +537,25 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
     for name, w in raw.items():
         linear = name.rsplit(".", 1)[-1] in _LINEARS or name == "lm_head" or (tied and name == "embed")
         out[name] = _place(w, dtype, device, mode, linear)
-    return Transformer(cfg, out).set_activations(activations)
+    with one_thread():  # the Linears merge parts and regroup blocks: byte moves
+        return Transformer(cfg, out).set_activations(activations)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to 1 inside, restored after: for a load's byte moves (q/k rows
+    permuted, parts merged, blocks regrouped; memory-bound, hundreds of small ops), where a parallel op
+    waits for threads the machine may not be giving it. On the 2-core machine with other jobs running,
+    a 1 MB uint8 torch.cat took 15 ms with 2 threads and 0.02 ms with 1, and SmolLM2's load_model
+    2.9 s against 0.2 s (2026-11-28, bench/results/2026-11-28-gguf-tokenizer-load.md)."""
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n > 1:
+            torch.set_num_threads(n)
 
 
 def gguf_path(source) -> str | None:
@@ -544,13 +574,20 @@ def gguf_path(source) -> str | None:
 
 
 def load_tokenizer(source):
-    """The tokenizer stored with a model directory or GGUF (None for an in-memory model)."""
+    """The tokenizer of a model directory or GGUF (None for an in-memory model, or a directory with
+    neither tokenizer files nor a GGUF): a GGUF's is built from its metadata (``gguf_tokenizer``)."""
     if isinstance(source, torch.nn.Module):
         return None
     model_dir = resolve_model_dir(source)
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.isfile(os.path.join(model_dir, n)) for n in names):
-        return None  # weights only: prompts must then be token ids
+        gguf = gguf_path(model_dir)  # a converted GGUF's directory (its link), or a directory holding a GGUF
+        if gguf is None:
+            return None  # weights only: prompts must then be token ids
+        meta, _ = read_gguf(gguf, TOKENIZER_ARRAYS)
+        if unsupported_reason(meta) is None:
+            return gguf_tokenizer(gguf, meta)
+        return _converted_tokenizer(Path(gguf))
     if os.path.isfile(os.path.join(model_dir, GGUF_LINK)) and os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         # a converted GGUF: the fast tokenizer it was saved from (AutoTokenizer would read the config
         # through transformers' config classes first)

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import ops
 from ..ops import reference
+from .gguf import release_pages
 from .kv_cache import KVCache
 from .rope import RopeTable, rope_inv_freq, rope_parameters, rotate
 from .quant import QuantWeight
@@ -205,7 +206,10 @@ class Linear:
                 raise ValueError(f"Linear: weight dtype {p.dtype} is not supported; float32, float16, bfloat16 "
                                  f"or GGUF blocks")
             if self.formats and self.formats[-1] == fmt:
-                self.weights[-1] = torch.cat((self.weights[-1], data))
+                merged = torch.cat((self.weights[-1], data))
+                for w in (self.weights[-1], data):  # (a GGUF's pages, once copied: see release_pages)
+                    release_pages(w)
+                self.weights[-1] = merged
             else:
                 self.weights.append(data)
                 self.formats.append(fmt)
@@ -232,11 +236,13 @@ class Linear:
         grouped = self.kernel and self.activations == 0 and cpu_isa() == "avx512"
         for i, f in enumerate(self.formats):
             base = reference.grouped_base(f)
+            old = self.weights[i]
             if grouped and f in reference.GROUPED:
-                self.weights[i], self.formats[i] = (reference.group_blocks(self.weights[i], f, self.in_features),
-                                                    reference.GROUPED[f])
+                self.weights[i], self.formats[i] = reference.group_blocks(old, f, self.in_features), reference.GROUPED[f]
             elif not grouped and base is not None:
-                self.weights[i], self.formats[i] = reference.ungroup_blocks(self.weights[i], f, self.in_features), base
+                self.weights[i], self.formats[i] = reference.ungroup_blocks(old, f, self.in_features), base
+            if self.weights[i] is not old:
+                release_pages(old)  # (a GGUF's pages, once copied)
 
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``
@@ -331,16 +337,18 @@ class Transformer:
                              for p in v)) for v in weights.values())
         self.norm = weights["norm"]
         self.dtype, self.device = self.norm.dtype, self.norm.device
-        # The embedding as a dense table (lookups are cheap; draft heads read it too). A quantized
-        # table is dequantized exactly; the LM head keeps the stored blocks.
-        self.embed = embed.dequantize(self.dtype) if isinstance(embed, QuantWeight) else embed
+        # The embedding: a dense table, or a quantized one kept as stored whose looked-up rows are
+        # dequantized (exactly: the same values as the whole table dequantized), so that a GGUF's
+        # table costs its stored bytes; ``embed`` gives the dense table (made on first use: draft heads,
+        # training). The LM head keeps the stored blocks.
+        self._embed_blocks = embed if isinstance(embed, QuantWeight) else None
+        self._embed = None if self._embed_blocks is not None else embed
         self.layers = [Layer({k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
                        for i in range(cfg.num_layers)]
         head = weights.get("lm_head", embed)
         self.lm_head = Linear(head) if cfg.final_softcap is None else CappedLinear(head, cap=cfg.final_softcap)
-        # [V, H] dense; draft heads share it (tied: the embedding itself)
-        self.lm_head_weight = self.embed if head is embed else (head.dequantize(self.dtype)
-                                                                if isinstance(head, QuantWeight) else head)
+        self._head_blocks = head if head is not embed and isinstance(head, QuantWeight) else None
+        self._lm_head_weight = None if head is embed or self._head_blocks is not None else head
         self.rope_table = RopeTable(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), self.dtype,
                                     self.device)
         # the sliding-window layers' own rotary table (Gemma 3), else None
@@ -360,6 +368,30 @@ class Transformer:
         # "auto": index on CPU, masked elsewhere (see _experts_masked)
         self._moe_dispatch = "auto"
         self.flatten_layers()
+
+    @property
+    def embed(self) -> Tensor:
+        """The embedding table [V, H], dense in the model dtype (a quantized one dequantized once,
+        on first use)."""
+        if self._embed is None:
+            self._embed = self._embed_blocks.dequantize(self.dtype)
+        return self._embed
+
+    @property
+    def lm_head_weight(self) -> Tensor:
+        """The LM head's weight [V, H], dense (draft heads share it; tied: the embedding itself); a
+        quantized head is dequantized once, on first use, beside the blocks ``lm_head`` computes with."""
+        if self._lm_head_weight is None:
+            self._lm_head_weight = self.embed if self._head_blocks is None else self._head_blocks.dequantize(self.dtype)
+        return self._lm_head_weight
+
+    def embedding(self, input_ids: Tensor) -> Tensor:
+        """The rows of the embedding table for ``input_ids`` [...] -> [..., H] (unscaled), from the dense
+        table if it is made, else dequantized from the stored blocks (the same values)."""
+        if self._embed is not None:
+            return self._embed[input_ids]
+        rows = self._embed_blocks.rows(input_ids.reshape(-1)).dequantize(self.dtype)
+        return rows.reshape(*input_ids.shape, rows.shape[-1])
 
     @property
     def moe_dispatch(self) -> str:
@@ -438,7 +470,7 @@ class Transformer:
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         """The embeddings of ``input_ids`` as the first layer reads them (Gemma scales them by sqrt(hidden),
         rounded to the model's dtype as transformers does)."""
-        x = self.embed[input_ids]
+        x = self.embedding(input_ids)
         return x if self._embed_scale is None else x * self._embed_scale
 
     @torch.inference_mode()
