@@ -698,10 +698,11 @@ def test_converted_gguf_loads_without_transformers_config_classes(tmp_path):
 # A GGUF's tensors mapped as stored (issue 37: peak memory at most ~the file)
 # ------------------------------------------------------------------------------------------------
 def test_gguf_tensors_are_views_of_the_file_and_the_embedding_stays_quantized():
-    """load_model keeps a GGUF's blocks where the file maps them (no copy unless a layout change makes
-    one), looks up embedding rows from the stored blocks (no dense table until ``embed`` is asked for),
-    and both give exactly the dense table's values; release_pages leaves a tensor's values as they
-    were (its pages come back from the file)."""
+    """load_model keeps a GGUF's embedding blocks where the file maps them and looks up its rows from
+    them (no dense table until ``embed`` is asked for), both exactly the dense table's values; the
+    linears' weights end in the process's own memory (``own_weights``: kernels read anonymous pages),
+    none left a view of the file; release_pages leaves a tensor's values as they were (its pages
+    come back from the file)."""
     from turbospec.model import gguf
     from turbospec.model.quant import QuantWeight
     path = turbospec.default_model_path()
@@ -710,6 +711,8 @@ def test_gguf_tensors_are_views_of_the_file_and_the_embedding_stays_quantized():
     assert isinstance(blocks, QuantWeight) and model._embed is None
     lo, hi = next((a, b) for a, b, ref in gguf._MAPPINGS if ref() is not None and a <= blocks.data.data_ptr() < b)
     assert blocks.data.data_ptr() + blocks.data.numel() <= hi
+    lins = [lin for layer in model.layers for lin in layer.linears()] + [model.lm_head]
+    assert not any(gguf.is_mapped(w) for lin in lins for w in lin.weights)
     ids = torch.tensor([[0, 1, 2, 49151, 7, 7], [300, 12000, 2, 5, 6, 40000]])
     rows = model.embedding(ids)
     model.forward(ids[:1], torch.arange(6)[None], model.new_cache(8), 0)

@@ -30,6 +30,14 @@ _ARRAY_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint3
 _MAPPINGS: list[tuple[int, int, weakref.ref]] = []
 
 
+def is_mapped(t) -> bool:
+    """Is tensor ``t`` a view of a GGUF mapped by ``read_gguf`` (still alive)?"""
+    if not _MAPPINGS or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    return any(ref() is not None and lo <= start < hi for lo, hi, ref in _MAPPINGS)
+
+
 def release_pages(t) -> None:
     """Unmap the file pages under tensor ``t`` from this process (madvise DONTNEED) when ``t`` is a view
     of a GGUF mapped by ``read_gguf``, else nothing: for a tensor just copied into another layout, so

@@ -538,7 +538,7 @@ def load_model(source, dtype: torch.dtype = torch.float32, device: str | torch.d
         linear = name.rsplit(".", 1)[-1] in _LINEARS or name == "lm_head" or (tied and name == "embed")
         out[name] = _place(w, dtype, device, mode, linear)
     with one_thread():  # the Linears merge parts and regroup blocks: byte moves
-        return Transformer(cfg, out).set_activations(activations)
+        return Transformer(cfg, out).set_activations(activations).own_weights()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import ops
 from ..ops import reference
-from .gguf import release_pages
+from .gguf import is_mapped, release_pages
 from .kv_cache import KVCache
 from .rope import RopeTable, rope_inv_freq, rope_parameters, rotate
 from .quant import QuantWeight
@@ -825,6 +825,24 @@ class Transformer:
             if not 0 <= i < self.cfg.num_layers:
                 raise ValueError(f"features: layer {i} is outside [0, {self.cfg.num_layers})")
         return capture
+
+    def own_weights(self) -> "Transformer":
+        """Copy the linears' weights that are still views of a mapped GGUF (``read_gguf``: the file's
+        4 KiB pages) into this process's memory, one tensor at a time, each one's file pages released
+        once copied (``release_pages``): the load's peak stays about one copy of the weights, and the
+        kernels read anonymous memory (transparent huge pages). Read from the file's pages, plain
+        decoding was 7 % and a 16-node verify 12 % slower (bench/out/ab-2026-11-28-gguf-mapped.json,
+        bench/results/2026-11-28-serve-peers-vllm.md)."""
+        changed = False
+        for lin in [lin for layer in self.layers for lin in layer.linears() if lin is not None] + [self.lm_head]:
+            for i, w in enumerate(lin.weights):
+                if is_mapped(w):
+                    lin.weights[i] = w.clone()
+                    release_pages(w)
+                    changed = True
+        if changed:
+            self.flatten_layers()
+        return self
 
     def flatten_layers(self) -> None:
         """The arguments ``turbospec::llama_layers`` takes (norms, weight segments, formats, segment
