@@ -141,7 +141,7 @@ def hybrid_drafter_builder(s: DraftSettings, head, tree: dict) -> Callable[[], D
     """drafter="hybrid": an EAGLE / EAGLE-3 head (``head``; the default model: its shipped one) and
     suffix decoding in one tree (``HeadSuffixDrafter``). ``tree``: the head's depth, top_k,
     draft_vocab, "suffix": a dict of suffix options (as for drafter="suffix"), and "skip_head_at"
-    (``HeadSuffixDrafter``; None: the head always drafts). The drafters built share the head's
+    (``HeadSuffixDrafter``; None, the default: the head always drafts). The drafters built share the head's
     prepared copy, one ``SuffixCache`` and one ``Calibration``."""
     bad = set(tree) - set(HYBRID_HEAD_OPTIONS) - {"suffix", "skip_head_at"}
     if bad:
