@@ -51,15 +51,21 @@ import torch  # noqa: E402
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "specbench_dev.jsonl")
 
 
-def load_prompts(path: str, n: int) -> list[str]:
-    out = []
+def load_prompts(path: str, n: int, interleave: bool = False) -> list[str]:
+    """The first turns of the first ``n`` prompts; ``interleave``: ordered round-robin over their
+    categories (the sample is sorted by category, so consecutive slices would give each concurrency
+    level one kind of prompt: the long summarization / RAG articles all at one level)."""
+    rows = []
     with open(path) as f:
         for line in f:
-            row = json.loads(line)
-            out.append(row["turns"][0])
-            if len(out) == n:
-                break
-    return out
+            rows.append(json.loads(line))
+    if interleave:
+        by: dict[str, list] = {}
+        for r in rows:
+            by.setdefault(r.get("category", ""), []).append(r)
+        queues = list(by.values())
+        rows = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return [r["turns"][0] for r in rows[:n]]
 
 
 def draft_model(spec: str | None, model: str):
@@ -246,7 +252,7 @@ def run_http(args) -> int:
         args.hf_dir = http_peers.ensure_hf_dir(gguf, args.hf_dir)
     # every request of a server's run gets a prompt of its own (a repeated prompt would be served from the
     # prefix caches, and turbospec's keeps the answer too): the warm-up takes the first, each level the next
-    prompts = load_prompts(args.data, 1 << 30)
+    prompts = load_prompts(args.data, 1 << 30, interleave=True)
     need = min(4, max(args.concurrency)) + sum(requests_at(args, c) for c in args.concurrency)
     if need > len(prompts):
         print(f"warning: {need} requests, {len(prompts)} prompts: some are sent twice", flush=True)

@@ -224,3 +224,16 @@ def test_machine_info():
     info = http_peers.machine_info()
     assert set(info) >= {"date", "machine", "cpu_flags", "avx512f", "avx2", "commit", "command"}
     assert isinstance(info["avx512f"], bool) and info["date"].endswith("UTC")
+
+
+def test_prompts_interleave_categories(tmp_path):
+    """The Spec-Bench sample is sorted by category: interleaved, every slice of the prompts (one
+    concurrency level's) mixes the categories instead of taking one kind (all the long articles)."""
+    serve = _load("bench_serve")
+    path = tmp_path / "s.jsonl"
+    rows = [{"category": c, "turns": [f"{c}{i}"]} for c in ("a", "b", "c") for i in range(3)] + \
+        [{"category": "d", "turns": ["d0"]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert serve.load_prompts(str(path), 4) == ["a0", "a1", "a2", "b0"]
+    assert serve.load_prompts(str(path), 100, interleave=True) == \
+        ["a0", "b0", "c0", "d0", "a1", "b1", "c1", "a2", "b2", "c2"]
