@@ -24,13 +24,15 @@ import os
 import platform
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/http_peers.py
+from http_peers import free_port, wait_up  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "SmolLM2-135M-Instruct"
@@ -212,25 +214,17 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a request may take before it counts as lost")
     p.add_argument("--out", default=None, help="write <out>.json")
     args = p.parse_args(argv)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "turbospec.cli", "serve", "--port", str(port), "--max-batch", str(args.max_batch),
            "--drafter", args.drafter, "--max-waiting", str(4 * args.streams), "--log-level", "warning"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
-            time.sleep(0.5)
+        try:
+            wait_up(base, proc, timeout_s=300)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {proc.stderr.read()[-2000:] if proc.poll() is not None else ''}") from None
         print(f"[soak] {args.streams} streams for {args.minutes} min against {' '.join(cmd[2:])}", flush=True)
         result = asyncio.run(soak(base, args.streams, 60 * args.minutes, args.timeout, psutil.Process(proc.pid),
                                   lambda m: print(m, flush=True)))

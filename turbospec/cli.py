@@ -354,12 +354,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _augment(args, argv) -> int:
     import datetime
-    import hashlib
-    import subprocess
 
     from . import augment
     from .train.config import DEFAULT_DATA
-    from .train.data import read_prompts
+    from .train.data import file_sha1, read_prompts
+    from .train.trainer import checkout_commit
     counts = augment.parse_counts(args.kinds)
     data = args.data or DEFAULT_DATA
     prompts = read_prompts(data)
@@ -367,19 +366,12 @@ def _augment(args, argv) -> int:
     aug = augment.Augmenter(eng, prompts, seed=args.seed, temperature=args.temperature,
                             max_new_tokens=args.max_new_tokens)
     records = aug.run(counts)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except OSError:
-        commit = None
-    with open(data, "rb") as f:
-        sha1 = hashlib.sha1(f.read()).hexdigest()
     augment.write(records, args.out, {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": checkout_commit(),
         "command": "turbospec " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": args.model, "data": os.path.basename(data), "data_sha1": sha1, "kinds": counts, "seed": args.seed,
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+        "model": args.model, "data": os.path.basename(data), "data_sha1": file_sha1(data), "kinds": counts,
+        "seed": args.seed, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
     print(f"wrote {len(records)} prompts to {args.out}")
     return 0
 

@@ -58,7 +58,19 @@ def merge_chain(draft: Draft | None, chain: list[int], max_tokens: int) -> Draft
     return Draft(token_ids=tokens, parents=parents)
 
 
-class HybridDrafter(Drafter):
+class _HeadBacked(Drafter):
+    """A drafter built around ``self.head``: the prompt read and the window are the head's."""
+    head: Drafter
+
+    def prepare(self, tokens: list[int]) -> None:
+        self.head.prepare(tokens)
+
+    @property
+    def windowed(self) -> bool:
+        return self.head.windowed
+
+
+class HybridDrafter(_HeadBacked):
     """``head`` (an EAGLE or Medusa drafter) plus up to ``ngram_tokens`` prompt-lookup tokens."""
 
     def __init__(self, head: Drafter, ngram_tokens: int = 8, ngram: NgramDrafter | None = None):
@@ -72,13 +84,6 @@ class HybridDrafter(Drafter):
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
         self.head.begin(prompt_ids, features=features)
         self.ngram.begin(prompt_ids)
-
-    def prepare(self, tokens: list[int]) -> None:
-        self.head.prepare(tokens)
-
-    @property
-    def windowed(self) -> bool:
-        return self.head.windowed
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self.head.observe(tokens, num_accepted, features=features)
@@ -208,7 +213,7 @@ def match_bucket(match: int) -> int:
     return max(0, sum(1 for b in MATCH_BUCKETS if match >= b) - 1)
 
 
-class HeadSuffixDrafter(Drafter):
+class HeadSuffixDrafter(_HeadBacked):
     """An EAGLE head's tree and suffix decoding's tree, merged into one draft tree of at most
     ``max_tokens`` nodes (``drafter="hybrid"``).
 
@@ -286,13 +291,6 @@ class HeadSuffixDrafter(Drafter):
                 return False
             node, depth = child, depth + 1
         return depth >= max(1, max_tokens // 2)
-
-    def prepare(self, tokens: list[int]) -> None:
-        self.head.prepare(tokens)
-
-    @property
-    def windowed(self) -> bool:
-        return self.head.windowed
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         self.head.observe(tokens, num_accepted, features=features)
