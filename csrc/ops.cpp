@@ -116,4 +116,7 @@ TORCH_LIBRARY(turbospec, m) {
   m.def("cpu_isa(int isa) -> int", &turbospec::set_cpu_isa);
   // The weight-stream prefetch hint of the CPU kernels: 0 T0, 1 non-temporal, -1 default, -2 read.
   m.def("cpu_prefetch(int hint) -> int", &turbospec::set_cpu_prefetch);
+  // AVX-512 BF16 dot products for bfloat16 weights x bfloat16-valued inputs (csrc/cpu/isa.h): 0 off,
+  // 1 on (where the CPU has them and their self-test passed), -1 default, -2 read; returns 1 when on.
+  m.def("cpu_bf16_dot(int on) -> int", &turbospec::set_cpu_bf16_dot);
 }

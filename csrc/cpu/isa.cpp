@@ -7,6 +7,11 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace turbospec {
 
@@ -94,6 +99,87 @@ int64_t set_cpu_isa(int64_t isa) {
                         : std::min(static_cast<int>(isa), static_cast<int>(detect_isa()));
   setting().store(v);
   return v;
+}
+
+namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// vdpbf16ps against its specification as the kernels use it: per lane, acc = fma(a[2j+1], b[2j+1], acc),
+// then fma(a[2j], b[2j], acc) (products of bfloat16 are exact in float32). Inputs from a fixed
+// generator, normal values of mixed signs and magnitudes (many sums round: a fused three-way sum or the
+// other order differs in about one lane in ten); every lane must match bit for bit.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) bool dpbf16_self_test() {
+  uint32_t s = 12345u;
+  auto next = [&s]() { s = s * 1664525u + 1013904223u; return s; };
+  for (int it = 0; it < 256; ++it) {
+    alignas(64) float acc[16], out[16];
+    alignas(64) uint16_t a[32], b[32];
+    for (int j = 0; j < 16; ++j) {
+      const uint32_t r = next();
+      acc[j] = std::ldexp(static_cast<float>(static_cast<int32_t>(r >> 8) - (1 << 23)) / (1 << 23), static_cast<int>(r & 15) - 8);
+    }
+    for (int j = 0; j < 32; ++j) {
+      const uint32_t ra = next(), rb = next();
+      // sign, exponent 119..134 (|v| in [2^-8, 2^8)), 7 random mantissa bits
+      a[j] = static_cast<uint16_t>(((ra >> 31) << 15) | ((119 + ((ra >> 7) & 15)) << 7) | (ra & 127));
+      b[j] = static_cast<uint16_t>(((rb >> 31) << 15) | ((119 + ((rb >> 7) & 15)) << 7) | (rb & 127));
+    }
+    const __m512 r = _mm512_dpbf16_ps(_mm512_load_ps(acc), (__m512bh)_mm512_load_si512(a), (__m512bh)_mm512_load_si512(b));
+    _mm512_store_ps(out, r);
+    for (int j = 0; j < 16; ++j) {
+      float e = std::fma(bf16_value(a[2 * j + 1]), bf16_value(b[2 * j + 1]), acc[j]);
+      e = std::fma(bf16_value(a[2 * j]), bf16_value(b[2 * j]), e);
+      if (std::memcmp(&e, &out[j], 4) != 0) return false;
+    }
+  }
+  return true;
+}
+#endif
+
+bool bf16_dot_available() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return detect_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16") && dpbf16_self_test();
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool default_bf16_dot() {
+  const char* env = std::getenv("TURBOSPEC_BF16_DOT");
+  if (env != nullptr && *env != '\0') {
+    TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0,
+                "TURBOSPEC_BF16_DOT must be 0 or 1 (or unset), got '", env, "'");
+    if (env[0] == '0') return false;
+  }
+  return bf16_dot_available();
+}
+
+std::atomic<int>& bf16_dot_setting() {
+  static std::atomic<int> on{default_bf16_dot() ? 1 : 0};
+  return on;
+}
+
+}  // namespace
+
+bool bf16_dot() { return cpu_isa() == Isa::kAvx512 && bf16_dot_setting().load(std::memory_order_relaxed) != 0; }
+
+int64_t set_cpu_bf16_dot(int64_t on) {
+  TORCH_CHECK(on >= -2 && on <= 1, "cpu_bf16_dot: on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);
+  if (on == -2) return bf16_dot() ? 1 : 0;
+  const bool v = on < 0 ? default_bf16_dot() : (on == 1 && bf16_dot_available());
+  bf16_dot_setting().store(v ? 1 : 0);
+  return bf16_dot() ? 1 : 0;
 }
 
 }  // namespace turbospec

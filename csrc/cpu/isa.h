@@ -24,6 +24,16 @@ Isa cpu_isa();     // the path in force
 int64_t set_cpu_isa(int64_t isa);
 const char* isa_name(Isa isa);
 
+// AVX-512 BF16 dot products (vdpbf16ps) inside the AVX-512 path: bfloat16 weights times inputs that
+// are bfloat16 values (a bfloat16 model's activations) with many rows, where the instruction's two
+// products per lane are the same two fused multiply-adds in the same order as the float32 kernels
+// (linear.cpp, rows_dpbf16 states when). Used only where the CPU has it, a self-test at first use
+// finds the instruction computing exactly that (two roundings, the odd element first), the AVX-512
+// path is in force, and neither $TURBOSPEC_BF16_DOT=0 nor set_cpu_bf16_dot(0) turned it off.
+bool bf16_dot();
+// 0 off, 1 on (where the CPU and the self-test allow), -1 default, -2 read; returns whether it is on.
+int64_t set_cpu_bf16_dot(int64_t on);
+
 // The cache hint of the kernels' weight-stream prefetches (each kernel prefetches the rows one work
 // item ahead: the hardware prefetcher alone does not keep several row streams fed from DRAM).
 // Measured on the two machine types of bench/RESULTS.md: on AMD EPYC (Zen 3) the non-temporal hint

@@ -1187,6 +1187,126 @@ TS_AVX512 void rows_q512(const uint8_t* const* wr, int64_t nw, int64_t row_bytes
 }
 #endif  // TS_X86
 
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 BF16 (vdpbf16ps), bfloat16 weights x inputs whose values are bfloat16 (a bfloat16 model's
+// activations), many rows: the same bits as rows_avx512<BFloat16>, about 4x the multiply-adds per
+// instruction. Per lane j, vdpbf16ps computes acc = fma(a[2j+1], b[2j+1], acc), then
+// fma(a[2j], b[2j], acc) (isa.cpp's self-test checks this at first use; the products of two bfloat16
+// are exact in float32), with denormal inputs read as zero and denormal results flushed. So the
+// inputs are packed per 32 weights k0 .. k0+31 as pairs (odd element k0 + j, even k0 + 16 + j): lane j
+// then adds k0 + j before k0 + 16 + j, lane order k = j, j + 16, j + 32, ... as the float32 kernels.
+// The flushing never acts when every nonzero input and weight lies in [2^-50, 2^50): each product is
+// then a multiple of 2^-114 (8-bit significands) at least 2^-100 and below 2^100, every running sum
+// stays a multiple of 2^-114 (float32 rounds it to a coarser grid of the same kind), so no nonzero
+// value falls below 2^-126 (and none overflows for K < 2^27). Rows of x outside this (or not bfloat16
+// values) keep the float32 kernel (dpbf16_pack_x says so); weight rows are checked as packed.
+#ifdef TS_X86
+#define TS_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+// bfloat16 bits v & 0x7FFF of a weight: 0 or an exponent in [77, 177) (|w| in [2^-50, 2^50))
+TS_AVX512BF16 inline __mmask32 dp_bad_w(__m512i w) {
+  const __m512i a = _mm512_and_si512(w, _mm512_set1_epi16(0x7FFF));
+  const __m512i am1 = _mm512_sub_epi16(a, _mm512_set1_epi16(1));  // 0 -> 0xFFFF (allowed)
+  return _mm512_cmplt_epu16_mask(am1, _mm512_set1_epi16((77 << 7) - 1)) |
+         _mm512_cmpge_epu16_mask(a, _mm512_set1_epi16(177 << 7));
+}
+
+// One row of float32 x [K] (K % 32 == 0) -> packed pairs p [K] (uint16); false when a value is not a
+// bfloat16 or lies outside {0} U [2^-50, 2^50) (the row then keeps the float32 kernel).
+TS_AVX512BF16 bool dpbf16_pack_x(const float* x, int64_t K, uint16_t* p) {
+  const __m512i lo16 = _mm512_set1_epi32(0xFFFF), hi16 = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+  const __m512i lim_lo = _mm512_set1_epi32((77 << 23) - 1), lim_hi = _mm512_set1_epi32(177 << 23);
+  __mmask16 bad = 0;
+  for (int64_t k = 0; k < K; k += 32) {
+    const __m512i a = _mm512_loadu_si512(x + k), b = _mm512_loadu_si512(x + k + 16);
+    bad |= _mm512_test_epi32_mask(a, lo16) | _mm512_test_epi32_mask(b, lo16);
+    const __m512i aa = _mm512_and_si512(a, absm), ab = _mm512_and_si512(b, absm);
+    bad |= _mm512_cmplt_epu32_mask(_mm512_sub_epi32(aa, one), lim_lo) | _mm512_cmpge_epu32_mask(aa, lim_hi);
+    bad |= _mm512_cmplt_epu32_mask(_mm512_sub_epi32(ab, one), lim_lo) | _mm512_cmpge_epu32_mask(ab, lim_hi);
+    // dword j: x[k + j] in the high (odd) half, x[k + 16 + j] in the low (even) half
+    _mm512_storeu_si512(p + k, _mm512_or_si512(_mm512_and_si512(a, hi16), _mm512_srli_epi32(b, 16)));
+  }
+  return bad == 0;
+}
+
+// nw weight rows [K] -> packed pairs (K % 32 == 0) in pw [nw][K]; false when a weight lies outside
+// {0} U [2^-50, 2^50).
+TS_AVX512BF16 bool dpbf16_pack_w(const uint8_t* const* wr, int64_t nw, int64_t K, uint16_t* pw) {
+  // word 2j <- k0 + 16 + j, word 2j + 1 <- k0 + j
+  alignas(64) static const uint16_t kIdx[32] = {16, 0, 17, 1, 18, 2, 19, 3, 20, 4, 21, 5, 22, 6, 23, 7,
+                                                24, 8, 25, 9, 26, 10, 27, 11, 28, 12, 29, 13, 30, 14, 31, 15};
+  const __m512i idx = _mm512_load_si512(kIdx);
+  __mmask32 bad = 0;
+  for (int64_t i = 0; i < nw; ++i) {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(wr[i]);
+    uint16_t* dst = pw + i * K;
+    const uint16_t* next = w + kRowBlock * K;  // the same row of the next row block (read next)
+    const bool nta = prefetch_nta();
+    for (int64_t k = 0; k < K; k += 32) {
+      prefetch_weights(next + k, nta);
+      const __m512i v = _mm512_loadu_si512(w + k);
+      bad |= dp_bad_w(v);
+      _mm512_storeu_si512(dst + k, _mm512_permutexvar_epi16(idx, v));
+    }
+  }
+  return bad == 0;
+}
+
+// NW packed weight rows x NX packed input rows over all of K -> out[i][r0 + r].
+template <int NW, int NX>
+TS_AVX512BF16 void dp_tile(const uint16_t* pw, const uint16_t* const* px, int64_t K, float (*out)[kMaxRows], int64_t r0) {
+  static_assert(NW >= 1 && NW <= 4 && NX >= 1 && NX <= 6, "dp_tile: 1-4 weight rows x 1-6 input rows");
+  __m512 acc[NW][NX];
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh x[NX];
+    for (int r = 0; r < NX; ++r) x[r] = (__m512bh)_mm512_loadu_si512(px[r] + k);
+    for (int i = 0; i < NW; ++i) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(pw + i * K + k);
+      for (int r = 0; r < NX; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w, x[r]);
+    }
+  }
+  for (int i = 0; i < NW; ++i)
+    for (int r = 0; r < NX; ++r)
+      out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i][r]), _mm512_extractf32x8_ps(acc[i][r], 1));
+}
+
+template <int NW>
+TS_AVX512BF16 void dp_rows(const uint16_t* pw, const uint16_t* const* px, int64_t R, int64_t K, float (*out)[kMaxRows]) {
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6) dp_tile<NW, 6>(pw, px + r, K, out, r);
+  switch (R - r) {
+    case 5: dp_tile<NW, 5>(pw, px + r, K, out, r); break;
+    case 4: dp_tile<NW, 4>(pw, px + r, K, out, r); break;
+    case 3: dp_tile<NW, 3>(pw, px + r, K, out, r); break;
+    case 2: dp_tile<NW, 2>(pw, px + r, K, out, r); break;
+    case 1: dp_tile<NW, 1>(pw, px + r, K, out, r); break;
+    default: break;
+  }
+}
+
+// One block of nw bfloat16 weight rows x R packed input rows (xr: the same rows in float32, for a
+// weight row block the dot products must not take).
+void rows_dpbf16(const uint8_t* const* wr, int64_t nw, const uint16_t* const* px, const float* const* xr, int64_t R,
+                 int64_t K, float (*out)[kMaxRows]) {
+  thread_local std::vector<uint16_t> pw;
+  pw.resize(static_cast<size_t>(kRowBlock * K));
+  if (!dpbf16_pack_w(wr, nw, K, pw.data())) {
+    rows_avx512<c10::BFloat16>(wr, nw, xr, R, K, out);
+    return;
+  }
+  switch (nw) {
+    case 4: dp_rows<4>(pw.data(), px, R, K, out); break;
+    case 3: dp_rows<3>(pw.data(), px, R, K, out); break;
+    case 2: dp_rows<2>(pw.data(), px, R, K, out); break;
+    default: dp_rows<1>(pw.data(), px, R, K, out); break;
+  }
+}
+#endif  // TS_X86
+
 // Dequantize nw rows into a float32 panel [nw, K] (same values on every path).
 template <int64_t F>
 void dequant_rows(const uint8_t* const* wr, int64_t nw, int64_t K, float* panel, Isa isa) {
@@ -1287,6 +1407,7 @@ struct Segment {
   const uint8_t* w;
   int64_t rows, row_bytes, col0, block0;  // col0: first output column; block0: first work item
   BlockFn fn;
+  int64_t format;
 };
 
 // Input rows per pass: up to kMaxRows, fewer when K is long, so that a pass's rows of x (read once
@@ -1299,12 +1420,71 @@ inline int64_t rows_per_pass(int64_t K) {
 }
 
 template <typename Y>
+inline void store_block(const Segment& sg, int64_t o0, int64_t nw, const float (*out)[kMaxRows], const float* bias, Y* y,
+                        int64_t N, int64_t c0, int64_t rc) {
+  // row by row: the nw outputs of a row are adjacent in y (column by column, every store touched
+  // another cache line: 20-40 % of a bfloat16 prefill's time went to this loop)
+  const int64_t col = sg.col0 + o0;
+  for (int64_t r = 0; r < rc; ++r) {
+    Y* yr = y + (c0 + r) * N + col;
+    for (int64_t i = 0; i < nw; ++i) yr[i] = static_cast<Y>(bias ? out[i][r] + bias[col + i] : out[i][r]);
+  }
+}
+
+#ifdef TS_X86
+// From this many input rows bfloat16 weights take the dot-product kernel (fewer: a decode step or a
+// short verify, bound by reading the weights, where packing them costs more than it saves).
+constexpr int64_t kDpbf16Rows = 4;
+
+// run() through rows_dpbf16 when every row of x packs (false: nothing written, run() goes on).
+template <typename Y>
+bool run_dpbf16(const std::vector<Segment>& segs, int64_t nblocks, int64_t grain, const float* x, const float* bias,
+                Y* y, int64_t N, int64_t K, int64_t R) {
+  thread_local std::vector<uint16_t> packed;
+  packed.resize(static_cast<size_t>(R * K));
+  for (int64_t r = 0; r < R; ++r)
+    if (!dpbf16_pack_x(x + r * K, K, packed.data() + r * K)) return false;
+  const uint16_t* xp = packed.data();
+  const int64_t pass = rows_per_pass(K);
+  for (int64_t c0 = 0; c0 < R; c0 += pass) {
+    const int64_t rc = std::min(pass, R - c0);
+    at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+      float out[kRowBlock][kMaxRows];
+      const float* xr[kMaxRows];
+      const uint16_t* px[kMaxRows];
+      for (int64_t r = 0; r < rc; ++r) {
+        xr[r] = x + (c0 + r) * K;
+        px[r] = xp + (c0 + r) * K;
+      }
+      size_t s = 0;
+      for (int64_t b = b0; b < b1; ++b) {
+        while (s + 1 < segs.size() && segs[s + 1].block0 <= b) ++s;
+        const Segment& sg = segs[s];
+        const int64_t o0 = (b - sg.block0) * kRowBlock, nw = std::min(kRowBlock, sg.rows - o0);
+        const uint8_t* wr[kRowBlock];
+        for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+        rows_dpbf16(wr, nw, px, xr, rc, K, out);
+        store_block(sg, o0, nw, out, bias, y, N, c0, rc);
+      }
+    });
+  }
+  return true;
+}
+#endif
+
+template <typename Y>
 void run(const std::vector<Segment>& segs, int64_t nblocks, const float* x, const float* bias, Y* y, int64_t N,
          int64_t K, int64_t R) {
   const Isa isa = cpu_isa();
   // Enough blocks per task that the fork/join is amortised; the split never changes the result.
   const int64_t grain = std::max<int64_t>(1, nblocks / (4 * std::max(1, at::get_num_threads())));
   const int64_t pass = rows_per_pass(K);
+#ifdef TS_X86
+  if (R >= kDpbf16Rows && K % 32 == 0 && bf16_dot() &&
+      std::all_of(segs.begin(), segs.end(), [](const Segment& sg) { return sg.format == kBF16; }) &&
+      run_dpbf16(segs, nblocks, grain, x, bias, y, N, K, R))
+    return;
+#endif
   for (int64_t c0 = 0; c0 < R; c0 += pass) {
     const int64_t rc = std::min(pass, R - c0);
     at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
@@ -1320,13 +1500,7 @@ void run(const std::vector<Segment>& segs, int64_t nblocks, const float* x, cons
         const uint8_t* wr[kRowBlock];
         for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
         sg.fn(wr, nw, sg.row_bytes, xr, rc, K, isa, out, panel);
-        for (int64_t i = 0; i < nw; ++i) {
-          const int64_t col = sg.col0 + o0 + i;
-          for (int64_t r = 0; r < rc; ++r) {
-            const float v = bias ? out[i][r] + bias[col] : out[i][r];
-            y[(c0 + r) * N + col] = static_cast<Y>(v);
-          }
-        }
+        store_block(sg, o0, nw, out, bias, y, N, c0, rc);
       }
     });
   }
@@ -1379,7 +1553,7 @@ std::vector<Segment> segments(at::TensorList weights, at::IntArrayRef formats, i
     }
     keep.push_back(w.contiguous());
     segs.push_back({static_cast<const uint8_t*>(keep.back().data_ptr()), w.size(0), row_bytes, N, nblocks,
-                    block_fn(f)});
+                    block_fn(f), f});
     N += w.size(0);
     nblocks += (w.size(0) + kRowBlock - 1) / kRowBlock;
   }

@@ -189,6 +189,109 @@ def test_dense_rows_and_isas_give_identical_bits():
         assert torch.equal(y, per_path[0])
 
 
+@pytest.fixture
+def bf16_dot():
+    """The AVX-512 BF16 dot-product kernel on (skipped where the CPU or its self-test does not allow it)."""
+    ops.cpu_isa("default")
+    try:
+        if not ops.cpu_bf16_dot(True):
+            pytest.skip("no AVX-512 BF16 dot products here (CPU, AVX-512 path or self-test)")
+        yield
+    finally:
+        ops.cpu_bf16_dot("default")
+
+
+def _both_ways(x, weights, formats, bias=None):
+    """linear with the dot-product kernel allowed, then with it off (the float32 kernel)."""
+    ops.cpu_bf16_dot(True)
+    on = ops.linear(x, weights, formats, bias)
+    ops.cpu_bf16_dot(False)
+    try:
+        off = ops.linear(x, weights, formats, bias)
+    finally:
+        ops.cpu_bf16_dot(True)
+    return on, off
+
+
+@pytest.mark.parametrize("rows", [4, 5, 6, 7, 12, 13, 64, 70])
+@pytest.mark.parametrize("k", [32, 576, 1536, 2304])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_dot_products_give_the_float32_kernels_bits(bf16_dot, rows, k, bias):
+    """bfloat16 weights x bfloat16 inputs, 4+ rows: vdpbf16ps gives every other path's bits (the
+    spec's), for every tile shape (6 rows and the rest), passes (K = 2304: 40 rows), two segments and
+    a partial row block; each row alone (the float32 kernel, 1 row) gives them too."""
+    g = torch.Generator().manual_seed(rows * k)
+    w1 = (torch.randn(37, k, generator=g) * 0.05).bfloat16()  # 9 row blocks and 1 row
+    w2 = torch.randn(7, k, generator=g).bfloat16()
+    x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+    b = torch.randn(37 + 7, generator=g) if bias else None
+    on, off = _both_ways(x, [w1, w2], [30, 30], b)
+    assert torch.equal(on, off)
+    assert torch.equal(on, reference.linear(x, [w1, w2], [30, 30], b))
+    alone = torch.cat([ops.linear(x[i:i + 1], [w1, w2], [30, 30], b) for i in range(rows)])
+    assert torch.equal(on, alone)
+
+
+def test_bf16_dot_products_step_aside_where_they_would_flush(bf16_dot):
+    """vdpbf16ps reads denormal inputs as zero and flushes denormal results: with values whose
+    products fall below 2^-126 (here 2^-140) it would give 0 where the float32 kernels give the
+    denormal sum. Such rows (and weights outside [2^-50, 2^50), inputs that are not bfloat16 values,
+    huge values) keep the float32 kernel: the spec's bits every time."""
+    k, rows = 64, 8
+    tiny = 2.0 ** -70
+    w = torch.full((5, k), tiny).bfloat16()
+    x = torch.full((rows, k), tiny)  # bfloat16 values in float32 (the layer loop's inputs): float32 out
+    want = reference.linear(x, [w], [30])
+    assert (want != 0).all()  # the denormal sums the flush would lose
+    on, off = _both_ways(x, [w], [30])
+    assert torch.equal(on, want) and torch.equal(off, want)
+    g = torch.Generator().manual_seed(5)
+    wn = (torch.randn(9, k, generator=g) * 0.05).bfloat16()
+    xn = torch.randn(rows, k, generator=g).bfloat16().float()
+    cases = []
+    xt = xn.clone(); xt[3, 7] = tiny; cases.append((xt, wn))            # one tiny input
+    xh = xn.clone(); xh[0, 0] = 2.0 ** 60; cases.append((xh, wn))        # one huge input
+    wt = wn.clone(); wt[4, 10] = tiny; cases.append((xn, wt))            # one tiny weight (one row block)
+    wh = wn.clone(); wh[8, 1] = -(2.0 ** 55); cases.append((xn, wh))     # one huge weight (the last, partial block)
+    cases.append((xn + 1e-3, wn))                                        # inputs that are not bfloat16 values
+    cases.append((xn, wn))                                               # (and the dot products' own case)
+    for xc, wc in cases:
+        on, off = _both_ways(xc, [wc], [30])
+        assert torch.equal(on, off)
+        assert torch.equal(on, reference.linear(xc, [wc], [30]))
+
+
+def test_bf16_dot_setting_and_errors():
+    default = ops.cpu_bf16_dot("default")
+    try:
+        assert ops.kernels_available()["cpu_bf16_dot"] == default
+        assert ops.cpu_bf16_dot(False) is False and ops.cpu_bf16_dot() is False
+        assert ops.cpu_bf16_dot(True) == default  # on where the CPU allows it
+        ops.cpu_isa("avx2")
+        assert ops.cpu_bf16_dot() is False  # an AVX-512 path only
+    finally:
+        ops.cpu_isa("default")
+        ops.cpu_bf16_dot("default")
+    with pytest.raises(ValueError, match="on must be True, False or 'default', got 'yes'"):
+        ops.cpu_bf16_dot("yes")
+    with pytest.raises(RuntimeError, match=r"on must be -2 \(read\), -1 \(default\), 0 \(off\) or 1 \(on\), got 3"):
+        torch.ops.turbospec.cpu_bf16_dot(3)
+
+
+def test_bf16_dot_env_override():
+    """TURBOSPEC_BF16_DOT=0 turns the dot products off; a bad value is an error naming it."""
+    import os
+    import subprocess
+    import sys
+    code = "import turbospec; print(turbospec.ops.kernels_available()['cpu_bf16_dot'])"
+    run = lambda v: subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_BF16_DOT": v},
+                                   capture_output=True, text=True)
+    assert run("0").stdout.strip() == "False"
+    bad = run("yes")
+    assert bad.returncode != 0
+    assert "TURBOSPEC_BF16_DOT must be 0 or 1 (or unset), got 'yes'" in bad.stderr
+
+
 def test_segments_of_mixed_formats_concatenate():
     """A fused linear whose parts have different formats (Qwen2.5's Q4_K q/k with a Q6_K v) equals its
     parts computed one by one."""

@@ -52,13 +52,14 @@ def has_op(op: str, key: str = "CPU") -> bool:
 def kernels_available() -> dict:
     """Which devices run turbospec's compiled kernels, and the CPU path in force:
     ``{"cpu": bool, "cuda": bool, "cpu_isa": "avx512" | "avx2" | "scalar" | None,
-    "cpu_prefetch": "t0" | "nta" | None}``.
+    "cpu_prefetch": "t0" | "nta" | None, "cpu_bf16_dot": bool | None}``.
     A device mapped to False runs the pure-torch reference ops; ``cpu_isa`` is the instruction-set
     path of every CPU kernel (the best this CPU has, capped by $TURBOSPEC_ISA; ``cpu_isa()``) and
-    ``cpu_prefetch`` the cache hint of their weight-stream prefetches (``cpu_prefetch()``)."""
+    ``cpu_prefetch`` the cache hint of their weight-stream prefetches (``cpu_prefetch()``);
+    ``cpu_bf16_dot`` whether bfloat16 products use the AVX-512 BF16 instructions (``cpu_bf16_dot()``)."""
     if not _EXTENSION:
-        return {**_KERNELS, "cpu_isa": None, "cpu_prefetch": None}
-    return {**_KERNELS, "cpu_isa": cpu_isa(), "cpu_prefetch": cpu_prefetch()}
+        return {**_KERNELS, "cpu_isa": None, "cpu_prefetch": None, "cpu_bf16_dot": None}
+    return {**_KERNELS, "cpu_isa": cpu_isa(), "cpu_prefetch": cpu_prefetch(), "cpu_bf16_dot": cpu_bf16_dot()}
 
 
 _ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -86,6 +87,19 @@ def cpu_prefetch(hint: str | None = None) -> str:
     if hint not in codes:
         raise ValueError(f"cpu_prefetch: hint must be one of {', '.join(_PREFETCH_NAMES)} or 'default', got {hint!r}")
     return _PREFETCH_NAMES[torch.ops.turbospec.cpu_prefetch(codes[hint])]
+
+
+def cpu_bf16_dot(on: bool | str | None = None) -> bool:
+    """Whether bfloat16 weights times bfloat16-valued inputs with many rows (a bfloat16 model's
+    prefill and batched steps) use the CPU's AVX-512 BF16 dot products (``vdpbf16ps``): on by default
+    where the CPU has them, the AVX-512 path is in force and their self-test found them computing the
+    float32 kernels' two fused multiply-adds per lane ($TURBOSPEC_BF16_DOT=0 turns them off). With
+    ``on`` (True, False or "default") set it first; True is capped at what the CPU allows. Speed
+    only: the bits are those of every other path (``csrc/cpu/linear.cpp``, rows_dpbf16)."""
+    codes = {None: -2, "default": -1, False: 0, True: 1}
+    if not any(on is k for k in codes) and on != "default":
+        raise ValueError(f"cpu_bf16_dot: on must be True, False or 'default', got {on!r}")
+    return bool(torch.ops.turbospec.cpu_bf16_dot(codes["default" if on == "default" else on]))
 
 
 def _compiled(device: torch.device) -> bool:
