@@ -126,7 +126,7 @@ async def closed_loop(served, prompts: list[str], concurrency: int, n_requests: 
 
 
 def run_mode(engine, prompts, levels, max_new, temperature, speculate, requests_per_level,
-             prefill_chunk: int | None = 64) -> dict:
+             prefill_chunk: int | None = 256) -> dict:
     """One mode at every level. The engine steps on this (the main) thread, as ``turbospec serve``
     does; the clients' event loop runs on another thread."""
     import threading
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (the engine and the HF peer)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per step while others decode (0: whole)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per step while others decode (0: whole; turbospec serve's default)")
     p.add_argument("--data", default=DATA)
     p.add_argument("--out", default=None, help="write <out>.json and <out>.png")
     h = p.add_argument_group("HTTP peer mode (--servers)")

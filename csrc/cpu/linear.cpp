@@ -23,6 +23,8 @@
 //   avx512   dense float32/bfloat16 weights (past 4 input rows and a long K, chunk by chunk of K),
 //            and every block format at 1-16 input rows, dequantized in registers of 16 lanes (past
 //            16 rows: the panel)
+//   dpbf16   bfloat16 weights x bfloat16-valued inputs, 4+ rows, where the CPU has AVX-512 BF16:
+//            vdpbf16ps, two of the same fused multiply-adds per lane (rows_dpbf16 says when)
 // x: float32 / bfloat16 / float16 (widened exactly); y has x's dtype (rounded to nearest even).
 #include "linear.h"
 

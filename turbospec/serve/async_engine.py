@@ -102,7 +102,7 @@ class AsyncEngine:
     While an AsyncEngine runs, it owns the engine: don't call the engine's own ``generate`` then."""
 
     def __init__(self, engine: Engine, max_waiting: int = 64,
-                 on_step: Callable[[list[StepOutput], float], None] | None = None, prefill_chunk: int | None = 64):
+                 on_step: Callable[[list[StepOutput], float], None] | None = None, prefill_chunk: int | None = 256):
         if not is_int(max_waiting) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         # (checks prefill_chunk, and that the engine's drafter can serve a batch)

@@ -56,7 +56,7 @@ log = logging.getLogger("turbospec.serve")
 MAX_BODY_BYTES = 4 << 20  # a request body past this gets 413 (the longest prompt a cache holds is far less)
 
 
-def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_chunk: int | None = 64,
+def create_app(engine: Engine, model_name: str, max_waiting: int = 64, prefill_chunk: int | None = 256,
                api_key: str | None = None, protect_all: bool = False,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The server's FastAPI app; the engine's worker starts and stops with the app (``prefill_chunk``:
