@@ -5,7 +5,8 @@
 Each round runs every checkout once, in turn (A B A B ...), each in its own process importing that
 checkout's ``turbospec`` (its own built ``_C``): the default model (SmolLM2-135M-Instruct, the
 GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
-(no drafts), at ``--threads`` threads, per ``--dtype``; and a verify pass of ``--nodes`` tokens.
+(no drafts), at ``--threads`` threads, per ``--dtype`` (``--weights dense``: dequantized to it); a
+verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens.
 Then speculative decoding through the whole step at fixed lengths (n-gram chains of 8, the shipped
 EAGLE-3 head's 16-node trees) on a rewrite prompt. Prints each checkout's medians and their
 ratios; writes JSON with --out. Only same-run ratios mean anything (machines and their load differ).
@@ -25,9 +26,9 @@ CHILD = r"""
 import json, sys, time, torch
 import turbospec, turbospec.heads.shipped
 from turbospec import Engine
-dtype, tokens, threads, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+dtype, tokens, threads, nodes, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 torch.set_num_threads(threads)
-eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512)
+eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512, weights=weights)
 prompt = "Explain in a few sentences why the sky is blue."
 eng.generate(prompt, max_new_tokens=8)  # warm-up
 g = eng.generate(prompt, max_new_tokens=tokens)
@@ -42,15 +43,22 @@ for _ in range(7):
     s = time.perf_counter()
     t.forward(x, pos, cache, 100, logits="normed")
     times.append(time.perf_counter() - s)
+# prefill: one pass of 256 prompt tokens into an empty cache (no LM head)
+pre = torch.randint(0, t.cfg.vocab_size, (1, 256))
+ptimes = []
+for _ in range(5):
+    s = time.perf_counter()
+    t.forward(pre, torch.arange(256)[None], cache, 0, logits="none")
+    ptimes.append(time.perf_counter() - s)
 out = {"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
-       "verify_ms": sorted(times)[3] * 1e3, "ids": g.token_ids[:16]}
+       "verify_ms": sorted(times)[3] * 1e3, "prefill_tok_s": 256 / sorted(ptimes)[2], "ids": g.token_ids[:16]}
 # speculative decoding through the whole step (drafts, tree verify, lazy LM head, compaction):
 # n-gram chains and the shipped EAGLE-3 head's 16-node trees, fixed lengths
 rewrite = "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes."
 for name, kw in (("ngram", dict(drafter="ngram", num_draft=8)),
                  ("eagle3", dict(drafter="eagle", head=turbospec.heads.shipped.shipped_heads()["eagle3"],
                                  num_draft=16))):
-    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, **kw)
+    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, weights=weights, **kw)
     e.generate(rewrite, max_new_tokens=8)
     s = e.generate(rewrite, max_new_tokens=tokens)
     out[name + "_tok_s"], out[name + "_ids"] = s.stats["decode_tokens_per_s"], s.token_ids[:16]
@@ -60,7 +68,8 @@ print(json.dumps(out))
 
 def run(tree: str, dtype: str, args) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(args.tokens), str(args.threads), str(args.nodes)],
+    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(args.tokens), str(args.threads), str(args.nodes),
+                          args.weights],
                          env=env, cwd=os.path.abspath(tree), capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
@@ -75,6 +84,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--nodes", type=int, default=16, help="tokens of the timed verify pass")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--weights", default="auto", choices=["auto", "dense"],
+                   help="auto: the GGUF's blocks as stored; dense: dequantized to --dtype")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
@@ -98,14 +109,17 @@ def main() -> None:
                 raise SystemExit(f"{name} {d}: the rounds decoded different tokens")
             tok = statistics.median(x["tok_s"] for x in runs)
             ver = statistics.median(x["verify_ms"] for x in runs)
+            pre = statistics.median(x["prefill_tok_s"] for x in runs)
             spec = {k: statistics.median(x[k + "_tok_s"] for x in runs) for k in ("ngram", "eagle3")}
-            base = base or (tok, ver, spec)
+            base = base or (tok, ver, spec, pre)
             summary[f"{d} {name}"] = {"tok_s": tok, "verify_ms": ver, "tok_s_ratio": tok / base[0],
-                                      "verify_ratio": ver / base[1],
+                                      "verify_ratio": ver / base[1], "prefill_tok_s": pre,
+                                      "prefill_ratio": pre / base[3],
                                       **{f"{k}_tok_s": v for k, v in spec.items()},
                                       **{f"{k}_ratio": v / base[2][k] for k, v in spec.items()}}
             print(f"{d:9s} {name:10s} decode {tok:7.1f} tok/s ({tok / base[0]:.3f}x)  "
                   f"verify {args.nodes} nodes {ver:6.2f} ms ({ver / base[1]:.3f}x)  "
+                  f"prefill 256 {pre:7.1f} tok/s ({pre / base[3]:.3f}x)  "
                   + "  ".join(f"{k} {v:6.1f} tok/s ({v / base[2][k]:.3f}x)" for k, v in spec.items()))
         for key in ("ids", "ngram_ids", "eagle3_ids"):
             ids = {name: res[d][name][0][key] for name, _ in trees}
