@@ -332,7 +332,7 @@ def llama_decode(cmd: list[str], texts: list[str]) -> dict:
 
 
 def spec_run(src: str, bin_dir: str | None, args) -> dict:
-    """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / shipped head + ngram (quantized
+    """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / suffix / shipped head + ngram (quantized
     GGUF, fp32 activations) and llama-lookup; turbospec outputs checked equal to plain greedy."""
     import torch
     import turbospec
@@ -340,7 +340,7 @@ def spec_run(src: str, bin_dir: str | None, args) -> dict:
     target = turbospec.load_model(src, torch.float32, weights="auto")
     tok = turbospec.load_tokenizer(src)
     texts, encoded = spec_prompts(tok, args)
-    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram")}
+    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram"), "ts_suffix": dict(drafter="suffix")}
     if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
         shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
         for name, (head, opts) in head_systems(shipped, target).items():

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (``decode.prefix_cache``): a prompt's cached prefix gives the same bits
+"""Automatic prefix caching (``model.prefix_cache``): a prompt's cached prefix gives the same bits
 as prefilling it again (K/V, the drafter's features, the output), alone, in a batch and with
 chunked prefill; a finished request's generated tokens, written by verify passes over trees, are
 the bits a prefill of prompt + answer writes, so they are cached too; blocks are shared by prompts
@@ -11,7 +11,7 @@ import torch
 import turbospec
 from turbospec import Engine, Request
 from turbospec.decode.engine import DEFAULTS
-from turbospec.decode.prefix_cache import PrefixCache
+from turbospec.model.prefix_cache import PrefixCache
 from turbospec.decode.step import TargetStep
 
 from helpers import PROMPT, engine, hf_greedy, make_head, make_tiny_model, prompts_mixed
@@ -239,3 +239,61 @@ def test_bad_settings_are_named(tiny):
         PrefixCache(1.5)
     with pytest.raises(ValueError, match="block_tokens must be an integer >= 1"):
         PrefixCache(100, block_tokens=0)
+
+
+def test_a_draft_models_prompt_comes_from_its_own_prefix_cache(tiny):
+    """A draft model keeps its prompt K/V in a prefix cache of its own (shared by an engine's
+    drafters): a second prompt sharing 3 blocks reads only its tail, its draft cache holds the bits
+    of reading it whole, and it drafts the same tokens."""
+    from turbospec.drafters.draft_model import DraftModelDrafter
+    from turbospec.ops.sampling import SamplingParams
+    from turbospec.ops.lockstep import drive
+    _, target = tiny
+    draft = turbospec.load_model(make_tiny_model("llama", seed=5, num_hidden_layers=1))
+    sys_ids = _system(50, seed=9)
+    a, b = sys_ids + [7, 8, 9], sys_ids[:48] + [11, 12, 13, 14]
+    pc = PrefixCache(1 << 30)
+    first = DraftModelDrafter(draft, 128, prefix_cache=pc)
+    first.begin(a)
+    first.prepare(a)
+    cached, plain = DraftModelDrafter(draft, 128, prefix_cache=pc), DraftModelDrafter(draft, 128)
+    calls = []
+    real = draft.forward
+
+    def spy(x, *args, **kw):
+        calls.append(x.shape[1])
+        return real(x, *args, **kw)
+
+    draft.forward = spy
+    try:
+        cached.begin(b)
+        cached.prepare(b)
+    finally:
+        del draft.forward
+    assert calls == [len(b) - 1 - 48] and pc.hits == 48  # 3 blocks copied, the rest read
+    plain.begin(b)
+    plain.prepare(b)
+    n = len(b) - 1
+    for t, r in zip(cached.cache.tensors(), plain.cache.tensors()):
+        assert torch.equal(t[:, :, :n], r[:, :, :n])
+    greedy = SamplingParams()
+    d1, d2 = drive([cached.propose_steps(b, 4, greedy, None), plain.propose_steps(b, 4, greedy, None)])
+    assert d1.token_ids == d2.token_ids and len(d1.token_ids) == 4
+
+
+def test_draft_model_chat_turns_with_the_cache(tiny):
+    """Chat turns with a separate draft model: the same tokens and the same accepted drafts with the
+    prefix caches on and off, equal to HF; the draft model's cache served the earlier turns' prompts."""
+    hf, target = tiny
+    draft = turbospec.load_model(make_tiny_model("llama", seed=5, num_hidden_layers=1))
+    kw = dict(drafter="draft_model", draft_model=draft, num_draft=3, adaptive=False, max_seq_len=256)
+    on, off = Engine(target, **kw), Engine(target, prefix_cache=0, **kw)
+    prompt = _system(40, seed=4)
+    for turn in range(3):
+        g_on, g_off = on.generate(prompt, 12), off.generate(prompt, 12)
+        assert g_on.token_ids == g_off.token_ids == hf_greedy(hf, prompt, 12), turn
+        for key in ("draft_proposed", "draft_accepted", "verify_steps"):
+            assert g_on.stats[key] == g_off.stats[key], (turn, key)
+        prompt = prompt + g_on.token_ids + [5, 6, 7]
+    pc = on.drafter.prefix_cache
+    assert pc is not None and pc.hits >= 40 and off.drafter.prefix_cache is None

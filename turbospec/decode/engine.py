@@ -26,7 +26,7 @@ from .batch import Job, Request, Scheduler, run_batch
 from .errors import ContextLengthError, NonFiniteLogitsError
 from .grammar import Grammar, GrammarCompiler
 from .loop import Generation
-from .prefix_cache import PrefixCache
+from ..model.prefix_cache import PrefixCache
 from .step import TargetStep
 from ..ops.checks import is_int
 
@@ -86,8 +86,9 @@ class Engine:
             weights (a layer-skip draft), which computes as the target does.
         prefix_cache: MiB of prompt K/V (and drafter features) kept to be reused by later prompts
             that start the same way, e.g. the turns of a chat or a shared system prompt (blocks of 16
-            tokens, least recently used evicted; ``decode.prefix_cache``): a cached prefix gives the
-            same bits as prefilling it again. 0: off.
+            tokens, least recently used evicted; ``model.prefix_cache``): a cached prefix gives the
+            same bits as prefilling it again. A draft model gets a cache of its own of the same
+            size for its prompt K/V. 0: off.
         static_shapes: run the verify forward with fixed token-count buckets and a device-side
             prefix length (what CUDA graphs capture; default: on off CPU). On CPU it is slower than
             the default path and exists to test that path without a GPU.
@@ -142,7 +143,8 @@ class Engine:
                                  weights=self.weights, activations=activations, adaptive=adaptive,
                                  static=static, graphs=cuda_graphs, default_target=default_target,
                                  slots=max_batch + 1,  # a drafter per batch slot and the solo one
-                                 draft_activations=draft_activations)
+                                 draft_activations=draft_activations,
+                                 prefix_cache_bytes=prefix_cache << 20)
         self._new_drafter = drafter_builder(drafter, settings, draft_model=draft_model,
                                             draft_tokenizer=draft_tokenizer, head=head, tree=tree)
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time

@@ -61,7 +61,7 @@ from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import LogitProcessingBuffers, SamplingParams, TokenLogprob, path_logprobs, read_logprobs
 from .errors import NonFiniteLogitsError
 from .grammar import bitmask_words
-from .prefix_cache import PrefixCache
+from ..model.prefix_cache import PrefixCache
 
 # A one-row pass over more nodes than this computes its LM head lazily on CPU, this many rows per
 # round (the LM head's cost by row count: bench/results/, the lazy LM head's run).
@@ -192,7 +192,7 @@ class TargetStep:
         static / graphs: the fixed-shape path for every pass, and its CUDA-graph capture (see
             ``TargetRunner``; default: off on CPU, on elsewhere).
         prefix_cache: prompt prefixes already computed, copied into a slot instead of prefilled again
-            (``decode.prefix_cache``; None: every prompt is prefilled whole).
+            (``model.prefix_cache``; None: every prompt is prefilled whole).
     """
 
     def __init__(self, target: Transformer, max_seq_len: int, max_batch: int = 1, features=None,

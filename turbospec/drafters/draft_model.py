@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .base import Draft, Drafter
 from ..ops.lockstep import Rows
+from ..model.prefix_cache import PrefixCache
 from ..model.runner import cache_slots, chain_mask_packed, pad_mask_packed
 from ..model.transformer import Transformer
 from ..ops.reference import logits_are_valid
@@ -151,12 +152,12 @@ class DraftModelDrafter(Drafter):
 
     def __init__(self, model: Transformer, max_seq_len: int, static: bool | None = None,
                  graphs: bool | None = None, pool: DraftPool | None = None,
-                 max_catchup: int | None = MAX_CATCHUP):
+                 max_catchup: int | None = MAX_CATCHUP, prefix_cache: PrefixCache | None = None):
         from ..model.runner import TargetRunner
         if max_catchup is not None and (not is_int(max_catchup)
                                         or max_catchup < 1):
             raise ValueError(f"max_catchup must be an integer >= 1 or None (no limit), got {max_catchup!r}")
-        self.model, self.max_catchup = model, max_catchup
+        self.model, self.max_catchup, self.prefix_cache = model, max_catchup, prefix_cache
         static = model.device.type != "cpu" if static is None else static
         self.pool, self.slot, self.runner = None, None, None
         if static:
@@ -195,13 +196,25 @@ class DraftModelDrafter(Drafter):
     def prepare(self, tokens: list[int]) -> None:
         """Read the committed tokens but the root in one forward (the engine calls this in the
         prefill when the first step is expected to draft), so that the first proposal costs what
-        every later one does and the draft budget does not judge the drafter by a prompt read."""
+        every later one does and the draft budget does not judge the drafter by a prompt read.
+        With a ``prefix_cache`` (the draft model's; shared by an engine's drafters) the longest
+        cached prefix of a new prompt is copied in and only the rest is computed, then its blocks
+        are kept: the draft's forward computes a token with the same numbers whatever shares its
+        pass, so a cached prefix has the bits of reading it again (the same drafts)."""
+        pc = self.prefix_cache
+        if pc is not None and self._cached == 0 and self._offset == 0 and len(tokens) > 1:
+            blocks = pc.match(tokens, len(tokens) - 1)
+            pc.load(blocks, self.cache)
+            self._cached = sum(b.tokens for b in blocks)
         if len(tokens) - 1 > self._cached:
             dev = self.model.device
             ids = torch.tensor([tokens[self._cached:-1]], dtype=torch.int64, device=dev)
             pos = torch.arange(self._cached - self._offset, len(tokens) - 1 - self._offset, device=dev)[None]
             self.model.forward(ids, pos, self.cache, self._cached - self._offset, logits="last")
             self._cached = self._base = len(tokens) - 1
+            if pc is not None and self._offset == 0:
+                pc.store(tokens, self._cached, self.cache)
+        self._base = self._cached
         if self.pool is not None:
             self.pool.reset(self.slot, self._cached - self._offset)
 

@@ -13,6 +13,7 @@ from ..model.loader import load_model, load_tokenizer
 from ..model.transformer import Transformer
 from .base import Drafter
 from .draft_model import DraftModelDrafter, DraftPool, check_compatible
+from ..model.prefix_cache import PrefixCache
 from .eagle import EagleDrafter
 from .hybrid import Calibration, HeadSuffixDrafter, HybridDrafter
 from .lookahead import LookaheadDrafter
@@ -42,6 +43,7 @@ class DraftSettings:
     default_target: bool = False    # the target is the default model (its shipped heads apply)
     slots: int = 1                  # drafters built to run at once (a draft model's pool rows)
     draft_activations: str | None = None  # a draft model's (None: int8 on CPU unless it shares weights)
+    prefix_cache_bytes: int = 0     # a draft model's prefix cache (0: none; ``model.prefix_cache``)
 
     def __post_init__(self):
         if self.draft_activations not in (None, "exact", "int8"):
@@ -115,7 +117,10 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         # the drafters built share one pool of up to s.slots cache rows, so that a batch's proposals
         # run one draft forward per round; past s.slots each gets its own (static ones draft alone)
         pool = None if s.static else DraftPool(dm, s.max_seq_len, s.slots)
-        return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs, pool=pool)
+        # and one prefix cache of the draft's prompt K/V (a chat's next turn reads only what is new)
+        pc = PrefixCache(s.prefix_cache_bytes) if s.prefix_cache_bytes else None
+        return lambda: DraftModelDrafter(dm, s.max_seq_len, static=s.static, graphs=s.graphs, pool=pool,
+                                         prefix_cache=pc)
     raise ValueError(f"drafter {drafter!r} is not supported; choose one of {DRAFTERS} or pass a "
                      f"turbospec.Drafter")
 

@@ -1,4 +1,5 @@
-"""Automatic prefix caching: the K/V of prompt prefixes already computed, reused by later prompts.
+"""Automatic prefix caching: the K/V of prompt prefixes already computed, reused by later prompts
+(the target's: ``decode.step.TargetStep``; a draft model's: ``drafters.draft_model``).
 
 Chats resend the whole conversation every turn and agents resend long system prompts. A
 ``PrefixCache`` keeps the target's K/V (and the drafter's features, when it reads them) of prompts in
@@ -27,7 +28,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ..model.kv_cache import KVCache
+from .kv_cache import KVCache
 from ..ops.checks import is_int
 
 
