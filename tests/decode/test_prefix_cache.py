@@ -283,17 +283,33 @@ def test_a_draft_models_prompt_comes_from_its_own_prefix_cache(tiny):
 
 def test_draft_model_chat_turns_with_the_cache(tiny):
     """Chat turns with a separate draft model: the same tokens and the same accepted drafts with the
-    prefix caches on and off, equal to HF; the draft model's cache served the earlier turns' prompts."""
+    prefix caches on and off, equal to HF; the draft model's cache served the earlier turns' prompts
+    and answers (kept when a request finishes), with the bits of reading them."""
     hf, target = tiny
     draft = turbospec.load_model(make_tiny_model("llama", seed=5, num_hidden_layers=1))
     kw = dict(drafter="draft_model", draft_model=draft, num_draft=3, adaptive=False, max_seq_len=256)
     on, off = Engine(target, **kw), Engine(target, prefix_cache=0, **kw)
     prompt = _system(40, seed=4)
+    earlier_prompts = 0  # tokens of the earlier turns' prompts (all but their last token) a later turn finds
     for turn in range(3):
+        if turn:
+            earlier_prompts += len(prompt) - 15 - 1
         g_on, g_off = on.generate(prompt, 12), off.generate(prompt, 12)
         assert g_on.token_ids == g_off.token_ids == hf_greedy(hf, prompt, 12), turn
         for key in ("draft_proposed", "draft_accepted", "verify_steps"):
             assert g_on.stats[key] == g_off.stats[key], (turn, key)
         prompt = prompt + g_on.token_ids + [5, 6, 7]
     pc = on.drafter.prefix_cache
-    assert pc is not None and pc.hits >= 40 and off.drafter.prefix_cache is None
+    assert pc is not None and off.drafter.prefix_cache is None
+    # the later turns read from the cache the earlier turns' prompts and answers, not just the prompts
+    # (prompts only: 93 tokens; with the answers 115: at least 8 of each 12-token answer)
+    assert pc.hits >= earlier_prompts + 2 * 8, (pc.hits, earlier_prompts)
+    # and its draft cache holds the bits of reading that prompt whole
+    from turbospec.drafters.draft_model import DraftModelDrafter
+    last = prompt[: -(12 + 3)]  # the last turn's prompt
+    fresh = DraftModelDrafter(draft, 256)
+    fresh.begin(last)
+    fresh.prepare(last)
+    n = len(last) - 1
+    for t, r in zip(on.drafter.cache.tensors(), fresh.cache.tensors()):
+        assert torch.equal(t[:, :, :n], r[:, :, :n])

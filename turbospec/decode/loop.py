@@ -181,6 +181,8 @@ class Sequence:
             else:
                 self.drafter.observe(self.tokens, n_acc, features=features)
         if self.finish is not None:
+            if self.drafter is not None:
+                self.drafter.finish(self.tokens)
             self._finish_stats()
         return new
 

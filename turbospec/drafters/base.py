@@ -73,6 +73,10 @@ class Drafter:
         otherwise do first (a draft model reads the prompt). The engine calls it after ``begin``
         when its draft budget expects that to pay; a drafter must work without it."""
 
+    def finish(self, tokens: list[int]) -> None:
+        """Optional: the generation ended with ``tokens`` (prompt and answer); a drafter may keep
+        what it computed of them for later prompts (a draft model's prefix cache)."""
+
     @property
     def windowed(self) -> bool:
         """Whether this generation's proposals see only a recent window of the context (a draft

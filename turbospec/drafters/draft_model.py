@@ -266,6 +266,17 @@ class DraftModelDrafter(Drafter):
             return self.runner.forward(x, pos, cache_len)[0, -1]
         return self.model.forward(x, pos, self.cache, cache_len, logits="last")[0, -1]
 
+    def finish(self, tokens: list[int]) -> None:
+        """Keep the K/V of the finished text in the prefix cache (the next turn of a chat resends
+        the answer): the committed tokens the cache holds, read or accepted as drafts, which have
+        the bits of reading them (tests/decode/test_prefix_cache.py)."""
+        pc = self.prefix_cache
+        if pc is None or self._offset != 0:
+            return
+        valid = self._base if self._proposed else self._cached  # (the last step was not observed)
+        if valid > 0:
+            pc.store(tokens, min(valid, len(tokens)), self.cache)
+
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         # Only a step that proposed moves the cached prefix (its accepted drafts' K/V are valid);
         # after a plain step the draft's cache is as it was, and the next proposal catches up on
