@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -424,3 +425,20 @@ def prompts_mixed(n: int, seed: int = 0) -> list[list[int]]:
         p = torch.randint(0, 256, (int(torch.randint(2, 14, (1,), generator=g)),), generator=g).tolist()
         out.append(p * (1 + i % 3))
     return out
+
+
+@contextlib.contextmanager
+def counting_forwards(model):
+    """Within the block, the token count of each ``model.forward`` call, in order (the list yielded)."""
+    calls = []
+    real = model.forward
+
+    def spy(x, *args, **kw):
+        calls.append(x.shape[1])
+        return real(x, *args, **kw)
+
+    model.forward = spy
+    try:
+        yield calls
+    finally:
+        del model.forward

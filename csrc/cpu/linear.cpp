@@ -1421,6 +1421,20 @@ inline int64_t rows_per_pass(int64_t K) {
   return std::clamp<int64_t>(kPassBytes / (4 * std::max<int64_t>(K, 1)) / 4 * 4, 16, kMaxRows);
 }
 
+// Work items [b0, b1) of segs in order: f(segment, its first row o0, rows nw, their row pointers).
+template <typename F>
+inline void for_each_block(const std::vector<Segment>& segs, int64_t b0, int64_t b1, F&& f) {
+  size_t s = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    while (s + 1 < segs.size() && segs[s + 1].block0 <= b) ++s;
+    const Segment& sg = segs[s];
+    const int64_t o0 = (b - sg.block0) * kRowBlock, nw = std::min(kRowBlock, sg.rows - o0);
+    const uint8_t* wr[kRowBlock];
+    for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+    f(sg, o0, nw, wr);
+  }
+}
+
 template <typename Y>
 inline void store_block(const Segment& sg, int64_t o0, int64_t nw, const float (*out)[kMaxRows], const float* bias, Y* y,
                         int64_t N, int64_t c0, int64_t rc) {
@@ -1458,16 +1472,10 @@ bool run_dpbf16(const std::vector<Segment>& segs, int64_t nblocks, int64_t grain
         xr[r] = x + (c0 + r) * K;
         px[r] = xp + (c0 + r) * K;
       }
-      size_t s = 0;
-      for (int64_t b = b0; b < b1; ++b) {
-        while (s + 1 < segs.size() && segs[s + 1].block0 <= b) ++s;
-        const Segment& sg = segs[s];
-        const int64_t o0 = (b - sg.block0) * kRowBlock, nw = std::min(kRowBlock, sg.rows - o0);
-        const uint8_t* wr[kRowBlock];
-        for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+      for_each_block(segs, b0, b1, [&](const Segment& sg, int64_t o0, int64_t nw, const uint8_t* const* wr) {
         rows_dpbf16(wr, nw, px, xr, rc, K, out);
         store_block(sg, o0, nw, out, bias, y, N, c0, rc);
-      }
+      });
     });
   }
   return true;
@@ -1494,16 +1502,10 @@ void run(const std::vector<Segment>& segs, int64_t nblocks, const float* x, cons
       float out[kRowBlock][kMaxRows];
       const float* xr[kMaxRows];
       for (int64_t r = 0; r < rc; ++r) xr[r] = x + (c0 + r) * K;
-      size_t s = 0;
-      for (int64_t b = b0; b < b1; ++b) {
-        while (s + 1 < segs.size() && segs[s + 1].block0 <= b) ++s;
-        const Segment& sg = segs[s];
-        const int64_t o0 = (b - sg.block0) * kRowBlock, nw = std::min(kRowBlock, sg.rows - o0);
-        const uint8_t* wr[kRowBlock];
-        for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+      for_each_block(segs, b0, b1, [&](const Segment& sg, int64_t o0, int64_t nw, const uint8_t* const* wr) {
         sg.fn(wr, nw, sg.row_bytes, xr, rc, K, isa, out, panel);
         store_block(sg, o0, nw, out, bias, y, N, c0, rc);
-      }
+      });
     });
   }
 }

@@ -14,7 +14,7 @@ from turbospec.decode.engine import DEFAULTS
 from turbospec.model.prefix_cache import PrefixCache
 from turbospec.decode.step import TargetStep
 
-from helpers import PROMPT, engine, hf_greedy, make_head, make_tiny_model, prompts_mixed
+from helpers import PROMPT, counting_forwards, engine, hf_greedy, make_head, make_tiny_model, prompts_mixed
 from test_engine import OracleDrafter
 
 
@@ -38,18 +38,8 @@ def test_cached_prefix_gives_the_bits_of_a_full_prefill(tiny, features):
     cached = TargetStep(target, 128, features=features, prefix_cache=PrefixCache(1 << 30))
     plain = TargetStep(target, 128, features=features)
     cached.prefill(0, a)
-    calls = []
-    real = target.forward
-
-    def spy(x, *args, **kw):
-        calls.append(x.shape[1])
-        return real(x, *args, **kw)
-
-    target.forward = spy
-    try:
+    with counting_forwards(target) as calls:
         n, f, hit = cached.prefill(0, b)
-    finally:
-        del target.forward
     assert hit == 48 and calls == [len(b) - 1 - 48]  # 3 blocks of 16 copied, 3 tokens computed
     n_ref, f_ref, hit_ref = plain.prefill(0, b)
     assert n == n_ref and hit_ref == 0
@@ -257,19 +247,9 @@ def test_a_draft_models_prompt_comes_from_its_own_prefix_cache(tiny):
     first.begin(a)
     first.prepare(a)
     cached, plain = DraftModelDrafter(draft, 128, prefix_cache=pc), DraftModelDrafter(draft, 128)
-    calls = []
-    real = draft.forward
-
-    def spy(x, *args, **kw):
-        calls.append(x.shape[1])
-        return real(x, *args, **kw)
-
-    draft.forward = spy
-    try:
+    with counting_forwards(draft) as calls:
         cached.begin(b)
         cached.prepare(b)
-    finally:
-        del draft.forward
     assert calls == [len(b) - 1 - 48] and pc.hits == 48  # 3 blocks copied, the rest read
     plain.begin(b)
     plain.prepare(b)

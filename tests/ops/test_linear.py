@@ -278,16 +278,19 @@ def test_bf16_dot_setting_and_errors():
         torch.ops.turbospec.cpu_bf16_dot(3)
 
 
-def test_bf16_dot_env_override():
-    """TURBOSPEC_BF16_DOT=0 turns the dot products off; a bad value is an error naming it."""
+def _kernels_available_with(var: str, value: str, key: str):
+    """A new process with $var = value: its ``kernels_available()[key]`` (stdout) or its error."""
     import os
     import subprocess
     import sys
-    code = "import turbospec; print(turbospec.ops.kernels_available()['cpu_bf16_dot'])"
-    run = lambda v: subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_BF16_DOT": v},
-                                   capture_output=True, text=True)
-    assert run("0").stdout.strip() == "False"
-    bad = run("yes")
+    code = f"import turbospec; print(turbospec.ops.kernels_available()[{key!r}])"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, var: value}, capture_output=True, text=True)
+
+
+def test_bf16_dot_env_override():
+    """TURBOSPEC_BF16_DOT=0 turns the dot products off; a bad value is an error naming it."""
+    assert _kernels_available_with("TURBOSPEC_BF16_DOT", "0", "cpu_bf16_dot").stdout.strip() == "False"
+    bad = _kernels_available_with("TURBOSPEC_BF16_DOT", "yes", "cpu_bf16_dot")
     assert bad.returncode != 0
     assert "TURBOSPEC_BF16_DOT must be 0 or 1 (or unset), got 'yes'" in bad.stderr
 
@@ -353,12 +356,7 @@ def test_quantize_on_load_matches_gguf(fmt, qtype):
 
 def test_env_override_caps_the_isa(tmp_path):
     """TURBOSPEC_ISA picks the path at import (CI forces the narrow ones this way)."""
-    import subprocess
-    import sys
-    code = "import turbospec; print(turbospec.kernels_available()['cpu_isa'])"
-    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TURBOSPEC_ISA": "scalar"},
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "scalar"
+    assert _kernels_available_with("TURBOSPEC_ISA", "scalar", "cpu_isa").stdout.strip() == "scalar"
 
 
 @pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
@@ -406,12 +404,7 @@ def test_prefetch_hint_setting_and_errors():
 
 def test_prefetch_env_override():
     """TURBOSPEC_PREFETCH sets the default hint; a bad value is an error naming it, not a crash."""
-    import os
-    import subprocess
-    import sys
-    code = "import turbospec; print(turbospec.kernels_available()['cpu_prefetch'])"
-    run = lambda v: subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_PREFETCH": v},
-                                   capture_output=True, text=True)
+    run = lambda v: _kernels_available_with("TURBOSPEC_PREFETCH", v, "cpu_prefetch")
     assert run("nta").stdout.strip() == "nta"
     assert run("t0").stdout.strip() == "t0"
     bad = run("l2")
