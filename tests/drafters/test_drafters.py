@@ -14,7 +14,7 @@ from turbospec.drafters.draft_model import DraftModelDrafter, layer_skip_draft
 from turbospec.drafters.ngram import NgramDrafter
 from turbospec.ops.sampling import SamplingParams
 
-from helpers import make_tiny_model
+from helpers import counting_forwards, make_tiny_model
 
 
 GREEDY = SamplingParams()
@@ -230,35 +230,28 @@ def test_draft_model_long_lag_restarts_from_a_window(tiny_target, prepared):
     that was given only those tokens as its prompt; a short lag still catches up exactly."""
     draft = layer_skip_draft(tiny_target, 1)
     d = DraftModelDrafter(draft, max_seq_len=256, max_catchup=20)
-    forwarded = []
-    real = draft.forward
-
-    def counting(ids, *args, **kwargs):
-        forwarded.append(ids.shape[1])
-        return real(ids, *args, **kwargs)
-
-    draft.forward = counting
-    tokens = list(range(10, 40))
-    d.begin(tokens)
-    if prepared:
-        d.prepare(tokens)
-    rng = random.Random(1)
-    tokens += [rng.randrange(256) for _ in range(25)]  # 25 plain steps (or a 55-token prompt unread)
-    forwarded.clear()
-    assert not d.windowed
-    got = d.propose(tokens, 3, GREEDY, None).token_ids
-    assert d.windowed  # (the draft budget does not pass this generation's acceptance on)
-    assert forwarded == [16, 4, 1, 1]  # the last 20 tokens in chunks of 16, then two draft tokens
-    fresh = DraftModelDrafter(draft, max_seq_len=256, max_catchup=None)
-    fresh.begin(tokens[-20:])
-    assert fresh.propose(tokens[-20:], 3, GREEDY, None).token_ids == got
-    # from then on the window's context is kept: a short lag catches up on the new tokens only
-    d.observe(tokens + got[:1], 0)
-    fresh.observe(tokens[-20:] + got[:1], 0)
-    forwarded.clear()
-    nxt = d.propose(tokens + got[:1], 2, GREEDY, None).token_ids
-    assert forwarded == [1, 1]  # the new root (the old one was read by the proposal), one draft token
-    assert nxt == fresh.propose(tokens[-20:] + got[:1], 2, GREEDY, None).token_ids
+    with counting_forwards(draft) as forwarded:
+        tokens = list(range(10, 40))
+        d.begin(tokens)
+        if prepared:
+            d.prepare(tokens)
+        rng = random.Random(1)
+        tokens += [rng.randrange(256) for _ in range(25)]  # 25 plain steps (or a 55-token prompt unread)
+        forwarded.clear()
+        assert not d.windowed
+        got = d.propose(tokens, 3, GREEDY, None).token_ids
+        assert d.windowed  # (the draft budget does not pass this generation's acceptance on)
+        assert forwarded == [16, 4, 1, 1]  # the last 20 tokens in chunks of 16, then two draft tokens
+        fresh = DraftModelDrafter(draft, max_seq_len=256, max_catchup=None)
+        fresh.begin(tokens[-20:])
+        assert fresh.propose(tokens[-20:], 3, GREEDY, None).token_ids == got
+        # from then on the window's context is kept: a short lag catches up on the new tokens only
+        d.observe(tokens + got[:1], 0)
+        fresh.observe(tokens[-20:] + got[:1], 0)
+        forwarded.clear()
+        nxt = d.propose(tokens + got[:1], 2, GREEDY, None).token_ids
+        assert forwarded == [1, 1]  # the new root (the old one was read by the proposal), one draft token
+        assert nxt == fresh.propose(tokens[-20:] + got[:1], 2, GREEDY, None).token_ids
     with pytest.raises(ValueError, match="max_catchup"):
         DraftModelDrafter(draft, max_seq_len=64, max_catchup=0)
 
