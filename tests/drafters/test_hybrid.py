@@ -154,12 +154,12 @@ def test_head_suffix_greedy_exact_and_at_least_the_better_source(cyc, method):  
 
 def test_head_suffix_skips_the_head_where_the_suffix_tree_fills_the_budget(cyc):  # noqa: F811
     """A request asked again: suffix decoding's remembered answer fills the budget with near-certain
-    nodes, so the head is not run for those steps (counted), and the output is still HF's; with
-    the default (None) the head drafts every step; a bad value is named."""
+    nodes, so the head is not run for those steps (counted; the default, 0.9), and the output is
+    still HF's; with skip_head_at None the head drafts every step; a bad value is named."""
     hf, target, ref, _ = cyc
     kw = dict(num_draft=8, adaptive=False)
-    eng = _hybrid(target, "eagle3", tree={"skip_head_at": 0.9}, **kw)
-    always = _hybrid(target, "eagle3", **kw)  # the default: None
+    eng = _hybrid(target, "eagle3", **kw)  # the default: 0.9
+    always = _hybrid(target, "eagle3", tree={"skip_head_at": None}, **kw)
     for e in (eng, always):
         calls = []
         real = e.drafter.head.propose_steps
