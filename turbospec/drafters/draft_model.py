@@ -211,7 +211,7 @@ class DraftModelDrafter(Drafter):
             ids = torch.tensor([tokens[self._cached:-1]], dtype=torch.int64, device=dev)
             pos = torch.arange(self._cached - self._offset, len(tokens) - 1 - self._offset, device=dev)[None]
             self.model.forward(ids, pos, self.cache, self._cached - self._offset, logits="last")
-            self._cached = self._base = len(tokens) - 1
+            self._cached = len(tokens) - 1
             if pc is not None and self._offset == 0:
                 pc.store(tokens, self._cached, self.cache)
         self._base = self._cached

@@ -10,10 +10,10 @@ import torch
 from ..heads.formats import load_head
 from ..heads.shipped import best_shipped_head, shipped_heads
 from ..model.loader import load_model, load_tokenizer
+from ..model.prefix_cache import PrefixCache
 from ..model.transformer import Transformer
 from .base import Drafter
 from .draft_model import DraftModelDrafter, DraftPool, check_compatible
-from ..model.prefix_cache import PrefixCache
 from .eagle import EagleDrafter
 from .hybrid import Calibration, HeadSuffixDrafter, HybridDrafter
 from .lookahead import LookaheadDrafter
