@@ -525,6 +525,50 @@ def test_prompt_formats():
 
 
 # ---------------------------------------------------------------------------------------------
+def test_train_samples_slice_keeps_the_held_out_split(tmp_path):
+    """--train-samples A:B: features (and training) cover train samples A..B-1 only, the held-out
+    split is the whole generation's, and the slice's features are those of the full run (same bits);
+    a slice past the train split or a malformed one is refused, naming the option."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 10)
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=10,
+               max_new_tokens=6, eval_samples=2, stop_after="features", threads=1, draft_vocab=48)
+    full = train.run(config.TrainConfig(**cfg))
+    part = train.run(config.TrainConfig(**{**cfg, "train_samples": (3, 6)}))
+    assert part["features_dir"] != full["features_dir"]
+    samples = sorted(distill.read_samples(os.path.join(full["generation_dir"], "samples.jsonl")),
+                     key=lambda s: s["index"])
+    train_split, held = distill.split(samples, 2)
+    from safetensors.torch import load_file
+
+    def manifest(d):
+        with open(os.path.join(d, "manifest.json")) as f:
+            return json.load(f)
+    mp, mf = manifest(part["features_dir"]), manifest(full["features_dir"])
+    assert mp["train_samples"] == 3 and mp["eval_samples"] == 2 and mf["train_samples"] == 8
+    lens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in train_split]
+    assert [n for sh in mp["shards"] for n in sh["lengths"]] == lens[3:6]
+    fp = load_file(os.path.join(part["features_dir"], mp["shards"][0]["file"]))
+    ff = load_file(os.path.join(full["features_dir"], mf["shards"][0]["file"]))
+    start, end = sum(lens[:3]), sum(lens[:6])
+    assert torch.equal(fp["features"], ff["features"][start:end])
+    assert torch.equal(fp["ids"], ff["ids"][start:end])
+    ep = load_file(os.path.join(part["features_dir"], mp["eval"]["file"]))
+    ef = load_file(os.path.join(full["features_dir"], mf["eval"]["file"]))
+    assert torch.equal(ep["ids"], ef["ids"]) and torch.equal(ep["features"], ef["features"])
+    # open-ended slice, then the bad ones
+    tail = train.run(config.TrainConfig(**{**cfg, "train_samples": (6, None)}))
+    assert manifest(tail["features_dir"])["train_samples"] == 2
+    with pytest.raises(ValueError, match="--train-samples 8:.*only 8 samples"):
+        train.run(config.TrainConfig(**{**cfg, "train_samples": (8, None)}))
+    with pytest.raises(ValueError, match="--train-samples .*START:END"):
+        train.run(config.TrainConfig(**{**cfg, "train_samples": (5, 5)}))
+    for bad in ("5", "a:b"):
+        args = _parse(["train", "--method", "eagle3", "--out", str(tmp_path / "o"), "--train-samples", bad])
+        with pytest.raises(ValueError, match=f"--train-samples '{bad}'"):
+            config.config_from_args(args)
+
+
 def test_bad_inputs_name_the_parameter(tmp_path, capsys):
     target = _save_target(tmp_path / "m")
     data = _write_prompts(tmp_path / "p.jsonl", 3)

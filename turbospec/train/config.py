@@ -44,6 +44,7 @@ class TrainConfig:
     shard_tokens: int = 65536
     feature_dtype: str = "bfloat16"
     feature_batch_size: int = 8
+    train_samples: tuple[int, int | None] | None = None  # a slice [start, end) of the train split
     # stage 3
     epochs: int = 1
     lr: float | None = None            # None: DEFAULT_LR[method]
@@ -118,6 +119,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--time-budget must be a number of seconds > 0, got {cfg.time_budget!r}")
     if cfg.stop_after not in (None, "generate", "features"):
         raise ValueError(f"--stop-after {cfg.stop_after!r}: choose generate or features")
+    if cfg.train_samples is not None:
+        a, b = cfg.train_samples
+        if not is_int(a) or a < 0 or (b is not None and (not is_int(b) or b <= a)):
+            raise ValueError(f"--train-samples {cfg.train_samples!r}: expected START:END with 0 <= START < END "
+                             f"(END may be left out)")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device!r}: CUDA is not available on this machine")
 
@@ -177,6 +183,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--feature-batch-size", type=int, default=8,
                    help="samples per target forward when extracting features (similar lengths together; "
                         "on CPU the features are the same bits as one sample at a time)")
+    g.add_argument("--train-samples", default=None, metavar="START:END",
+                   help="extract features for and train on only samples START..END-1 of the train split "
+                        "(the held-out split is unchanged; END may be left out): continue a head "
+                        "(--init-head) on samples it has not seen")
     g = p.add_argument_group("stage 3: training")
     g.add_argument("--epochs", type=int, default=1)
     g.add_argument("--lr", type=float, default=None,
@@ -238,8 +248,17 @@ def config_from_args(args, argv: list[str] | None = None) -> TrainConfig:
         except ValueError:
             raise ValueError(f"--feature-layers {args.feature_layers!r}: expected a comma list of "
                              f"integers") from None
+    span = None
+    if args.train_samples:
+        a, sep, b = args.train_samples.partition(":")
+        try:
+            span = (int(a), int(b) if b.strip() else None)
+        except ValueError:
+            raise ValueError(f"--train-samples {args.train_samples!r}: expected START:END, two integers") from None
+        if not sep:
+            raise ValueError(f"--train-samples {args.train_samples!r}: expected START:END (a colon between)")
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
-    kw.update(feature_layers=layers,
+    kw.update(feature_layers=layers, train_samples=span,
               command=shlex.join(["turbospec", *(sys.argv[1:] if argv is None else argv)]))
     return TrainConfig(**kw)

@@ -228,10 +228,20 @@ class Trainer:
         layers_kw = {"feature_layers": list(cfg.feature_layers)} if cfg.feature_layers else {}
         probe = HeadConfig.for_target(cfg.method, target.cfg, **layers_kw) if self.init is None else self.init.cfg
         spec = tuple(probe.feature_layers) if cfg.method == "eagle3" else "final"
+        samples, complete = self.samples, self.gen_info.get("complete", True)
+        if cfg.train_samples is not None:  # a slice of the train split, the same held-out split
+            train, held = distill.split(self.samples, self.n_eval)
+            a, b = cfg.train_samples
+            if a >= len(train):
+                raise ValueError(f"--train-samples {a}:{'' if b is None else b}: the train split has only "
+                                 f"{len(train)} samples")
+            samples, complete = train[a:b] + held, False  # keyed by the subset's indices
+            log(f"features: train samples {a}..{a + len(train[a:b]) - 1} of {len(train)} (--train-samples)")
+        self.feature_samples = samples
         self.feat_dir, self.manifest = distill.collect_features(
-            target, self.gen_dir, self.samples, self.work, spec, eval_samples=self.n_eval,
+            target, self.gen_dir, samples, self.work, spec, eval_samples=self.n_eval,
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
-            complete_gen=self.gen_info.get("complete", True), stop_at=self._stage_deadline(FEATURES_SHARE),
+            complete_gen=complete, stop_at=self._stage_deadline(FEATURES_SHARE),
             batch_size=cfg.feature_batch_size)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
 
@@ -246,7 +256,7 @@ class Trainer:
         cfg = self.cfg
         self.dev = dev = torch.device(cfg.device)
         vocab = target.cfg.vocab_size
-        train_samples, _ = distill.split(self.samples, self.n_eval)
+        train_samples, _ = distill.split(self.feature_samples, self.n_eval)
         counts = torch.zeros(vocab, dtype=torch.int64)
         for s in train_samples:
             counts += torch.bincount(torch.tensor(s["response_ids"], dtype=torch.int64), minlength=vocab)
