@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from turbospec.model.loader import default_model_path, load_model
     from turbospec.train import data as distill
     from turbospec.train.config import TrainConfig
-    from turbospec.train.objectives import Frozen, Method, format_eval, lm_head_weight
+    from turbospec.train.objectives import Method, format_eval, frozen_parts
 
     source = default_model_path() if a.target == "default" else a.target
     target = load_model(source, torch.float32)
@@ -58,13 +58,7 @@ def main(argv=None) -> int:
     sets = {"seen": rng.sample(train[:a.trained], min(a.per_set, a.trained)),
             "unseen": rng.sample(train[a.trained:], min(a.per_set, len(train) - a.trained)),
             "held_out": held}
-    vocab = target.cfg.vocab_size
-    frozen = Frozen(embed=target.embed.detach().float(), lm_w=lm_head_weight(target).detach().float(), t2d=None)
-    if head.cfg.method == "eagle3":
-        t2d = torch.full((vocab,), -100, dtype=torch.int64)
-        ids = head.draft_vocab_ids()
-        t2d[ids] = torch.arange(ids.numel())
-        frozen.t2d = t2d
+    frozen = frozen_parts(target, head, torch.device("cpu"))
     spec = tuple(head.cfg.feature_layers) if head.cfg.method == "eagle3" else "final"
     method = Method(head, frozen, TrainConfig(method=head.cfg.method, out=""), 1.0)
     result = {"head": a.head, "samples": a.samples, "trained": a.trained, "per_set": a.per_set, "seed": a.seed,

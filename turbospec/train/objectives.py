@@ -61,6 +61,19 @@ class Frozen:
     t2d: Tensor | None    # eagle3: [V] int64, draft-vocab row of each target id (-100: not in it)
 
 
+def frozen_parts(target, head: nn.Module, device) -> Frozen:
+    """The target's embedding and LM head (float32) and, for an EAGLE-3 head, the draft-vocabulary
+    row of each target id, on ``device``."""
+    frozen = Frozen(embed=target.embed.detach().float().to(device),
+                    lm_w=lm_head_weight(target).detach().float().to(device), t2d=None)
+    if head.cfg.method == "eagle3":
+        t2d = torch.full((target.cfg.vocab_size,), -100, dtype=torch.int64)
+        ids = head.draft_vocab_ids()
+        t2d[ids] = torch.arange(ids.numel())
+        frozen.t2d = t2d.to(device)
+    return frozen
+
+
 def _shift(x: Tensor, k: int, fill: float) -> Tensor:
     """x[:, i + k] at i, ``fill`` past the end (x: [B, n, ...])."""
     tail = x.new_full((x.shape[0], min(k, x.shape[1]), *x.shape[2:]), fill)

@@ -35,7 +35,7 @@ from . import data as distill
 from .config import DEFAULT_DATA, DEFAULT_LR, TrainConfig, amp_dtype, check_config
 from .config import add_args, config_from_args  # add_args: re-exported, turbospec.cli imports it from here
 from .data import FeatureStore, collate, log
-from .objectives import Frozen, Method, format_eval, lm_head_weight
+from .objectives import Method, format_eval, frozen_parts
 from ..heads.config import HeadConfig
 from ..heads.layers import draft_vocab_from_counts, init_weights
 
@@ -260,17 +260,12 @@ class Trainer:
         counts = torch.zeros(vocab, dtype=torch.int64)
         for s in train_samples:
             counts += torch.bincount(torch.tensor(s["response_ids"], dtype=torch.int64), minlength=vocab)
-        frozen = Frozen(embed=target.embed.detach().float(), lm_w=lm_head_weight(target).detach().float(),
-                        t2d=None)
         head = build_head(cfg, target, counts, self.source) if self.init is None else self.init
+        frozen = frozen_parts(target, head, dev)
         if cfg.method == "eagle3":
-            t2d = torch.full((vocab,), -100, dtype=torch.int64)
             ids = head.draft_vocab_ids()
-            t2d[ids] = torch.arange(ids.numel())
-            frozen.t2d = t2d.to(dev)
             self.summary["draft_vocab_coverage"] = float(counts[ids].sum()) / max(int(counts.sum()), 1)
         self.head = head.to(dev).train()
-        frozen.embed, frozen.lm_w = frozen.embed.to(dev), frozen.lm_w.to(dev)
         self.method = Method(self.head, frozen, cfg, self.manifest.get("feature_rms", 1.0))
         self.amp = amp_dtype(cfg.amp, dev)
 
