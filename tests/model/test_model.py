@@ -332,7 +332,7 @@ def test_sliding_window_in_self_distillation_and_unused_windows():
     from turbospec.train import data as distill
     target = turbospec.load_model(make_tiny_model("mistral", seed=4, sliding_window=24))
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [4]]
-    got = distill.greedy_batch(target, prompts, 40, set())
+    got = distill.answer_batch(target, prompts, 40, set())
     eng = turbospec.Engine(target, drafter="none", max_seq_len=64)
     for p, (resp, why) in zip(prompts, got):
         assert resp == eng.generate(p, 40).token_ids and why == "length"
@@ -350,7 +350,7 @@ def test_gemma2_batched_self_distillation_equals_the_engine():
     target = turbospec.load_model(make_tiny_model("gemma2", seed=2, num_hidden_layers=3))
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], [4]]
     eng = turbospec.Engine(target, drafter="none", max_seq_len=64)
-    for p, (resp, _) in zip(prompts, distill.greedy_batch(target, prompts, 30, set())):
+    for p, (resp, _) in zip(prompts, distill.answer_batch(target, prompts, 30, set())):
         assert resp == eng.generate(p, 30).token_ids
 
 

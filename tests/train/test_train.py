@@ -182,7 +182,7 @@ def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
     cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=12,
                max_new_tokens=6, eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1,
                stop_after="features", feature_batch_size=1)
-    real = distill.greedy_batch
+    real = distill.answer_batch
     calls = []
 
     def slow_first(*a, **k):  # the first batch ends past both deadlines (2.7 s and 4.2 s)
@@ -190,7 +190,7 @@ def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
         if len(calls) == 1:
             time.sleep(4.5)
         return real(*a, **k)
-    monkeypatch.setattr(distill, "greedy_batch", slow_first)
+    monkeypatch.setattr(distill, "answer_batch", slow_first)
     s1 = train.run(config.TrainConfig(**cfg, time_budget=6.0))
     assert len(calls) == 1
     g1 = s1["generation"]
@@ -204,7 +204,7 @@ def test_time_budget_stops_data_stages_and_they_resume(tmp_path, monkeypatch):
     first = {s["index"]: s for s in distill.read_samples(os.path.join(s1["generation_dir"], "samples.jsonl"))}
     assert len(first) == 4
 
-    monkeypatch.setattr(distill, "greedy_batch", real)
+    monkeypatch.setattr(distill, "answer_batch", real)
     s2 = train.run(config.TrainConfig(**cfg))
     assert s2["generation_dir"] == s1["generation_dir"] and s2["features_dir"] != s1["features_dir"]
     assert s2["generation"]["complete"] is True and s2["generation"]["generated"] == 8
@@ -235,7 +235,7 @@ def test_distill_data_travels_and_generation_continues_from_it(tmp_path, monkeyp
                max_new_tokens=5, eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1,
                stop_after="generate", distill_data=store)
     # machine A: a run stopped after its first batch (the time budget), stored with its provenance
-    real = distill.greedy_batch
+    real = distill.answer_batch
     calls = []
 
     def slow_first(*a, **k):
@@ -243,7 +243,7 @@ def test_distill_data_travels_and_generation_continues_from_it(tmp_path, monkeyp
         if len(calls) == 1:
             time.sleep(2.0)
         return real(*a, **k)
-    monkeypatch.setattr(distill, "greedy_batch", slow_first)
+    monkeypatch.setattr(distill, "answer_batch", slow_first)
     s1 = train.run(config.TrainConfig(**cfg, work_dir=str(tmp_path / "wa"), time_budget=4.0))
     assert s1["generation"]["complete"] is False and calls == [4]
     part, meta = distill.load_distill(store)
@@ -260,7 +260,7 @@ def test_distill_data_travels_and_generation_continues_from_it(tmp_path, monkeyp
     assert [r["index"] for r in whole] == list(range(10)) and meta2["info"]["complete"] is True
     assert {r["index"]: r for r in whole}.items() >= {r["index"]: r for r in part}.items()
     # the same as generating everything in one go
-    monkeypatch.setattr(distill, "greedy_batch", real)
+    monkeypatch.setattr(distill, "answer_batch", real)
     s3 = train.run(config.TrainConfig(**{**cfg, "distill_data": None}, work_dir=str(tmp_path / "wc")))
     ref = sorted(distill.read_samples(os.path.join(s3["generation_dir"], "samples.jsonl")), key=lambda r: r["index"])
     assert ref == whole
@@ -490,7 +490,7 @@ def test_greedy_batch_matches_engine():
     rng = random.Random(1)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (3, 9, 5, 1, 12)]
     eng = Engine(t, drafter="none", max_seq_len=64)
-    got = distill.greedy_batch(t, prompts, 10, eos_token_ids={7})
+    got = distill.answer_batch(t, prompts, 10, eos_token_ids={7})
     for p, (resp, fin) in zip(prompts, got):
         ref = []
         for tok in eng.generate(p, max_new_tokens=10).token_ids:
@@ -499,6 +499,73 @@ def test_greedy_batch_matches_engine():
                 break
         assert resp == ref
         assert fin == ("eos" if resp[-1] == 7 else "length")
+
+
+def test_sampled_answers_follow_the_target_distribution():
+    """--gen-temperature: the first answer token of many draws of one prompt follows
+    softmax(logits / T) (chi-square over bins of expected count >= 5; negative controls: the same
+    draws against T' = 2T and T' = T / 2 fail), and a prompt's draws do not depend on its batch."""
+    t = load_model(make_tiny_model("llama", seed=3, vocab_size=VOCAB))
+    prompt = [5, 17, 3, 40]
+    T, n = 0.5, 3000
+    seeds = [distill.sample_seed(0, i) for i in range(n)]
+    got = distill.answer_batch(t, [prompt] * n, 1, set(), temperature=T, seeds=seeds)
+    counts = torch.bincount(torch.tensor([r[0][0] for r in got]), minlength=VOCAB).double()
+    with torch.inference_mode():
+        cache = t.new_cache(8, 1)
+        ids = torch.tensor([prompt])
+        full = distill._masked_forward(t, ids, torch.arange(4)[None], cache, 0,
+                                       torch.ones(4, 4, dtype=torch.bool).tril()[None, None])[0]
+
+    def chi2_p(temp):
+        p = torch.softmax(full.double() / temp, -1)
+        exp = p * n
+        big = exp >= 5
+        obs = torch.cat((counts[big], counts[~big].sum()[None]))
+        ex = torch.cat((exp[big], exp[~big].sum()[None]))
+        keep = ex > 0
+        stat = float(((obs[keep] - ex[keep]) ** 2 / ex[keep]).sum())
+        dof = int(keep.sum()) - 1
+        # Wilson-Hilferty: the chi-square upper tail from a normal one
+        z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+        return 0.5 * math.erfc(z / math.sqrt(2))
+    assert chi2_p(T) > 1e-3
+    assert chi2_p(2 * T) < 1e-6 and chi2_p(T / 2) < 1e-6
+    # batch independence: each prompt alone draws what it drew among others of other lengths
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (3, 9, 5, 1)]
+    sd = [distill.sample_seed(7, i) for i in range(4)]
+    together = distill.answer_batch(t, prompts, 12, {7}, temperature=0.9, seeds=sd)
+    alone = [distill.answer_batch(t, [p], 12, {7}, temperature=0.9, seeds=[s])[0] for p, s in zip(prompts, sd)]
+    assert together == alone
+    assert len({tuple(r[0]) for r in together}) == 4
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        distill.answer_batch(t, prompts, 3, set(), temperature=0.9)
+
+
+def test_sampled_generation_is_its_own_and_resumes(tmp_path):
+    """A sampled generation has its own folder (greedy ones keep the key they had: no
+    "temperature" setting), differs from the greedy answers, and is the same in batches of any
+    size, so an interrupted one resumes with the same draws."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 6)
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=6,
+               max_new_tokens=8, eval_samples=1, stop_after="generate", threads=1, draft_vocab=48)
+    greedy = train.run(config.TrainConfig(**cfg))
+    with open(os.path.join(greedy["generation_dir"], "meta.json")) as f:
+        assert "temperature" not in json.load(f)["settings"]
+    runs = [train.run(config.TrainConfig(**cfg, gen_temperature=1.0, gen_batch_size=b,
+                                         work_dir=str(tmp_path / f"w{b}"))) for b in (1, 4)]
+    assert runs[0]["generation_dir"].split(os.sep)[-1] != greedy["generation_dir"].split(os.sep)[-1]
+    with open(os.path.join(runs[0]["generation_dir"], "meta.json")) as f:
+        assert json.load(f)["settings"]["temperature"] == 1.0
+    read = [sorted(distill.read_samples(os.path.join(r["generation_dir"], "samples.jsonl")),
+                   key=lambda s: s["index"]) for r in (greedy, *runs)]
+    assert read[1] == read[2]
+    assert [s["response_ids"] for s in read[0]] != [s["response_ids"] for s in read[1]]
+    for bad in (-0.5, float("nan"), 3.0):
+        with pytest.raises(ValueError, match="--gen-temperature"):
+            train.run(config.TrainConfig(**cfg, gen_temperature=bad))
 
 
 @pytest.mark.parametrize("tied", [False, True])

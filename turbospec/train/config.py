@@ -37,6 +37,7 @@ class TrainConfig:
     truncate_long_prompts: bool = False
     distill_data: str | None = None    # a .npz of stored samples: used, continued and written back
     gen_batch_size: int = 16
+    gen_temperature: float = 0.0       # 0: greedy answers; > 0: sampled at this temperature
     seed: int = 0
     dtype: str = "float32"             # the target's
     # stage 2
@@ -102,6 +103,9 @@ def check_config(cfg: TrainConfig) -> None:
                     ("feature_noise", cfg.feature_noise or 0.0)):
         if not v >= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {v!r}")
+    t = cfg.gen_temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 2:
+        raise ValueError(f"--gen-temperature must be a number in [0, 2] (0: greedy answers), got {t!r}")
     if not 0 < cfg.step_decay <= 1:
         raise ValueError(f"--step-decay must be in (0, 1], got {cfg.step_decay!r}")
     if cfg.schedule not in ("cosine", "linear", "constant"):
@@ -168,6 +172,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--truncate-long-prompts", action="store_true",
                    help="keep the last --max-prompt-tokens tokens of long prompts instead of skipping them")
     g.add_argument("--gen-batch-size", type=int, default=16, help="prompts generated together")
+    g.add_argument("--gen-temperature", type=float, default=0.0,
+                   help="0 (default): the target answers greedily; > 0: its answers are sampled at this "
+                        "temperature (each prompt's own seeded generator: a resumed run draws the same "
+                        "way), a generation of its own; the training labels stay the target's argmax")
     g.add_argument("--distill-data", default=None,
                    help="a .npz of stored self-distillation samples (token ids; settings and provenance "
                         "in the .json beside it): samples of the same settings are used, generation "

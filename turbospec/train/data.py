@@ -1,11 +1,11 @@
 """Self-distillation data for draft heads (stages 1 and 2 of ``turbospec train``).
 
 Stage 1, ``generate``: training prompts (JSONL) get the target's chat template (``decode.text.encode``)
-and the TARGET answers them greedily, in batches (left-padded prompts, one attention mask per row,
+and the TARGET answers them greedily (or sampled at ``--gen-temperature``), in batches (left-padded prompts, one attention mask per row,
 the model's own layer loop), so a head learns the target's own distribution. Stored in
 ``<work>/gen-<key>/samples.jsonl`` (one ``{"index", "prompt_ids", "response_ids", "finish"}`` per
 line) with ``meta.json``; ``<key>`` hashes every setting that changes the result (data file contents,
-target weights, dtype, prompt count and limits, seed), so a matching run re-uses the file and an
+target weights, dtype, prompt count and limits, seed, temperature), so a matching run re-uses the file and an
 interrupted one resumes where it stopped.
 
 Stage 2, ``collect_features``: one fresh target pass per sample over prompt + response records what
@@ -213,7 +213,7 @@ def select_prompts(prompts: list, encode, num_prompts: int, max_prompt_tokens: i
 
 
 # ---------------------------------------------------------------------------------------------
-# Stage 1: batched greedy generation by the target
+# Stage 1: batched generation by the target (greedy, or sampled at a temperature)
 def _masked_forward(target: Transformer, ids: Tensor, pos: Tensor, cache, cache_len: int,
                     mask: Tensor) -> Tensor:
     """The target's forward with a full attention mask [B, 1, n, cache_len + n] (rows of different
@@ -227,11 +227,14 @@ def _masked_forward(target: Transformer, ids: Tensor, pos: Tensor, cache, cache_
 
 
 @torch.inference_mode()
-def greedy_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: int,
-                 eos_token_ids: set[int]) -> list[tuple[list[int], str]]:
-    """Greedy continuations of several prompts at once: [(response ids, "eos" | "length")].
-    The EOS token, when produced, ends (and is kept in) the response. Same tokens as
-    ``Engine(drafter="none").generate`` up to floating-point near-ties."""
+def answer_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                 eos_token_ids: set[int], temperature: float = 0.0,
+                 seeds: list[int] | None = None) -> list[tuple[list[int], str]]:
+    """The target's continuations of several prompts at once: [(response ids, "eos" | "length")].
+    The EOS token, when produced, ends (and is kept in) the response. ``temperature`` 0: greedy,
+    the same tokens as ``Engine(drafter="none").generate`` up to floating-point near-ties; > 0:
+    sampled from softmax(logits / temperature), row j with its own generator seeded ``seeds[j]``
+    (so a prompt's draws do not depend on the batch it lands in)."""
     dev = target.device
     bsz = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -251,8 +254,17 @@ def greedy_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: 
     rows = list(range(bsz))                                      # original row of each live row
     out: list[list[int]] = [[] for _ in range(bsz)]
     finish = ["length"] * bsz
+    gens = None
+    if temperature > 0:
+        if seeds is None or len(seeds) != bsz:
+            raise ValueError("answer_batch: sampling (temperature > 0) needs one seed per prompt")
+        gens = [torch.Generator(device=dev).manual_seed(int(sd)) for sd in seeds]
     for t in range(max_new_tokens):
-        nxt = logits.argmax(-1).tolist()
+        if gens is None:
+            nxt = logits.argmax(-1).tolist()
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = [int(torch.multinomial(probs[j], 1, generator=gens[r])) for j, r in enumerate(rows)]
         keep = []
         for j, tok in enumerate(nxt):
             out[rows[j]].append(tok)
@@ -291,8 +303,9 @@ def read_samples(path: str) -> list[dict]:
 
 def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list, work_dir: str, *,
              data_sha1: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int,
-             truncate: bool, batch_size: int, dtype: str, stop_at: float | None = None,
-             distill_data: str | None = None, provenance: dict | None = None) -> tuple[str, list[dict], dict]:
+             truncate: bool, batch_size: int, dtype: str, temperature: float = 0.0,
+             stop_at: float | None = None, distill_data: str | None = None,
+             provenance: dict | None = None) -> tuple[str, list[dict], dict]:
     """Stage 1. ``encode``: prompt -> token ids (with the chat template); ``eos_token_ids``: the tokens
     that end a response. Returns (the generation folder, its samples sorted by index, info) where info
     says how many samples this call generated (0 when the stored file was re-used).
@@ -304,6 +317,8 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
     settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
+    if temperature > 0:  # absent for greedy: the keys of greedy generations stored before stay valid
+        settings["temperature"] = float(temperature)
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
     if distill_data:  # before generating anything: the result could not be stored there
         _check_distill_settings(distill_data, settings)
@@ -406,9 +421,15 @@ def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
     return len(new)
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The generator seed of sample ``index`` of a sampled generation with ``--seed`` ``seed``."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+
+
 def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at=None):
     from tqdm import tqdm
     num_prompts, max_new_tokens = settings["num_prompts"], settings["max_new_tokens"]
+    temperature = settings.get("temperature", 0.0)
     max_prompt_tokens, seed, truncate = settings["max_prompt_tokens"], settings["seed"], settings["truncate"]
     meta_path, samples_path = os.path.join(gen_dir, "meta.json"), os.path.join(gen_dir, "samples.jsonl")
     if os.path.isfile(meta_path):
@@ -438,7 +459,8 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
     random.Random(seed).shuffle(batches)
     mean_len = sum(map(len, encoded)) / len(encoded)
     log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
-         f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}"
+         f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}, "
+         + (f"sampled at temperature {temperature}" if temperature else "greedy")
          + (f"; resuming, {len(done)} already done" if done else ""))
     new_tokens = 0
     with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
@@ -446,7 +468,8 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
         for idx in batches:
             if stop_at is not None and time.perf_counter() >= stop_at:
                 break
-            results = greedy_batch(target, [encoded[i] for i in idx], max_new_tokens, eos_token_ids)
+            results = answer_batch(target, [encoded[i] for i in idx], max_new_tokens, eos_token_ids,
+                                   temperature, [sample_seed(seed, i) for i in idx])
             for i, (resp, fin) in zip(idx, results):
                 rec = {"index": i, "prompt_ids": encoded[i], "response_ids": resp, "finish": fin}
                 done[i] = rec

@@ -204,7 +204,8 @@ class Trainer:
         return target, tok
 
     def generate(self, target, tok) -> None:
-        """Stage 1: the target's greedy answers to the training prompts (chat template applied)."""
+        """Stage 1: the target's answers to the training prompts (chat template applied), greedy or
+        sampled at --gen-temperature."""
         from ..decode.text import encode, eos_token_ids
         cfg = self.cfg
         vocab = target.cfg.vocab_size
@@ -214,7 +215,7 @@ class Trainer:
             self.prompts, self.work, data_sha1=self.data_sha1, num_prompts=cfg.num_prompts,
             max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
             truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size, dtype=cfg.dtype,
-            stop_at=self._stage_deadline(GEN_SHARE), distill_data=cfg.distill_data,
+            temperature=cfg.gen_temperature, stop_at=self._stage_deadline(GEN_SHARE), distill_data=cfg.distill_data,
             provenance={"prompts_file": os.path.basename(self.data), "model": os.path.basename(str(self.source)),
                         "command": cfg.command or None, "commit": checkout_commit(), "machine": _machine(cfg.device),
                         "date": datetime.datetime.now().astimezone().isoformat()})
