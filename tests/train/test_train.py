@@ -568,6 +568,33 @@ def test_sampled_generation_is_its_own_and_resumes(tmp_path):
             train.run(config.TrainConfig(**cfg, gen_temperature=bad))
 
 
+def test_gen_dtype_answers_with_a_copy_and_labels_stay_the_targets(tmp_path):
+    """--gen-dtype bfloat16: a dense bf16 copy answers (a generation of its own, its dtype recorded),
+    and the features and labels are the --dtype (float32) target's: the same bits as extracting the
+    same samples with the float32 target directly."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 6)
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=6,
+               max_new_tokens=8, eval_samples=1, threads=1, draft_vocab=48, stop_after="features")
+    s = train.run(config.TrainConfig(**cfg, gen_dtype="bfloat16"))
+    with open(os.path.join(s["generation_dir"], "meta.json")) as f:
+        assert json.load(f)["settings"]["dtype"] == "bfloat16"
+    plain = train.run(config.TrainConfig(**{**cfg, "stop_after": "generate"}))
+    assert plain["generation_dir"] != s["generation_dir"]
+    samples = sorted(distill.read_samples(os.path.join(s["generation_dir"], "samples.jsonl")),
+                     key=lambda r: r["index"])
+    fd, man = distill.collect_features(load_model(target), s["generation_dir"], samples, str(tmp_path / "direct"),
+                                       (0, 1), eval_samples=1, shard_tokens=65536, feature_dtype="bfloat16",
+                                       other_answerer=True)
+    assert os.path.basename(fd) == os.path.basename(s["features_dir"])  # keyed by the float32 target
+    ref = distill.FeatureStore(fd, man)
+    got = distill.FeatureStore(s["features_dir"], json.load(open(os.path.join(s["features_dir"], "manifest.json"))))
+    a, b = ref.load(0), got.load(0)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="--gen-dtype 'int8'"):
+        train.run(config.TrainConfig(**cfg, gen_dtype="int8"))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_lm_head_weight_is_exact(tied):
     hf = make_tiny_model("llama", tie_word_embeddings=tied)

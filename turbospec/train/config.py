@@ -38,6 +38,7 @@ class TrainConfig:
     distill_data: str | None = None    # a .npz of stored samples: used, continued and written back
     gen_batch_size: int = 16
     gen_temperature: float = 0.0       # 0: greedy answers; > 0: sampled at this temperature
+    gen_dtype: str | None = None       # None: dtype; else a dense copy of the target in it answers
     seed: int = 0
     dtype: str = "float32"             # the target's
     # stage 2
@@ -114,6 +115,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--feature-dtype {cfg.feature_dtype!r}: choose one of {list(FEATURE_DTYPES)}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype {cfg.dtype!r}: choose float32, bfloat16 or float16")
+    if cfg.gen_dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ValueError(f"--gen-dtype {cfg.gen_dtype!r}: choose float32, bfloat16 or float16")
     if cfg.loss_on_prompt and cfg.method == "medusa":
         raise ValueError("--loss-on-prompt is for eagle / eagle3 only: a Medusa head reads one feature and "
                          "would learn the user's text, not the target's own continuation")
@@ -180,6 +183,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="a .npz of stored self-distillation samples (token ids; settings and provenance "
                         "in the .json beside it): samples of the same settings are used, generation "
                         "continues after them, and the result is written back there")
+    g.add_argument("--gen-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="answer the prompts with a dense copy of the target in this dtype (default: "
+                        "--dtype, the target itself); bfloat16 is the fast path on CPUs with AVX512-BF16. "
+                        "Features and labels still come from the --dtype target")
     g.add_argument("--seed", type=int, default=0, help="prompt sampling, split, init and batch order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype for generation and features")

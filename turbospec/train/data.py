@@ -554,8 +554,10 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
 
 def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
                      eval_samples: int, shard_tokens: int, feature_dtype: str, complete_gen: bool = True,
-                     stop_at: float | None = None, batch_size: int = 1) -> tuple[str, dict]:
-    """Stage 2. Returns (the feature folder, its manifest). ``complete_gen`` False: ``samples`` are
+                     stop_at: float | None = None, batch_size: int = 1,
+                     other_answerer: bool = False) -> tuple[str, dict]:
+    """Stage 2. Returns (the feature folder, its manifest). ``other_answerer``: the samples were
+    answered by another model than ``target`` (a --gen-dtype copy); its fingerprint keys the folder. ``complete_gen`` False: ``samples`` are
     the part of the generation done so far (their indices key the folder). ``stop_at`` (a
     ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
     has passed; the manifest lists the shards done (not "complete") and a later call resumes.
@@ -566,6 +568,8 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
     if not complete_gen:
         settings["subset"] = sha1([s["index"] for s in samples])
+    if other_answerer:  # another model answered (--gen-dtype): the features' target joins the key
+        settings["target"] = target_fingerprint(target)
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
     with stage_lock(feat_dir):
         return _collect(target, samples, feat_dir, settings, spec, stop_at, batch_size)
