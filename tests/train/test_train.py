@@ -566,6 +566,21 @@ def test_sampled_generation_is_its_own_and_resumes(tmp_path):
     for bad in (-0.5, float("nan"), 3.0):
         with pytest.raises(ValueError, match="--gen-temperature"):
             train.run(config.TrainConfig(**cfg, gen_temperature=bad))
+    # --no-generate: features from the answers stored so far (here 3 of 6), none generated
+    part = str(tmp_path / "wpart")
+    os.makedirs(part)
+    gdir = os.path.join(part, os.path.basename(runs[0]["generation_dir"]))
+    os.makedirs(gdir)
+    with open(os.path.join(gdir, "samples.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read[1][:3])
+    s = train.run(config.TrainConfig(**{**cfg, "stop_after": "features"}, gen_temperature=1.0, work_dir=part,
+                                     no_generate=True))
+    assert s["generation"]["generated"] == 0 and s["generation"]["complete"] is False
+    assert distill.read_samples(os.path.join(gdir, "samples.jsonl")) == read[1][:3]
+    with open(os.path.join(s["features_dir"], "manifest.json")) as f:
+        assert json.load(f)["train_samples"] == 2  # 3 samples, 1 held out
+    with pytest.raises(ValueError, match="--no-generate: no answers"):
+        train.run(config.TrainConfig(**cfg, gen_temperature=0.5, work_dir=str(tmp_path / "empty"), no_generate=True))
 
 
 def test_gen_dtype_answers_with_a_copy_and_labels_stay_the_targets(tmp_path):

@@ -39,6 +39,7 @@ class TrainConfig:
     gen_batch_size: int = 16
     gen_temperature: float = 0.0       # 0: greedy answers; > 0: sampled at this temperature
     gen_dtype: str | None = None       # None: dtype; else a dense copy of the target in it answers
+    no_generate: bool = False          # train on the answers stored so far; generate none
     seed: int = 0
     dtype: str = "float32"             # the target's
     # stage 2
@@ -187,6 +188,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="answer the prompts with a dense copy of the target in this dtype (default: "
                         "--dtype, the target itself); bfloat16 is the fast path on CPUs with AVX512-BF16. "
                         "Features and labels still come from the --dtype target")
+    g.add_argument("--no-generate", action="store_true",
+                   help="use only the answers already stored (a generation stopped by its time budget), "
+                        "generate none: features and training on those")
     g.add_argument("--seed", type=int, default=0, help="prompt sampling, split, init and batch order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype for generation and features")

@@ -490,7 +490,7 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
             "finished_by_eos": sum(s["finish"] == "eos" for s in samples),
             "seconds": round(time.perf_counter() - t0, 1)}
     if not complete:
-        log(f"generation: stopped at the time limit with {len(samples)} of {len(encoded)} samples "
+        log(f"generation: stopped (the time limit, or --no-generate) with {len(samples)} of {len(encoded)} samples "
             f"({info['response_tokens']} response tokens in {info['seconds']} s); a later run resumes")
         return gen_dir, samples, {"generated": len(samples) - (len(encoded) - len(todo)),
                                   "reused": len(encoded) - len(todo), "complete": False, **info}

@@ -227,10 +227,14 @@ class Trainer:
             max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, seed=cfg.seed,
             truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size,
             dtype=cfg.gen_dtype or cfg.dtype, temperature=cfg.gen_temperature,
-            stop_at=self._stage_deadline(GEN_SHARE), distill_data=cfg.distill_data,
+            stop_at=float("-inf") if cfg.no_generate else self._stage_deadline(GEN_SHARE),
+            distill_data=cfg.distill_data,
             provenance={"prompts_file": os.path.basename(self.data), "model": os.path.basename(str(self.source)),
                         "command": cfg.command or None, "commit": checkout_commit(), "machine": _machine(cfg.device),
                         "date": datetime.datetime.now().astimezone().isoformat()})
+        if cfg.no_generate and not self.samples:
+            raise ValueError(f"--no-generate: no answers of these settings are stored (in --work-dir "
+                             f"{self.work!r} or --distill-data {cfg.distill_data!r}); generate them first")
         self.summary = {"generation": self.gen_info, "generation_dir": self.gen_dir}
 
     def collect_features(self, target) -> None:
