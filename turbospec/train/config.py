@@ -79,6 +79,11 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
 
 
+def answers_by_copy(cfg: TrainConfig) -> bool:
+    """Does a copy of the target in --gen-dtype (not the --dtype target itself) answer the prompts?"""
+    return cfg.gen_dtype is not None and cfg.gen_dtype != cfg.dtype
+
+
 def check_config(cfg: TrainConfig) -> None:
     """Option checks that need no model; errors name the option and the value."""
     if cfg.method not in METHODS:

@@ -1,12 +1,12 @@
 """Self-distillation data for draft heads (stages 1 and 2 of ``turbospec train``).
 
 Stage 1, ``generate``: training prompts (JSONL) get the target's chat template (``decode.text.encode``)
-and the TARGET answers them greedily (or sampled at ``--gen-temperature``), in batches (left-padded prompts, one attention mask per row,
-the model's own layer loop), so a head learns the target's own distribution. Stored in
+and the TARGET answers them greedily (or sampled at ``--gen-temperature``), in batches (left-padded
+prompts, one attention mask per row, the model's own layer loop), so a head learns the target's own distribution. Stored in
 ``<work>/gen-<key>/samples.jsonl`` (one ``{"index", "prompt_ids", "response_ids", "finish"}`` per
 line) with ``meta.json``; ``<key>`` hashes every setting that changes the result (data file contents,
-target weights, dtype, prompt count and limits, seed, temperature), so a matching run re-uses the file and an
-interrupted one resumes where it stopped.
+target weights, dtype, prompt count and limits, seed, temperature), so a matching run re-uses the
+file and an interrupted one resumes where it stopped.
 
 Stage 2, ``collect_features``: one fresh target pass per sample over prompt + response records what
 heads read and what they must predict, in safetensors shards ``<work>/feat-<key>/``:
@@ -490,7 +490,8 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
             "finished_by_eos": sum(s["finish"] == "eos" for s in samples),
             "seconds": round(time.perf_counter() - t0, 1)}
     if not complete:
-        log(f"generation: stopped (the time limit, or --no-generate) with {len(samples)} of {len(encoded)} samples "
+        log(f"generation: stopped (the time limit, or --no-generate) with {len(samples)} of {len(encoded)} "
+            f"samples "
             f"({info['response_tokens']} response tokens in {info['seconds']} s); a later run resumes")
         return gen_dir, samples, {"generated": len(samples) - (len(encoded) - len(todo)),
                                   "reused": len(encoded) - len(todo), "complete": False, **info}
@@ -561,8 +562,9 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
                      stop_at: float | None = None, batch_size: int = 1,
                      other_answerer: bool = False) -> tuple[str, dict]:
     """Stage 2. Returns (the feature folder, its manifest). ``other_answerer``: the samples were
-    answered by another model than ``target`` (a --gen-dtype copy); its fingerprint keys the folder. ``complete_gen`` False: ``samples`` are
-    the part of the generation done so far (their indices key the folder). ``stop_at`` (a
+    answered by another model than ``target`` (a --gen-dtype copy), so ``target``'s fingerprint
+    joins the folder's key. ``complete_gen`` False: ``samples`` are the part of the generation
+    done so far (their indices key the folder). ``stop_at`` (a
     ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
     has passed; the manifest lists the shards done (not "complete") and a later call resumes.
     ``batch_size``: samples per target forward (``_batch_tensors``), taken by similar length from
