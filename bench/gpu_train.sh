@@ -20,7 +20,9 @@
 # OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256),
 # GEN_BATCH (256), FEATURE_BATCH (32), EPOCHS (4), BATCH (32 sequences a step), DISTILL (the stored
 # generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy256.npz,
-# whose settings are MAX_NEW 256, all prompts, float32; empty: none), DTYPE (float32: the target's; the CPU
+# whose settings are MAX_NEW 256, all prompts, float32; empty: none), MIX (space-separated stored
+# generations whose samples join the train split, --mix-data: by default the sampled (T = 0.8) answers
+# and the augmented prompts' answers under data/distill/; empty: none), DTYPE (float32: the target's; the CPU
 # engine runs it so), SAVE_EVERY (400), RESUME (1: continue), TRAIN_ARGS (more). The extension is
 # built unless its kernels for DEVICE already load (an earlier call on the same machine built them).
 set -uo pipefail
@@ -55,13 +57,16 @@ RESUME_FLAG=""
 [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
 T_TRAIN="${T_TRAIN:-480}"
 DISTILL="${DISTILL-data/distill/smollm2-135m-instruct-greedy256.npz}"
+MIX="${MIX-data/distill/smollm2-135m-instruct-t0.8-bf16-s0-256.npz data/distill/smollm2-135m-instruct-augmented-s0-greedy256.npz}"
+MIX_FLAGS=()
+for m in $MIX; do MIX_FLAGS+=(--mix-data "$m"); done
 step "train (--time-budget $T_TRAIN s; SIGINT at $(( T_TRAIN + 90 )) s as a backstop)"
 timeout -s INT -k 60 "$(( T_TRAIN + 90 ))" python -u -m turbospec.cli train --method eagle3 \
   --target "$CARRY/model" --data "$DATA" --out "$CARRY/head" --work-dir "$CARRY/work" \
   --num-prompts "${NUM_PROMPTS:-0}" --max-new-tokens "${MAX_NEW:-256}" --gen-batch-size "${GEN_BATCH:-256}" \
   --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --batch-size "${BATCH:-32}" \
   --loss-on-prompt --time-budget "$T_TRAIN" --feature-batch-size "${FEATURE_BATCH:-32}" \
-  ${DISTILL:+--distill-data "$DISTILL"} \
+  ${DISTILL:+--distill-data "$DISTILL"} "${MIX_FLAGS[@]}" \
   --eval-every "${SAVE_EVERY:-400}" --save-every "${SAVE_EVERY:-400}" $RESUME_FLAG ${TRAIN_ARGS:-} \
   2>&1 | tee -a "$OUT/train.log"
 rc=${PIPESTATUS[0]}

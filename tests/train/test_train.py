@@ -723,3 +723,72 @@ def test_train_help_lists_options(capsys):
                 "--max-prompt-tokens", "--seed", "--epochs", "--lr", "--batch-size", "--eval-every",
                 "--ttt-steps", "--draft-vocab", "--device", "--threads", "--resume", "--feature-noise"):
         assert opt in out, opt
+
+
+# ---------------------------------------------------------------------------------------------
+def test_mix_data_joins_the_train_split(tmp_path):
+    """--mix-data: other stored generations (here sampled answers to the same prompts, and greedy
+    answers to other prompts) join the train split in file order after the run's own; the held-out
+    split is the run's alone and mixed samples of held-out prompts are dropped; the features of
+    every sample are those its tokens give; the mix is recorded with the head. The run's own
+    generation, a missing file or one given twice are refused, naming the option."""
+    from safetensors.torch import load_file
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 10)
+    other = _write_prompts(tmp_path / "q.jsonl", 5, seed=1)
+    base = dict(method="eagle3", out=str(tmp_path / "o"), target=target, num_prompts=0, max_new_tokens=6,
+                eval_samples=2, threads=1, draft_vocab=48)
+    npz = {k: str(tmp_path / f"{k}.npz") for k in ("own", "sampled", "other")}
+    gens = {"own": dict(data=data), "sampled": dict(data=data, gen_temperature=1.0),
+            "other": dict(data=other)}
+    for k, kw in gens.items():
+        train.run(config.TrainConfig(**base, **kw, work_dir=str(tmp_path / f"w-{k}"), distill_data=npz[k],
+                                     stop_after="generate"))
+    cfg = dict(base, data=data, distill_data=npz["own"], work_dir=str(tmp_path / "w"))
+    plain = train.run(config.TrainConfig(**cfg, stop_after="features"))
+    s = train.run(config.TrainConfig(**cfg, mix_data=[npz["sampled"], npz["other"]], stop_after="features"))
+    own, _ = distill.load_distill(npz["own"])
+    tr, held = distill.split(own, 2)
+    sampled, _ = distill.load_distill(npz["sampled"])
+    oth, _ = distill.load_distill(npz["other"])
+    held_prompts = [h["prompt_ids"] for h in held]
+    kept = [r for r in sampled if r["prompt_ids"] not in held_prompts]
+    assert len(kept) == len(sampled) - 2 and len(oth) == 5
+    assert s["mix_data"][0]["dropped_held_out_prompts"] == 2 and s["mix_data"][1]["samples"] == 5
+    with open(os.path.join(s["features_dir"], "manifest.json")) as f:
+        man = json.load(f)
+    assert man["train_samples"] == 8 + len(kept) + 5 and man["eval_samples"] == 2
+    ids = torch.cat([load_file(os.path.join(s["features_dir"], sh["file"]))["ids"] for sh in man["shards"]])
+    want = [t for r in tr + kept + oth for t in r["prompt_ids"] + r["response_ids"]]
+    assert ids.tolist() == want
+    # the held-out split and its features are the run's without the mix, bit for bit
+    with open(os.path.join(plain["features_dir"], "manifest.json")) as f:
+        pman = json.load(f)
+    ev, pev = (load_file(os.path.join(d, m["eval"]["file"])) for d, m in
+               ((s["features_dir"], man), (plain["features_dir"], pman)))
+    assert ev.keys() == pev.keys() and all(torch.equal(ev[k], pev[k]) for k in ev)
+    # a mixed sample's features are its own: the other prompts' first sample, extracted alone
+    ref_dir, ref_man = distill.collect_features(load_model(target), "gen-x", [oth[0], held[0]],
+                                                str(tmp_path / "ref"), (0, 1), eval_samples=1,
+                                                shard_tokens=65536, feature_dtype="bfloat16")
+    ref = load_file(os.path.join(ref_dir, ref_man["shards"][0]["file"]))
+    n0 = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in tr + kept)
+    feats = torch.cat([load_file(os.path.join(s["features_dir"], sh["file"]))["features"] for sh in man["shards"]])
+    assert torch.equal(feats[n0:n0 + ref["features"].shape[0]], ref["features"])
+    # only the mix (--train-samples at the split's size), then training records the mix with the head
+    only = train.run(config.TrainConfig(**cfg, mix_data=[npz["other"]], train_samples=(8, None), epochs=1,
+                                        batch_size=4, eval_every=0, save_every=0))
+    with open(os.path.join(only["features_dir"], "manifest.json")) as f:
+        assert json.load(f)["train_samples"] == 5
+    with open(os.path.join(cfg["out"], "config.json")) as f:
+        extra = json.load(f)["turbospec_extra"]
+    assert extra["mix_data"][0]["file"] == "other.npz" and extra["num_samples"] == 5
+    with pytest.raises(ValueError, match="--train-samples 8:.*only with --mix-data"):
+        train.run(config.TrainConfig(**cfg, train_samples=(8, None), stop_after="features"))
+    for bad, msg in (([npz["own"]], "is the generation this run trains on"),
+                     ([str(tmp_path / "none.npz")], "no such stored generation"),
+                     ([npz["other"], npz["other"]], "given twice")):
+        with pytest.raises(ValueError, match=f"--mix-data .*{msg}"):
+            train.run(config.TrainConfig(**cfg, mix_data=bad, stop_after="features"))
+    args = _parse(["train", "--method", "eagle3", "--out", "o", "--mix-data", "a.npz", "--mix-data", "b.npz"])
+    assert config.config_from_args(args).mix_data == ["a.npz", "b.npz"]

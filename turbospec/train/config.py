@@ -40,6 +40,7 @@ class TrainConfig:
     gen_temperature: float = 0.0       # 0: greedy answers; > 0: sampled at this temperature
     gen_dtype: str | None = None       # None: dtype; else a dense copy of the target in it answers
     no_generate: bool = False          # train on the answers stored so far; generate none
+    mix_data: list[str] | None = None  # other stored generations (.npz) whose samples join the train split
     seed: int = 0
     dtype: str = "float32"             # the target's
     # stage 2
@@ -196,6 +197,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-generate", action="store_true",
                    help="use only the answers already stored (a generation stopped by its time budget), "
                         "generate none: features and training on those")
+    g.add_argument("--mix-data", action="append", default=None, metavar="NPZ",
+                   help="(repeatable) another stored generation (a --distill-data .npz: sampled answers, "
+                        "answers to other prompts) whose samples join the train split; the held-out "
+                        "split stays this run's, and mixed samples whose prompt is held out are dropped")
     g.add_argument("--seed", type=int, default=0, help="prompt sampling, split, init and batch order")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the target's dtype for generation and features")

@@ -398,6 +398,39 @@ def load_distill(path: str) -> tuple[list[dict], dict]:
     return out, meta
 
 
+def load_mix(paths: list[str], gen_dir: str, held: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The samples of stored generations (``--mix-data``) that join a run's train split: their
+    samples in file order, each tagged with its file (``"mix"``: position in ``paths``), and one
+    record per file (path, its generation settings' key, samples taken, samples dropped).
+    Samples whose prompt is one of the held-out samples' prompts are dropped (the held-out split
+    stays unseen). Refused (ValueError naming the option and file): a missing file, a file that
+    is the run's own generation (``gen_dir``), the same file twice."""
+    held_prompts = {tuple(s["prompt_ids"]) for s in held}
+    own = os.path.basename(gen_dir).removeprefix("gen-")
+    out, records, keys = [], [], set()
+    for k, path in enumerate(paths):
+        if not os.path.isfile(path) or not os.path.isfile(_distill_json(path)):
+            raise ValueError(f"--mix-data {path!r}: no such stored generation (a .npz with its .json "
+                             f"beside it, as --distill-data writes)")
+        samples, meta = load_distill(path)
+        key = sha1(meta.get("settings"))
+        if key == own:
+            raise ValueError(f"--mix-data {path!r} is the generation this run trains on already "
+                             f"(its settings are this run's); leave it out")
+        if key in keys:
+            raise ValueError(f"--mix-data {path!r}: the same generation is given twice")
+        keys.add(key)
+        kept = [{**s, "mix": k} for s in samples if tuple(s["prompt_ids"]) not in held_prompts]
+        out += kept
+        records.append({"file": os.path.basename(path), "settings_key": key, "samples": len(kept),
+                        "dropped_held_out_prompts": len(samples) - len(kept),
+                        "response_tokens": sum(len(s["response_ids"]) for s in kept)})
+        log(f"generation: --mix-data {path}: {len(kept)} samples join the train split"
+            + (f" ({len(samples) - len(kept)} dropped: their prompts are held out)"
+               if len(kept) < len(samples) else ""))
+    return out, records
+
+
 def _settings_diff(a: dict | None, b: dict) -> str:
     a = a or {}
     keys = sorted(set(a) | set(b), key=str)
@@ -560,7 +593,7 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
 def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
                      eval_samples: int, shard_tokens: int, feature_dtype: str, complete_gen: bool = True,
                      stop_at: float | None = None, batch_size: int = 1,
-                     other_answerer: bool = False) -> tuple[str, dict]:
+                     other_answerer: bool = False, mix: list[dict] | None = None) -> tuple[str, dict]:
     """Stage 2. Returns (the feature folder, its manifest). ``other_answerer``: the samples were
     answered by another model than ``target`` (a --gen-dtype copy), so ``target``'s fingerprint
     joins the folder's key. ``complete_gen`` False: ``samples`` are the part of the generation
@@ -568,12 +601,16 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
     ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
     has passed; the manifest lists the shards done (not "complete") and a later call resumes.
     ``batch_size``: samples per target forward (``_batch_tensors``), taken by similar length from
-    windows of 4 batches and stored in sample order."""
+    windows of 4 batches and stored in sample order. ``mix``: the records of ``load_mix`` when
+    ``samples`` hold other generations' samples too (tagged ``"mix"``); they join the key."""
     spec_key = "final" if spec == "final" else [int(i) for i in spec]
     settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
     if not complete_gen:
-        settings["subset"] = sha1([s["index"] for s in samples])
+        settings["subset"] = sha1([s["index"] for s in samples] if not mix else
+                                  [[s.get("mix", -1), s["index"]] for s in samples])
+    if mix:
+        settings["mix"] = [[m["settings_key"], m["samples"]] for m in mix]
     if other_answerer:  # another model answered (--gen-dtype): the features' target joins the key
         settings["target"] = target_fingerprint(target)
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")

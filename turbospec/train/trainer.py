@@ -246,21 +246,30 @@ class Trainer:
         probe = HeadConfig.for_target(cfg.method, target.cfg, **layers_kw) if self.init is None else self.init.cfg
         spec = tuple(probe.feature_layers) if cfg.method == "eagle3" else "final"
         samples, complete = self.samples, self.gen_info.get("complete", True)
+        train, held = distill.split(self.samples, self.n_eval)
         if cfg.train_samples is not None:  # a slice of the train split, the same held-out split
-            train, held = distill.split(self.samples, self.n_eval)
             a, b = cfg.train_samples
-            if a >= len(train):
+            if a > len(train) or (a == len(train) and not cfg.mix_data):
                 raise ValueError(f"--train-samples {a}:{'' if b is None else b}: the train split has only "
-                                 f"{len(train)} samples")
-            samples, complete = train[a:b] + held, False  # keyed by the subset's indices
-            log(f"features: train samples {a}..{a + len(train[a:b]) - 1} of {len(train)} (--train-samples)")
+                                 f"{len(train)} samples" + ("" if cfg.mix_data else
+                                                            " (START = its size: only with --mix-data)"))
+            n_train, train, complete = len(train), train[a:b], False  # keyed by the subset's indices
+            log(f"features: train samples {a}..{a + len(train) - 1} of {n_train} (--train-samples)"
+                if train else "features: none of the generation's train samples (--train-samples): "
+                              "the --mix-data samples only")
+        self.mix_records = None
+        if cfg.mix_data:  # other stored generations join the train split; the held-out split stays
+            mix, self.mix_records = distill.load_mix(cfg.mix_data, self.gen_dir, held)
+            train, complete = train + mix, False
+            self.summary["mix_data"] = self.mix_records
+        samples = samples if complete else train + held
         self.feature_samples = samples
         self.feat_dir, self.manifest = distill.collect_features(
             target, self.gen_dir, samples, self.work, spec, eval_samples=self.n_eval,
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
             complete_gen=complete, stop_at=self._stage_deadline(FEATURES_SHARE),
             batch_size=cfg.feature_batch_size,
-            other_answerer=answers_by_copy(cfg))
+            other_answerer=answers_by_copy(cfg) or bool(cfg.mix_data), mix=self.mix_records)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
 
     def _stage_deadline(self, share: float) -> float | None:
@@ -308,7 +317,7 @@ class Trainer:
                      amp_dtype=str(self.amp), eval_samples=self.manifest["eval_samples"])
         self.hyper = hyper
         not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every", "feature_batch_size",
-                     "distill_data")
+                     "distill_data", "mix_data")  # the feature folder's key holds what the data files hold
         train_key = distill.sha1({"feat": os.path.basename(self.feat_dir),
                                   **{k: v for k, v in hyper.items() if k not in not_keyed}})
         self.state_path = os.path.join(self.work, f"train-{cfg.method}-{train_key}.pt")
@@ -357,6 +366,8 @@ class Trainer:
             "eval": ev, "eval_history": self.history, **cfg.extra}
         if ev and cfg.method == "medusa":
             extra["head_accuracy"] = ev["rank_accuracy"]  # what medusa.default_choices takes
+        if self.mix_records:
+            extra["mix_data"] = self.mix_records
         if "draft_vocab_coverage" in self.summary:
             extra["draft_vocab_coverage"] = self.summary["draft_vocab_coverage"]
         return extra
