@@ -123,11 +123,13 @@ def _manifest(work, method):
     raise AssertionError("no feature folder")
 
 
-@pytest.mark.parametrize("spec", ["final", (0, 1)])
-def test_batched_features_are_the_samples_alone(tmp_path, spec):
+@pytest.mark.parametrize("spec, topk", [("final", 0), ((0, 1), 0), ((0, 1), 5)])
+def test_batched_features_are_the_samples_alone(tmp_path, spec, topk):
     """Feature extraction in batches (right-padded, similar lengths together, put back in order) gives
-    on CPU the bits of one sample at a time, across 64-token passes, in shards and the eval split."""
-    t = load_model(make_tiny_model("llama", seed=3, vocab_size=VOCAB))
+    on CPU the bits of one sample at a time, across 64-token passes, in shards and the eval split;
+    with soft labels (topk) too, which are HF's top-k log-probabilities."""
+    hf = make_tiny_model("llama", seed=3, vocab_size=VOCAB)
+    t = load_model(hf)
     rng = random.Random(5)
     samples = [{"index": i, "prompt_ids": [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))],
                 "response_ids": [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 120))], "finish": "length"}
@@ -135,7 +137,8 @@ def test_batched_features_are_the_samples_alone(tmp_path, spec):
     got = {}
     for bs in (1, 4):
         fd, man = distill.collect_features(t, str(tmp_path / f"gen{bs}"), samples, str(tmp_path / f"w{bs}"), spec,
-                                           eval_samples=2, shard_tokens=300, feature_dtype="float32", batch_size=bs)
+                                           eval_samples=2, shard_tokens=300, feature_dtype="float32", batch_size=bs,
+                                           topk=topk)
         store = distill.FeatureStore(fd, man)
         got[bs] = ([store.load(k) for k in range(len(man["shards"]))], store.eval_batches(8),
                    [sh["end"] for sh in man["shards"]])
@@ -143,8 +146,20 @@ def test_batched_features_are_the_samples_alone(tmp_path, spec):
     assert ends1 == ends4 and ends1[-1] == 11 and len(ends1) > 2
     for a, b in zip(s1 + e1, s4 + e4):
         assert a.keys() == b.keys()
+        assert ("topk_ids" in a) == bool(topk)
         for k in a:
             assert torch.equal(a[k], b[k]), k
+    if topk:
+        first = s4[0]
+        n0 = int(first["offsets"][1])
+        assert first["topk_ids"].shape == (int(first["offsets"][-1]), topk)
+        with torch.no_grad():
+            ids = samples[0]["prompt_ids"] + samples[0]["response_ids"]
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1).topk(topk, -1)
+        assert n0 == len(ids)
+        torch.testing.assert_close(first["topk_logp"][:n0], ref.values, rtol=0, atol=1e-4)
+        assert (first["topk_ids"][:n0, 0] == first["argmax"][:n0]).all()
+        assert (first["topk_ids"][:n0].long() == ref.indices).float().mean() > 0.99  # ties may swap
 
 
 def test_generation_and_features_are_reused(tmp_path):
@@ -420,6 +435,8 @@ def test_time_budget_ends_training_with_a_final_head(tmp_path, bigram):
                "--warmup-steps", "2", "--amp", "none"]),
     ("eagle3", ["--loss-on-prompt", "--ttt-steps", "1", "--feature-layers", "1", "--eval-samples", "0",
                 "--schedule", "constant", "--amp", "bfloat16"]),
+    ("eagle3", ["--distill-topk", "8"]),
+    ("medusa", ["--distill-topk", "4"]),
 ])
 def test_options_run(tmp_path, bigram, method, extra):
     target, data, d = bigram
@@ -792,3 +809,82 @@ def test_mix_data_joins_the_train_split(tmp_path):
             train.run(config.TrainConfig(**cfg, mix_data=bad, stop_after="features"))
     args = _parse(["train", "--method", "eagle3", "--out", "o", "--mix-data", "a.npz", "--mix-data", "b.npz"])
     assert config.config_from_args(args).mix_data == ["a.npz", "b.npz"]
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_soft_labels_are_the_targets_distribution(method):
+    """--distill-topk: the loss is the cross-entropy against the target's distribution at each
+    position: with K = 1 it is the argmax loss exactly; with K = the whole vocabulary it equals the
+    cross-entropy against softmax(target logits), computed here from the head's outputs directly;
+    the draft vocabulary (EAGLE-3) keeps only its ids and renormalizes."""
+    torch.manual_seed(0)
+    t = load_model(make_tiny_model("llama", vocab_size=VOCAB))
+    kw = {"feature_layers": [0, 1], "draft_vocab_size": VOCAB} if method == "eagle3" else {}
+    if method == "medusa":
+        kw.update(medusa_num_heads=1)
+    hcfg = HeadConfig.for_target(method, t.cfg, **kw)
+    head = build_head(hcfg)
+    init_weights(head, std=0.2)
+    if method == "eagle3":
+        head.set_draft_vocab(torch.arange(VOCAB))
+    B, n = 2, 10
+    width = hcfg.hidden_size * (2 if method == "eagle3" else 1)
+    logits = torch.randn(B, n, VOCAB) * 3
+    logp = torch.log_softmax(logits, -1)
+    batch = {"features": torch.randn(B, n, width), "ids": torch.randint(0, VOCAB, (B, n)),
+             "argmax": logits.argmax(-1), "prompt_len": torch.tensor([3, 4]), "length": torch.tensor([n, n - 2])}
+    batch["argmax"][1, n - 2:] = -100
+
+    def loss(topk, head=head):
+        cfg = config.TrainConfig(method=method, out="-", distill_topk=topk, w_reg=0.0, w_cls=1.0,
+                                 ttt_steps=1, step_decay=1.0, medusa_heads=1,
+                                 feature_noise=0.0)
+        m = objectives.Method(head, objectives.frozen_parts(t, head, "cpu"), cfg, 1.0)
+        b = dict(batch)
+        if topk:
+            v, i = logp.topk(topk, -1)
+            b.update(topk_ids=i, topk_logp=v)
+        with torch.no_grad():
+            return m.loss(b)[0]
+    hard, one, full = loss(0), loss(1), loss(VOCAB)
+    torch.testing.assert_close(one, hard, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(full, hard, rtol=1e-3)
+    # the reference: head logits of the first prediction at each counted chain, CE against softmax(logits)
+    ok = objectives._lo(batch, False)
+    y = objectives._labels(batch, 1, ok)
+    keep = y != -100
+    with torch.no_grad():
+        if method == "medusa":
+            sel = ok & (batch["argmax"] != -100)
+            out = head(batch["features"][sel])[0]
+            keep_rows = y[sel] != -100
+            p_t = logp.exp()[:, 1:]  # a_{i+1} is the argmax at i + 1
+            p_t = torch.cat((p_t, torch.zeros(B, 1, VOCAB)), 1)[sel][keep_rows]
+            lq = torch.log_softmax(F_linear(out[keep_rows], objectives.lm_head_weight(t).float()), -1)
+            ref = -(p_t * lq).sum() / keep_rows.sum()
+        else:
+            out = objectives.unroll(head, batch["features"], batch["ids"], t.embed.float(), 1)[0][keep]
+            lq = torch.log_softmax(head.logits(out) if method == "eagle3" else
+                                   F_linear(out, objectives.lm_head_weight(t).float()), -1)
+            p_t = torch.cat((logp.exp()[:, 1:], torch.zeros(B, 1, VOCAB)), 1)[keep]
+            ref = -(p_t * lq).sum() / keep.sum()
+    torch.testing.assert_close(full, ref, rtol=1e-4, atol=1e-5)
+    if method == "eagle3":  # a draft vocabulary of the even ids: the odd ones drop out, the rest renormalized
+        small = build_head(HeadConfig.for_target(method, t.cfg, feature_layers=[0, 1], draft_vocab_size=VOCAB // 2))
+        small.load_state_dict({k: v[:VOCAB // 2] if k == "lm_head.weight" else v
+                               for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}, strict=False)
+        small.set_draft_vocab(torch.arange(0, VOCAB, 2))
+        y2 = torch.where(keep, batch["argmax"].roll(-1, 1), torch.full_like(y, -100))
+        y2 = torch.where((y2 % 2 == 0) & (y2 >= 0), y2 // 2, torch.full_like(y2, -100))
+        k2 = y2 != -100
+        with torch.no_grad():
+            o2 = objectives.unroll(small, batch["features"], batch["ids"], t.embed.float(), 1)[0][k2]
+            lq2 = torch.log_softmax(small.logits(o2), -1)
+            p2 = torch.cat((logp.exp()[:, 1:], torch.zeros(B, 1, VOCAB)), 1)[k2][:, 0::2]
+            p2 = p2 / p2.sum(-1, keepdim=True)
+            ref2 = -(p2 * lq2).sum() / k2.sum()
+        torch.testing.assert_close(loss(VOCAB, small), ref2, rtol=1e-4, atol=1e-5)
+
+
+def F_linear(x, w):
+    return torch.nn.functional.linear(x, w)

@@ -67,6 +67,7 @@ class TrainConfig:
     medusa_layers: int = 1
     ttt_steps: int | None = None       # None: eagle 1, eagle3 3
     draft_vocab: int = 8192
+    distill_topk: int = 0              # > 0: soft labels, the target's top-k distribution (0: its argmax)
     feature_layers: list[int] | None = None
     feature_noise: float | None = None  # None: eagle 0.05, else 0
     w_reg: float = 1.0
@@ -94,7 +95,7 @@ def check_config(cfg: TrainConfig) -> None:
                 shard_tokens=(cfg.shard_tokens, 1), feature_batch_size=(cfg.feature_batch_size, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
                 eval_every=(cfg.eval_every, 0), save_every=(cfg.save_every, 0),
                 medusa_heads=(cfg.medusa_heads, 1), medusa_layers=(cfg.medusa_layers, 1),
-                draft_vocab=(cfg.draft_vocab, 1))
+                draft_vocab=(cfg.draft_vocab, 1), distill_topk=(cfg.distill_topk, 0))
     if cfg.ttt_steps is not None:
         ints["ttt_steps"] = (cfg.ttt_steps, 1)
     if cfg.eval_samples is not None:
@@ -247,6 +248,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="EAGLE unrolled (training-time test) steps (default: eagle3 3, eagle 1)")
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="eagle3: draft vocabulary size (most frequent response tokens)")
+    g.add_argument("--distill-topk", type=int, default=0, metavar="K",
+                   help="train against the target's own next-token distribution (its top K tokens, "
+                        "stored with the features) instead of its argmax alone; 0 (default): the argmax")
     g.add_argument("--feature-layers", default=None,
                    help="eagle3: comma list of 0-based target layers fc fuses (default: low, middle, high)")
     g.add_argument("--feature-noise", type=float, default=None,

@@ -14,6 +14,9 @@ heads read and what they must predict, in safetensors shards ``<work>/feat-<key>
                          a layer tuple: F = len * hidden), stored in bfloat16 by default
   ids      [tokens]      int32, the sequence (prompt + response)
   argmax   [tokens]      int32, the target's greedy next token at each position (argmax of its logits)
+  topk_ids, topk_logp [tokens, K]  with ``topk`` K > 0 (--distill-topk): the target's K most likely
+                         next tokens (int32) and their log-probabilities over the whole vocabulary
+                         (float32), the soft labels of a distillation loss
   offsets  [S + 1]       int64, sample s is rows offsets[s]:offsets[s + 1]
   prompt_len [S]         int64
 The last ``eval_samples`` samples (the order is already a seeded shuffle) go to ``eval.safetensors``,
@@ -547,18 +550,28 @@ def split(samples: list[dict], eval_samples: int) -> tuple[list[dict], list[dict
 
 
 @torch.inference_mode()
-def _sample_tensors(target: Transformer, sample: dict, spec, cache, fdtype: torch.dtype) -> dict:
+def _label_rows(logits: Tensor, topk: int) -> dict[str, Tensor]:
+    """The labels of positions from their float32 logits [n, V]: the argmax and, with ``topk`` > 0,
+    the top-k ids and their log-probabilities (log-softmax over the whole vocabulary)."""
+    out = {"argmax": logits.argmax(-1).to(torch.int32).cpu()}
+    if topk:
+        logp, ids = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+        out.update(topk_ids=ids.to(torch.int32).cpu(), topk_logp=logp.float().cpu())
+    return out
+
+
+def _sample_tensors(target: Transformer, sample: dict, spec, cache, fdtype: torch.dtype, topk: int = 0) -> dict:
     ids = sample["prompt_ids"] + sample["response_ids"]
     n = len(ids)
     x = torch.tensor([ids], dtype=torch.int64, device=target.device)
     logits, feats = target.forward(x, torch.arange(n, device=target.device)[None], cache, 0,
                                    logits="all", features=spec)
     return {"features": feats[0].to(fdtype).cpu(), "ids": torch.tensor(ids, dtype=torch.int32),
-            "argmax": logits[0].argmax(-1).to(torch.int32).cpu()}
+            **_label_rows(logits[0].float(), topk)}
 
 
 @torch.inference_mode()
-def _batch_tensors(target: Transformer, group: list[dict], spec, fdtype: torch.dtype) -> list[dict]:
+def _batch_tensors(target: Transformer, group: list[dict], spec, fdtype: torch.dtype, topk: int = 0) -> list[dict]:
     """``_sample_tensors`` of several samples in one forward: right-padded to the longest (causal
     attention: a token never sees the padding after it), the LM head and argmax per sample on its
     own rows. On CPU every token's numbers are those of the sample alone (the kernels reduce in one
@@ -574,9 +587,9 @@ def _batch_tensors(target: Transformer, group: list[dict], spec, fdtype: torch.d
     out = []
     for b, q in enumerate(seqs):
         L = len(q)
-        am = torch.cat([target.lm_head(normed[b, s:min(s + 512, L)]).float().argmax(-1) for s in range(0, L, 512)])
+        parts = [_label_rows(target.lm_head(normed[b, s:min(s + 512, L)]).float(), topk) for s in range(0, L, 512)]
         out.append({"features": feats[b, :L].to(fdtype).cpu(), "ids": torch.tensor(q, dtype=torch.int32),
-                    "argmax": am.to(torch.int32).cpu()})
+                    **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     return out
 
 
@@ -584,8 +597,9 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
     lens = [r["ids"].numel() for r in rows]
     offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lens).cumsum(0)
+    labels = [k for k in ("argmax", "topk_ids", "topk_logp") if k in rows[0]]
     return {"features": torch.cat([r["features"] for r in rows]).contiguous(),
-            "ids": torch.cat([r["ids"] for r in rows]), "argmax": torch.cat([r["argmax"] for r in rows]),
+            "ids": torch.cat([r["ids"] for r in rows]), **{k: torch.cat([r[k] for r in rows]) for k in labels},
             "offsets": offsets,
             "prompt_len": torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int64)}
 
@@ -593,7 +607,8 @@ def _pack(rows: list[dict], samples: list[dict]) -> dict[str, Tensor]:
 def collect_features(target: Transformer, gen_dir: str, samples: list[dict], work_dir: str, spec, *,
                      eval_samples: int, shard_tokens: int, feature_dtype: str, complete_gen: bool = True,
                      stop_at: float | None = None, batch_size: int = 1,
-                     other_answerer: bool = False, mix: list[dict] | None = None) -> tuple[str, dict]:
+                     other_answerer: bool = False, mix: list[dict] | None = None,
+                     topk: int = 0) -> tuple[str, dict]:
     """Stage 2. Returns (the feature folder, its manifest). ``other_answerer``: the samples were
     answered by another model than ``target`` (a --gen-dtype copy), so ``target``'s fingerprint
     joins the folder's key. ``complete_gen`` False: ``samples`` are the part of the generation
@@ -602,7 +617,9 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
     has passed; the manifest lists the shards done (not "complete") and a later call resumes.
     ``batch_size``: samples per target forward (``_batch_tensors``), taken by similar length from
     windows of 4 batches and stored in sample order. ``mix``: the records of ``load_mix`` when
-    ``samples`` hold other generations' samples too (tagged ``"mix"``); they join the key."""
+    ``samples`` hold other generations' samples too (tagged ``"mix"``); they join the key.
+    ``topk`` > 0: the target's top-k next tokens and log-probabilities are stored too (a key of
+    their own)."""
     spec_key = "final" if spec == "final" else [int(i) for i in spec]
     settings = dict(gen=os.path.basename(gen_dir), spec=spec_key, eval_samples=eval_samples,
                     shard_tokens=shard_tokens, feature_dtype=feature_dtype, version=1)
@@ -611,6 +628,8 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
                                   [[s.get("mix", -1), s["index"]] for s in samples])
     if mix:
         settings["mix"] = [[m["settings_key"], m["samples"]] for m in mix]
+    if topk:  # absent otherwise: the keys of feature folders without soft labels stay valid
+        settings["topk"] = int(topk)
     if other_answerer:  # another model answered (--gen-dtype): the features' target joins the key
         settings["target"] = target_fingerprint(target)
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
@@ -618,17 +637,17 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
         return _collect(target, samples, feat_dir, settings, spec, stop_at, batch_size)
 
 
-def _tensors_in_order(target, group: list[dict], spec, fdtype, batch_size: int) -> list[dict]:
+def _tensors_in_order(target, group: list[dict], spec, fdtype, batch_size: int, topk: int = 0) -> list[dict]:
     """``_sample_tensors`` of ``group``, in its order, computed ``batch_size`` samples of similar
     length at a time."""
     if batch_size <= 1:
         cache = target.new_cache(max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in group))
-        return [_sample_tensors(target, s, spec, cache, fdtype) for s in group]
+        return [_sample_tensors(target, s, spec, cache, fdtype, topk) for s in group]
     order = sorted(range(len(group)), key=lambda j: len(group[j]["prompt_ids"]) + len(group[j]["response_ids"]))
     rows: list[dict | None] = [None] * len(group)
     for k in range(0, len(order), batch_size):
         part = order[k:k + batch_size]
-        for j, r in zip(part, _batch_tensors(target, [group[j] for j in part], spec, fdtype)):
+        for j, r in zip(part, _batch_tensors(target, [group[j] for j in part], spec, fdtype, topk)):
             rows[j] = r
     return rows
 
@@ -650,6 +669,7 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
             return feat_dir, manifest
     os.makedirs(feat_dir, exist_ok=True)
     fdtype = FEATURE_DTYPES[feature_dtype]
+    topk = settings.get("topk", 0)
     train, held = split(samples, eval_samples)
     if manifest is None:
         manifest = {"settings": settings, "complete": False, "shards": [], "eval": None,
@@ -681,7 +701,7 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
 
     with tqdm(total=total_tokens, unit="tok", desc="features", unit_scale=True, **BAR) as bar:
         if manifest["eval"] is None and held:
-            rows = _tensors_in_order(target, held, spec, fdtype, batch_size)
+            rows = _tensors_in_order(target, held, spec, fdtype, batch_size, topk)
             record(rows, held)
             write("eval.safetensors", rows, held)
             manifest["eval"] = {"file": "eval.safetensors", "lengths": [r["ids"].numel() for r in rows],
@@ -696,7 +716,7 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
             s = train[i]
             if not window:
                 ahead = 1 if batch_size <= 1 else 4 * batch_size
-                window = _tensors_in_order(target, train[i:i + ahead], spec, fdtype, batch_size)
+                window = _tensors_in_order(target, train[i:i + ahead], spec, fdtype, batch_size, topk)
             rows.append(window.pop(0))
             group.append(s)
             n = rows[-1]["ids"].numel()
@@ -787,17 +807,29 @@ class FeatureStore:
 def collate(t: dict[str, Tensor], idx: list[int]) -> dict[str, Tensor]:
     """Samples ``idx`` of a shard as a right-padded batch:
     features [B, n, F] (stored dtype), ids [B, n] int64 (pad 0), argmax [B, n] int64 (pad -100),
-    prompt_len [B], length [B]."""
+    prompt_len [B], length [B]; with soft labels stored also topk_ids [B, n, K] int64 (pad 0) and
+    topk_logp [B, n, K] float32 (pad -inf)."""
     off = t["offsets"]
     lens = [int(off[i + 1] - off[i]) for i in idx]
     n, bsz = max(lens), len(idx)
     feats = torch.zeros(bsz, n, t["features"].shape[1], dtype=t["features"].dtype)
     ids = torch.zeros(bsz, n, dtype=torch.int64)
     am = torch.full((bsz, n), -100, dtype=torch.int64)
+    soft = "topk_ids" in t
+    if soft:
+        k = t["topk_ids"].shape[1]
+        tk_ids = torch.zeros(bsz, n, k, dtype=torch.int64)
+        tk_logp = torch.full((bsz, n, k), float("-inf"), dtype=torch.float32)
     for b, i in enumerate(idx):
         s, e = int(off[i]), int(off[i + 1])
         feats[b, :e - s] = t["features"][s:e]
         ids[b, :e - s] = t["ids"][s:e]
         am[b, :e - s] = t["argmax"][s:e]
-    return {"features": feats, "ids": ids, "argmax": am, "prompt_len": t["prompt_len"][idx].clone(),
-            "length": torch.tensor(lens, dtype=torch.int64)}
+        if soft:
+            tk_ids[b, :e - s] = t["topk_ids"][s:e]
+            tk_logp[b, :e - s] = t["topk_logp"][s:e]
+    out = {"features": feats, "ids": ids, "argmax": am, "prompt_len": t["prompt_len"][idx].clone(),
+           "length": torch.tensor(lens, dtype=torch.int64)}
+    if soft:
+        out.update(topk_ids=tk_ids, topk_logp=tk_logp)
+    return out

@@ -13,6 +13,10 @@ response), or every position with --loss-on-prompt.
   the unrolled steps below add decay^j-weighted terms against f_{i+1+j} and a_{i+1+j}.
 - eagle3: fc fuses the captured layers; loss = sum_j decay^j * CE over the draft vocabulary of step
   j's prediction of a_{i+1+j} (targets outside the draft vocabulary are masked out).
+- --distill-topk K (any method): each cross-entropy is taken against the target's own distribution
+  at that position (its top-K next tokens, renormalized over the ids the head's logits cover)
+  instead of the one-hot a_{i+1+j}, the distillation loss of EAGLE's and HASS's training; the
+  rows and the reported accuracies are those of the argmax labels.
 
 Unrolled steps (training-time test, ``unroll``): step j > 0 at chain i feeds the head its own step
 j-1 output at chain i (eagle3: fused=True, fc skipped) with embed(x_{i+1+j}) at position i + j.
@@ -80,30 +84,39 @@ def _shift(x: Tensor, k: int, fill: float) -> Tensor:
     return torch.cat((x[:, k:], tail), dim=1)
 
 
-def _ce_chunk(h: Tensor, y: Tensor, fn) -> tuple[Tensor, Tensor]:
+def _ce_chunk(h: Tensor, y: Tensor, fn, soft_ids: Tensor | None = None,
+              soft_p: Tensor | None = None) -> tuple[Tensor, Tensor]:
     logits = fn(h).float()
-    loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    if soft_ids is None:
+        loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+    else:  # cross-entropy against the target's (top-k) distribution
+        loss = -(soft_p * torch.log_softmax(logits, -1).gather(1, soft_ids)).sum()
     return loss, (logits.argmax(-1) == y).sum().float()
 
 
 CE_KEEP_ELEMENTS = 1 << 27  # logits kept for backward up to this many (512 MB fp32); beyond, recomputed
 
 
-def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024) -> tuple[Tensor, Tensor, int]:
+def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024,
+               soft: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, int]:
     """Cross-entropy of logits ``fn(h)`` [N, V] against ``y`` [N] (-100: ignored), in row chunks.
+    ``soft`` (ids [N, K] in the logits' space, p [N, K] summing to 1 per row): the loss is the
+    cross-entropy against that distribution instead (``y`` still picks the rows and counts the hits).
     When all N x V logits would take more than CE_KEEP_ELEMENTS, each chunk's logits are recomputed
     in backward instead of kept (memory: chunk x V; a third more LM-head compute).
     Returns (summed loss, top-1 hits, counted rows)."""
     keep = y != -100
     h, y = h[keep], y[keep]
+    sid, sp = (None, None) if soft is None else (soft[0][keep], soft[1][keep])
     total, hits = h.new_zeros(()), 0.0
     recompute = torch.is_grad_enabled() and h.requires_grad and \
         h.shape[0] * fn.out_features > CE_KEEP_ELEMENTS
     for s in range(0, h.shape[0], chunk):
+        part = () if sid is None else (sid[s:s + chunk], sp[s:s + chunk])
         if recompute:
-            loss, hit = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, use_reentrant=False)
+            loss, hit = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, *part, use_reentrant=False)
         else:
-            loss, hit = _ce_chunk(h[s:s + chunk], y[s:s + chunk], fn)
+            loss, hit = _ce_chunk(h[s:s + chunk], y[s:s + chunk], fn, *part)
         total = total + loss
         hits += float(hit)
     return total, hits, int(y.numel())
@@ -193,6 +206,20 @@ class Method:
         w = self.fz.lm_w
         return _Logits(lambda h: F.linear(h, w), w.shape[0])
 
+    def _soft_labels(self, batch: dict, depth: int) -> tuple[Tensor, Tensor] | None:
+        """--distill-topk: the target's top-k next tokens at chain i + depth as (ids in the head's
+        logits space [B, n, K], probabilities [B, n, K] renormalized over the ids those logits
+        cover: the draft vocabulary for EAGLE-3); None when training on the argmax alone."""
+        if not self.cfg.distill_topk or "topk_ids" not in batch:
+            return None
+        ids = _shift(batch["topk_ids"], depth, 0)
+        p = _shift(batch["topk_logp"], depth, float("-inf")).exp()
+        if self.fz.t2d is not None:
+            rows = self.fz.t2d[ids]
+            p = torch.where(rows >= 0, p, torch.zeros_like(p))
+            ids = rows.clamp_min(0)
+        return ids, p / p.sum(-1, keepdim=True).clamp_min(1e-30)
+
     def _draft_labels(self, y: Tensor) -> Tensor:
         if self.fz.t2d is None:
             return y
@@ -208,7 +235,8 @@ class Method:
             outs = self.head(feats[sel])                           # [K, N, H]
             for k in range(outs.shape[0]):
                 y = _labels(batch, 1 + k, ok)[sel]
-                ce, hits, cnt = chunked_ce(outs[k], y, fn)
+                soft = self._soft_labels(batch, 1 + k)
+                ce, hits, cnt = chunked_ce(outs[k], y, fn, soft=soft and (soft[0][sel], soft[1][sel]))
                 total = total + self.cfg.step_decay ** k * ce / max(cnt, 1)
                 stats[f"acc{k + 1}"] = hits / max(cnt, 1)
             return total, stats
@@ -220,14 +248,16 @@ class Method:
             y = _labels(batch, 1 + j, ok)
             keep = y != -100
             w = self.cfg.step_decay ** j
+            soft = self._soft_labels(batch, 1 + j)
+            soft = soft and (soft[0][keep], soft[1][keep])
             if self.method == "eagle":
                 tgt = _shift(feats, 1 + j, 0.0)                   # f_{i+1+j}
                 reg = F.smooth_l1_loss(out[keep], tgt[keep], reduction="none").mean(-1).sum()
-                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn)
+                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn, soft=soft)
                 total = total + w * (self.cfg.w_reg * reg + self.cfg.w_cls * ce) / max(cnt, 1)
                 stats[f"reg{j + 1}"] = reg.item() / max(cnt, 1)
             else:
-                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn)
+                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn, soft=soft)
                 total = total + w * ce / max(cnt, 1)
             stats[f"acc{j + 1}"] = hits / max(cnt, 1)
         return total, stats

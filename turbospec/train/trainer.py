@@ -196,6 +196,8 @@ class Trainer:
         vocab = target.cfg.vocab_size
         if cfg.method == "eagle3" and cfg.draft_vocab > vocab:
             raise ValueError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary ({vocab})")
+        if cfg.distill_topk > vocab:
+            raise ValueError(f"--distill-topk {cfg.distill_topk} is larger than the target's vocabulary ({vocab})")
         if cfg.feature_layers:
             bad = [i for i in cfg.feature_layers if not 0 <= i < target.cfg.num_layers]
             if bad:
@@ -269,7 +271,8 @@ class Trainer:
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
             complete_gen=complete, stop_at=self._stage_deadline(FEATURES_SHARE),
             batch_size=cfg.feature_batch_size,
-            other_answerer=answers_by_copy(cfg) or bool(cfg.mix_data), mix=self.mix_records)
+            other_answerer=answers_by_copy(cfg) or bool(cfg.mix_data), mix=self.mix_records,
+            topk=cfg.distill_topk)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
 
     def _stage_deadline(self, share: float) -> float | None:
