@@ -436,7 +436,7 @@ def test_time_budget_ends_training_with_a_final_head(tmp_path, bigram):
     ("eagle3", ["--loss-on-prompt", "--ttt-steps", "1", "--feature-layers", "1", "--eval-samples", "0",
                 "--schedule", "constant", "--amp", "bfloat16"]),
     ("eagle3", ["--distill-topk", "8"]),
-    ("medusa", ["--distill-topk", "4"]),
+    ("medusa", ["--distill-topk", "4", "--soft-weight", "0.5"]),
 ])
 def test_options_run(tmp_path, bigram, method, extra):
     target, data, d = bigram
@@ -718,6 +718,14 @@ def test_bad_inputs_name_the_parameter(tmp_path, capsys):
         train.run(config.TrainConfig(**{**cfg, "method": "medusa", "loss_on_prompt": True}))
     with pytest.raises(ValueError, match="--epochs must be an integer >= 1, got 0"):
         train.run(config.TrainConfig(**{**cfg, "epochs": 0}))
+    with pytest.raises(ValueError, match="--distill-topk must be an integer >= 0, got -1"):
+        train.run(config.TrainConfig(**{**cfg, "distill_topk": -1}))
+    with pytest.raises(ValueError, match="--distill-topk 65 .*vocabulary \\(64\\)"):
+        train.run(config.TrainConfig(**{**cfg, "distill_topk": 65, "draft_vocab": 48}))
+    with pytest.raises(ValueError, match="--soft-weight must be a number in \\[0, 1\\], got 1.5"):
+        train.run(config.TrainConfig(**{**cfg, "distill_topk": 4, "soft_weight": 1.5}))
+    with pytest.raises(ValueError, match="--soft-weight 0.5 needs --distill-topk"):
+        train.run(config.TrainConfig(**{**cfg, "soft_weight": 0.5}))
     with pytest.raises(ValueError, match="--data .*evaluation data"):
         spec = tmp_path / "specbench_dev.jsonl"
         spec.write_text('{"turns": ["q"]}\n')
@@ -835,8 +843,8 @@ def test_soft_labels_are_the_targets_distribution(method):
              "argmax": logits.argmax(-1), "prompt_len": torch.tensor([3, 4]), "length": torch.tensor([n, n - 2])}
     batch["argmax"][1, n - 2:] = -100
 
-    def loss(topk, head=head):
-        cfg = config.TrainConfig(method=method, out="-", distill_topk=topk, w_reg=0.0, w_cls=1.0,
+    def loss(topk, head=head, weight=1.0):
+        cfg = config.TrainConfig(method=method, out="-", distill_topk=topk, soft_weight=weight, w_reg=0.0, w_cls=1.0,
                                  ttt_steps=1, step_decay=1.0, medusa_heads=1,
                                  feature_noise=0.0)
         m = objectives.Method(head, objectives.frozen_parts(t, head, "cpu"), cfg, 1.0)
@@ -849,6 +857,9 @@ def test_soft_labels_are_the_targets_distribution(method):
     hard, one, full = loss(0), loss(1), loss(VOCAB)
     torch.testing.assert_close(one, hard, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(full, hard, rtol=1e-3)
+    # --soft-weight blends the two linearly (0: the argmax loss on the same stored top-k)
+    torch.testing.assert_close(loss(VOCAB, weight=0.0), hard, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss(VOCAB, weight=0.25), 0.25 * full + 0.75 * hard, rtol=1e-5, atol=1e-5)
     # the reference: head logits of the first prediction at each counted chain, CE against softmax(logits)
     ok = objectives._lo(batch, False)
     y = objectives._labels(batch, 1, ok)

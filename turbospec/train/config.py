@@ -68,6 +68,7 @@ class TrainConfig:
     ttt_steps: int | None = None       # None: eagle 1, eagle3 3
     draft_vocab: int = 8192
     distill_topk: int = 0              # > 0: soft labels, the target's top-k distribution (0: its argmax)
+    soft_weight: float = 1.0           # with distill_topk: weight of the soft loss (the rest: the argmax's)
     feature_layers: list[int] | None = None
     feature_noise: float | None = None  # None: eagle 0.05, else 0
     w_reg: float = 1.0
@@ -108,6 +109,11 @@ def check_config(cfg: TrainConfig) -> None:
     for name, v in (("lr", cfg.lr), ("grad_clip", cfg.grad_clip)):
         if v is not None and not v > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {v!r}")
+    if isinstance(cfg.soft_weight, bool) or not isinstance(cfg.soft_weight, (int, float)) \
+            or not 0 <= cfg.soft_weight <= 1:
+        raise ValueError(f"--soft-weight must be a number in [0, 1], got {cfg.soft_weight!r}")
+    if cfg.soft_weight != 1.0 and not cfg.distill_topk:
+        raise ValueError(f"--soft-weight {cfg.soft_weight!r} needs --distill-topk K > 0 (the soft labels it weighs)")
     for name, v in (("weight_decay", cfg.weight_decay), ("w_reg", cfg.w_reg), ("w_cls", cfg.w_cls),
                     ("feature_noise", cfg.feature_noise or 0.0)):
         if not v >= 0:
@@ -251,6 +257,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--distill-topk", type=int, default=0, metavar="K",
                    help="train against the target's own next-token distribution (its top K tokens, "
                         "stored with the features) instead of its argmax alone; 0 (default): the argmax")
+    g.add_argument("--soft-weight", type=float, default=1.0, metavar="W",
+                   help="with --distill-topk: loss = W x soft + (1 - W) x argmax cross-entropy (default 1)")
     g.add_argument("--feature-layers", default=None,
                    help="eagle3: comma list of 0-based target layers fc fuses (default: low, middle, high)")
     g.add_argument("--feature-noise", type=float, default=None,

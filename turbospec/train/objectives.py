@@ -16,7 +16,8 @@ response), or every position with --loss-on-prompt.
 - --distill-topk K (any method): each cross-entropy is taken against the target's own distribution
   at that position (its top-K next tokens, renormalized over the ids the head's logits cover)
   instead of the one-hot a_{i+1+j}, the distillation loss of EAGLE's and HASS's training; the
-  rows and the reported accuracies are those of the argmax labels.
+  rows and the reported accuracies are those of the argmax labels. --soft-weight w blends:
+  w x soft + (1 - w) x argmax cross-entropy (w = 0: the argmax loss on the same features).
 
 Unrolled steps (training-time test, ``unroll``): step j > 0 at chain i feeds the head its own step
 j-1 output at chain i (eagle3: fused=True, fc skipped) with embed(x_{i+1+j}) at position i + j.
@@ -84,13 +85,16 @@ def _shift(x: Tensor, k: int, fill: float) -> Tensor:
     return torch.cat((x[:, k:], tail), dim=1)
 
 
-def _ce_chunk(h: Tensor, y: Tensor, fn, soft_ids: Tensor | None = None,
-              soft_p: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def _ce_chunk(h: Tensor, y: Tensor, fn, soft_ids: Tensor | None = None, soft_p: Tensor | None = None,
+              soft_weight: float = 1.0) -> tuple[Tensor, Tensor]:
     logits = fn(h).float()
     if soft_ids is None:
         loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
-    else:  # cross-entropy against the target's (top-k) distribution
-        loss = -(soft_p * torch.log_softmax(logits, -1).gather(1, soft_ids)).sum()
+    else:  # cross-entropy against the target's (top-k) distribution, blended with the argmax's
+        logq = torch.log_softmax(logits, -1)
+        loss = -soft_weight * (soft_p * logq.gather(1, soft_ids)).sum()
+        if soft_weight < 1:
+            loss = loss - (1 - soft_weight) * logq.gather(1, y[:, None]).sum()
     return loss, (logits.argmax(-1) == y).sum().float()
 
 
@@ -98,10 +102,11 @@ CE_KEEP_ELEMENTS = 1 << 27  # logits kept for backward up to this many (512 MB f
 
 
 def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024,
-               soft: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, int]:
+               soft: tuple[Tensor, Tensor] | None = None, soft_weight: float = 1.0) -> tuple[Tensor, Tensor, int]:
     """Cross-entropy of logits ``fn(h)`` [N, V] against ``y`` [N] (-100: ignored), in row chunks.
-    ``soft`` (ids [N, K] in the logits' space, p [N, K] summing to 1 per row): the loss is the
-    cross-entropy against that distribution instead (``y`` still picks the rows and counts the hits).
+    ``soft`` (ids [N, K] in the logits' space, p [N, K] summing to 1 per row): the loss is
+    ``soft_weight`` x the cross-entropy against that distribution + (1 - ``soft_weight``) x the one
+    against ``y`` (``y`` also picks the rows and counts the hits).
     When all N x V logits would take more than CE_KEEP_ELEMENTS, each chunk's logits are recomputed
     in backward instead of kept (memory: chunk x V; a third more LM-head compute).
     Returns (summed loss, top-1 hits, counted rows)."""
@@ -112,7 +117,7 @@ def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024,
     recompute = torch.is_grad_enabled() and h.requires_grad and \
         h.shape[0] * fn.out_features > CE_KEEP_ELEMENTS
     for s in range(0, h.shape[0], chunk):
-        part = () if sid is None else (sid[s:s + chunk], sp[s:s + chunk])
+        part = () if sid is None else (sid[s:s + chunk], sp[s:s + chunk], soft_weight)
         if recompute:
             loss, hit = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, *part, use_reentrant=False)
         else:
@@ -236,7 +241,8 @@ class Method:
             for k in range(outs.shape[0]):
                 y = _labels(batch, 1 + k, ok)[sel]
                 soft = self._soft_labels(batch, 1 + k)
-                ce, hits, cnt = chunked_ce(outs[k], y, fn, soft=soft and (soft[0][sel], soft[1][sel]))
+                ce, hits, cnt = chunked_ce(outs[k], y, fn, soft=soft and (soft[0][sel], soft[1][sel]),
+                                           soft_weight=self.cfg.soft_weight)
                 total = total + self.cfg.step_decay ** k * ce / max(cnt, 1)
                 stats[f"acc{k + 1}"] = hits / max(cnt, 1)
             return total, stats
@@ -253,11 +259,12 @@ class Method:
             if self.method == "eagle":
                 tgt = _shift(feats, 1 + j, 0.0)                   # f_{i+1+j}
                 reg = F.smooth_l1_loss(out[keep], tgt[keep], reduction="none").mean(-1).sum()
-                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn, soft=soft)
+                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn, soft=soft, soft_weight=self.cfg.soft_weight)
                 total = total + w * (self.cfg.w_reg * reg + self.cfg.w_cls * ce) / max(cnt, 1)
                 stats[f"reg{j + 1}"] = reg.item() / max(cnt, 1)
             else:
-                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn, soft=soft)
+                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn, soft=soft,
+                                           soft_weight=self.cfg.soft_weight)
                 total = total + w * ce / max(cnt, 1)
             stats[f"acc{j + 1}"] = hits / max(cnt, 1)
         return total, stats
