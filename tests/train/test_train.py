@@ -899,3 +899,40 @@ def test_soft_labels_are_the_targets_distribution(method):
 
 def F_linear(x, w):
     return torch.nn.functional.linear(x, w)
+
+
+def test_interrupted_generation_reaches_the_stored_file_on_the_next_run(tmp_path, monkeypatch):
+    """Samples an interrupted run wrote to its folder (Ctrl-C: not stored in --distill-data) are
+    written back by the next run on that folder, even one that generates nothing (--no-generate)."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 8)
+    store = str(tmp_path / "gen.npz")
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=8,
+               max_new_tokens=4, eval_samples=1, gen_batch_size=3, draft_vocab=48, threads=1,
+               stop_after="generate", distill_data=store, work_dir=str(tmp_path / "w"))
+    real, calls = distill.answer_batch, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(distill, "answer_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.run(config.TrainConfig(**cfg))
+    assert not os.path.isfile(store)
+    assert train.run(config.TrainConfig(**cfg, no_generate=True))["generation"]["generated"] == 0
+    assert distill.load_distill(store)[1]["num_samples"] == 3
+    calls.clear()  # a second interrupted run: 3 more in the folder, the file still holds 3
+    with pytest.raises(KeyboardInterrupt):
+        train.run(config.TrainConfig(**cfg))
+    assert distill.load_distill(store)[1]["num_samples"] == 3
+    monkeypatch.setattr(distill, "answer_batch", real)
+    s = train.run(config.TrainConfig(**cfg, no_generate=True))
+    assert s["generation"]["generated"] == 0
+    stored, meta = distill.load_distill(store)
+    assert len(stored) == meta["num_samples"] == 6
+    mtime = os.path.getmtime(store)
+    time.sleep(0.01)
+    train.run(config.TrainConfig(**cfg, no_generate=True))  # nothing new: the file is left alone
+    assert os.path.getmtime(store) == mtime

@@ -330,10 +330,14 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
     if distill_data:  # before generating anything: the result could not be stored there
         _check_distill_settings(distill_data, settings)
     with stage_lock(gen_dir):
+        stored = 0
         if distill_data:
             seed_generation(distill_data, gen_dir, settings)
+            stored = _stored_count(distill_data)
         out = _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
-        if distill_data and (out[2]["generated"] or not os.path.isfile(distill_data)):
+        # written back when the folder holds samples the file lacks: generated now, or by an
+        # earlier run that was interrupted before it could store them
+        if distill_data and (len(out[1]) > stored or not os.path.isfile(distill_data)):
             save_distill(distill_data, out[1], settings, {**(provenance or {}), "info": {
                 k: v for k, v in out[2].items() if k not in ("generated", "reused")}})
             log(f"generation: {len(out[1])} samples stored in {distill_data}")
@@ -356,6 +360,14 @@ def _check_distill_settings(path: str, settings: dict) -> None:
         if stored != settings:
             raise ValueError(f"--distill-data {path!r} holds samples of other generation settings "
                              f"({_settings_diff(stored, settings)}); choose another path")
+
+
+def _stored_count(path: str) -> int:
+    """How many samples a stored generation holds (0: none stored yet)."""
+    if not os.path.isfile(path) or not os.path.isfile(_distill_json(path)):
+        return 0
+    with open(_distill_json(path)) as f:
+        return int(json.load(f).get("num_samples", 0))
 
 
 def save_distill(path: str, samples: list[dict], settings: dict, provenance: dict) -> None:
