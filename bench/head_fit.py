@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--amp", choices=["none", "bfloat16"], default="none",
                     help="bfloat16 autocast around the eval, as `turbospec train` runs it where bf16 is fast")
+    ap.add_argument("--topk", type=int, default=0,
+                    help="also record the target's top-K next tokens: the eval adds the sampled (T = 1) "
+                         "acceptance of the first draft, sum min(p, q) over them")
     ap.add_argument("--out", help="write the result as JSON here")
     a = ap.parse_args(argv)
     if a.threads:
@@ -62,12 +65,12 @@ def main(argv=None) -> int:
     spec = tuple(head.cfg.feature_layers) if head.cfg.method == "eagle3" else "final"
     method = Method(head, frozen, TrainConfig(method=head.cfg.method, out=""), 1.0)
     result = {"head": a.head, "samples": a.samples, "trained": a.trained, "per_set": a.per_set, "seed": a.seed,
-              "amp": a.amp}
+              "amp": a.amp, "topk": a.topk}
     for name, group in sets.items():
         if not group:
             continue
         t0 = time.perf_counter()
-        rows = distill._tensors_in_order(target, group, spec, torch.bfloat16, 8)
+        rows = distill._tensors_in_order(target, group, spec, torch.bfloat16, 8, a.topk)
         t = distill._pack(rows, group)
         order = sorted(range(len(group)), key=lambda i: len(group[i]["response_ids"]))
         batches = [distill.collate(t, order[b:b + 16]) for b in range(0, len(order), 16)]

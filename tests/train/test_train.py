@@ -936,3 +936,35 @@ def test_interrupted_generation_reaches_the_stored_file_on_the_next_run(tmp_path
     time.sleep(0.01)
     train.run(config.TrainConfig(**cfg, no_generate=True))  # nothing new: the file is left alone
     assert os.path.getmtime(store) == mtime
+
+
+def test_eval_sampled_acceptance_is_one_minus_total_variation():
+    """With the target's whole distribution stored (K = V), the eval's sampled acceptance of the
+    first draft is sum_x min(p(x), q(x)) over the counted chains, q the head's softmax mapped from
+    its draft vocabulary (ids outside it: q = 0), computed here directly."""
+    torch.manual_seed(1)
+    t = load_model(make_tiny_model("llama", vocab_size=VOCAB))
+    head = build_head(HeadConfig.for_target("eagle3", t.cfg, feature_layers=[0, 1], draft_vocab_size=VOCAB // 2))
+    init_weights(head, std=0.2)
+    head.set_draft_vocab(torch.arange(0, VOCAB, 2))
+    B, n = 2, 12
+    logits = torch.randn(B, n, VOCAB) * 2
+    logp = torch.log_softmax(logits, -1)
+    v, i = logp.topk(VOCAB, -1)
+    batch = {"features": torch.randn(B, n, 2 * head.cfg.hidden_size), "ids": torch.randint(0, VOCAB, (B, n)),
+             "argmax": logits.argmax(-1), "prompt_len": torch.tensor([2, 3]), "length": torch.tensor([n, n]),
+             "topk_ids": i, "topk_logp": v}
+    m = objectives.Method(head, objectives.frozen_parts(t, head, "cpu"), config.TrainConfig(method="eagle3", out="-"), 1.0)
+    ev = m.evaluate([batch], torch.device("cpu"))
+    ok = objectives._lo(batch, False)
+    chain = ok & (objectives._labels(batch, config.EVAL_DEPTH, ok) != -100)
+    with torch.no_grad():
+        out = objectives.unroll(head, batch["features"], batch["ids"], t.embed.float(), 1)[0]
+        q_draft = torch.softmax(head.logits(out).float(), -1)               # [B, n, V/2]
+    q = torch.zeros(B, n, VOCAB)
+    q[..., 0::2] = q_draft
+    p_next = torch.cat((logp.exp()[:, 1:], torch.zeros(B, 1, VOCAB)), 1)   # the target's p of x_{i+2}
+    ref = torch.minimum(p_next, q).sum(-1)[chain].sum() / chain.sum()
+    assert ev["chains"] == int(chain.sum()) > 0
+    assert abs(ev["sampled_acceptance1"] - float(ref)) < 1e-5
+    assert "sampled acceptance +1" in objectives.format_eval(ev)

@@ -269,6 +269,24 @@ class Method:
             stats[f"acc{j + 1}"] = hits / max(cnt, 1)
         return total, stats
 
+    def _sampled_acceptance(self, out: Tensor, batch: dict, ok: Tensor, chain: Tensor, fn,
+                            chunk: int = 1024) -> float:
+        """Summed over the chains: the probability that the first draft, sampled from the head's
+        distribution q (temperature 1), is accepted by rejection sampling against the target's p,
+        sum_x min(p(x), q(x)) (= 1 - total variation), over the target's stored top-k tokens: a lower
+        bound that misses only the mass beyond its top k. ``out``: the depth-1 outputs of the rows
+        ``ok``; ``chain`` [rows]: the rows that count."""
+        ids = _shift(batch["topk_ids"], 1, 0)[ok]
+        p = _shift(batch["topk_logp"], 1, float("-inf")).exp()[ok]
+        if self.fz.t2d is not None:
+            ids = self.fz.t2d[ids]
+            ids = torch.where(ids >= 0, ids, torch.full_like(ids, -1))
+        total = 0.0
+        for s in range(0, out.shape[0], chunk):
+            rows = _sampled_acceptance_rows(fn(out[s:s + chunk]), ids[s:s + chunk], p[s:s + chunk])
+            total += float(rows[chain[s:s + chunk]].sum())
+        return total
+
     @torch.no_grad()
     def evaluate(self, batches: list[dict], device) -> dict:
         """Cumulative acceptance at depths 1..D on chains i >= P - 1 whose depth-D target exists
@@ -277,7 +295,7 @@ class Method:
         self.head.eval()
         depth = self.head.cfg.medusa_num_heads if self.method == "medusa" else EVAL_DEPTH
         fn = self._logits_fn()
-        chains = 0
+        chains, soft_sum, soft_seen = 0, 0.0, False
         cum = [0.0] * depth
         top1 = [0.0] * depth
         ce_sum, ce_cnt = [0.0] * depth, [0] * depth
@@ -300,6 +318,9 @@ class Method:
                 ys = [_labels(batch, 1 + j, ok)[ok] for j in range(depth)]
             alive = chain_sel.clone()
             chains += int(chain_sel.sum())
+            if self.method != "medusa" and "topk_ids" in batch:
+                soft_sum += self._sampled_acceptance(outs[0], batch, ok, chain_sel, fn)
+                soft_seen = True
             for d in range(depth):
                 y = ys[d]
                 ce, cnt, top = _eval_chunked(outs[d], self._draft_labels(y), fn,
@@ -322,14 +343,25 @@ class Method:
                "top1": [t / max(chains, 1) for t in top1],
                "ce": [s / max(c, 1) for s, c in zip(ce_sum, ce_cnt)]}
         res["mean_accepted"] = sum(res["acceptance"])
+        if soft_seen:
+            res["sampled_acceptance1"] = soft_sum / max(chains, 1)
         # rank_accuracy[d][r]: P(the rank-r candidate at depth d is the target's token) (Medusa: head d)
         res["rank_accuracy"] = [[v / max(n, 1) for v in row] for row, n in zip(table, table_n)]
         return res
 
 
+def _sampled_acceptance_rows(logits: Tensor, ids: Tensor, p: Tensor) -> Tensor:
+    """sum_k min(p_k, q(ids_k)) per row: q = softmax(logits) [N, V], ids [N, K] rows of q (-1: not
+    in q's vocabulary, q = 0), p [N, K] the target's probabilities of those tokens."""
+    q = torch.softmax(logits.float(), -1).gather(1, ids.clamp_min(0))
+    return torch.minimum(p, torch.where(ids >= 0, q, torch.zeros_like(q))).sum(-1)
+
+
 def format_eval(ev: dict) -> str:
     acc = ", ".join(f"+{d + 1} {a:.3f}" for d, a in enumerate(ev["acceptance"]))
     ce = ", ".join(f"{c:.3f}" for c in ev["ce"])
+    sampled = (f"; sampled acceptance +1 (T = 1) >= {ev['sampled_acceptance1']:.3f}"
+               if "sampled_acceptance1" in ev else "")
     return (f"acceptance {acc} (mean accepted per chain {ev['mean_accepted']:.2f}, {ev['chains']} chains); "
-            f"ce by depth {ce}")
+            f"ce by depth {ce}{sampled}")
 
