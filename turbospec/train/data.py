@@ -332,8 +332,7 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
     with stage_lock(gen_dir):
         stored = 0
         if distill_data:
-            seed_generation(distill_data, gen_dir, settings)
-            stored = _stored_count(distill_data)
+            stored = seed_generation(distill_data, gen_dir, settings)
         out = _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
         # written back when the folder holds samples the file lacks: generated now, or by an
         # earlier run that was interrupted before it could store them
@@ -360,14 +359,6 @@ def _check_distill_settings(path: str, settings: dict) -> None:
         if stored != settings:
             raise ValueError(f"--distill-data {path!r} holds samples of other generation settings "
                              f"({_settings_diff(stored, settings)}); choose another path")
-
-
-def _stored_count(path: str) -> int:
-    """How many samples a stored generation holds (0: none stored yet)."""
-    if not os.path.isfile(path) or not os.path.isfile(_distill_json(path)):
-        return 0
-    with open(_distill_json(path)) as f:
-        return int(json.load(f).get("num_samples", 0))
 
 
 def save_distill(path: str, samples: list[dict], settings: dict, provenance: dict) -> None:
@@ -454,7 +445,8 @@ def _settings_diff(a: dict | None, b: dict) -> str:
 
 def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
     """Samples stored in ``path`` with these ``settings`` join the generation folder's (those it
-    lacks); returns how many joined. Another generation's file is refused (ValueError naming it)."""
+    lacks); returns how many samples the file holds (0: none stored yet). Another generation's
+    file is refused (ValueError naming it)."""
     if not os.path.isfile(path):
         return 0
     _check_distill_settings(path, settings)
@@ -470,7 +462,7 @@ def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
                 f.write(json.dumps(r) + "\n")
         os.replace(samples_path + ".tmp", samples_path)
         log(f"generation: {len(new)} samples from {path}")
-    return len(new)
+    return len(stored)
 
 
 def sample_seed(seed: int, index: int) -> int:
