@@ -211,6 +211,9 @@ def main() -> int:
     p.add_argument("--prefill-rounds", type=int, default=2, help="prefill: rounds of each system, alternated")
     p.add_argument("--spec-prompts", type=int, default=2, help="Spec-Bench prompts per category (0: skip)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--draft-weights", default="auto",
+                   help="comma list: the shipped heads' stored weights in the Spec-Bench section (auto, dense, q8_0, "
+                        "q4_0), one system each (an A/B in one run)")
     p.add_argument("--draft-model", default=None,
                    help="a draft .gguf for --model (same tokenizer): adds the target/draft pair section")
     p.add_argument("--pair-fixed", default="2,3,4,6,8", help="fixed draft lengths for the pair section")
@@ -343,8 +346,11 @@ def spec_run(src: str, bin_dir: str | None, args) -> dict:
     systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram"), "ts_suffix": dict(drafter="suffix")}
     if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
         shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
+        weights = args.draft_weights.split(",")
         for name, (head, opts) in head_systems(shipped, target).items():
-            systems[name] = dict(opts, head=head)
+            for w in weights:  # the head's stored weights (--draft-weights; "auto": the engine's default)
+                kw = {} if w == "auto" else {"draft_weights": w}
+                systems[name if len(weights) == 1 else f"{name}_{w}"] = dict(opts, head=head, **kw)
     out = ts_systems(target, tok, encoded, systems, args)
     if bin_dir:
         out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,

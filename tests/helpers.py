@@ -186,6 +186,10 @@ def make_head(method, target, seed=0, vocab=None, std=0.3, **kw):
 
 
 def engine(target, method, head, vocab=None, **kw):
+    """An Engine drafting with ``head``. Its linears stay dense unless ``draft_weights`` says otherwise:
+    these tests were built around what a random dense head accepts (tests/heads/test_heads.py covers
+    the quantized default, q4_0 on CPU, on its own)."""
+    kw.setdefault("draft_weights", "dense")
     tree = dict(kw.pop("tree", {}))
     if vocab is not None and method != "eagle3":
         tree["draft_vocab"] = vocab

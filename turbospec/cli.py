@@ -43,6 +43,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-activations", default=None, choices=["exact", "int8"],
                    help="the --draft-model's activations (default: int8 on CPU; they change speed, never "
                         "the output)")
+    p.add_argument("--draft-weights", default=None, choices=["auto", "dense", "q8_0", "q4_0"],
+                   help="how the draft head's linears (or the --draft-model's weights) are stored: heads default "
+                        "to q4_0 on CPU (drafting reads every head weight each round), dense elsewhere; a draft "
+                        "model to --weights. Speed and acceptance only, never the output")
 
 
 def _engine(args, **extra):
@@ -56,7 +60,8 @@ def _engine(args, **extra):
                             draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                             adaptive=not args.no_adaptive, head=args.head, device=args.device,
                             cuda_graphs=False if args.no_cuda_graphs else None,
-                            draft_activations=args.draft_activations, prefix_cache=args.prefix_cache_mb, **extra)
+                            draft_activations=args.draft_activations, draft_weights=args.draft_weights,
+                            prefix_cache=args.prefix_cache_mb, **extra)
 
 
 def _generate(args) -> int:

@@ -104,10 +104,12 @@ def assert_batch_drafts_as_alone(eng, drafts: dict, counters: list[list[int]]) -
         assert len(together) < 0.6 * len(alone)    # ... in fewer calls: several requests per call
 
 
+@pytest.mark.parametrize("weights", ["dense", "q4_0"])
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
-def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  # noqa: F811
+def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, weights, monkeypatch):  # noqa: F811
     """Every request of a batch gets, step by step, the very drafts it gets decoded alone, while
-    the batch computes the same LM-head rows in fewer calls; the slots share one head copy."""
+    the batch computes the same LM-head rows in fewer calls; the slots share one head copy. With
+    the head's linears quantized too (q4_0: the default on CPU), whose kernels are batch-invariant."""
     _, target, _, vocab = cyc
     drafts = record_drafts(monkeypatch)
     rows: list[int] = []
@@ -116,7 +118,8 @@ def test_batched_head_drafts_equal_the_drafts_alone(cyc, method, monkeypatch):  
     count_rows(monkeypatch, EagleHead, "logits", rows)
     count_rows(monkeypatch, EagleHead, "_output", layer_rows)
     head = make_head(method, target, vocab=vocab)
-    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False)
+    eng = engine(target, method, head, vocab=vocab, max_seq_len=256, max_batch=4, num_draft=12, adaptive=False,
+                 draft_weights=weights)
     assert_batch_drafts_as_alone(eng, drafts, [rows] if method == "medusa" else [rows, layer_rows])
     slots = [eng._slot_drafter(i) for i in range(4)]
     shared = "heads" if method == "medusa" else "head"

@@ -176,9 +176,11 @@ def _sample_counts(eng, prompt, t, top_p, n=2000):
     return counts, accepted
 
 
-@pytest.mark.parametrize("method,t,top_p", [("eagle", 0.7, 0.9), ("eagle", 1.0, 1.0), ("eagle3", 1.0, 0.8),
-                                            ("medusa", 0.7, 0.9), ("medusa", 1.0, 1.0)])
-def test_sampling_first_two_tokens_follow_target(small, method, t, top_p):
+@pytest.mark.parametrize("method,t,top_p,weights", [
+    ("eagle", 0.7, 0.9, "dense"), ("eagle", 1.0, 1.0, "dense"), ("eagle3", 1.0, 0.8, "dense"),
+    ("medusa", 0.7, 0.9, "dense"), ("medusa", 1.0, 1.0, "dense"),
+    ("eagle3", 0.7, 0.9, "q4_0"), ("medusa", 1.0, 0.8, "q4_0")])  # quantized heads (the CPU default)
+def test_sampling_first_two_tokens_follow_target(small, method, t, top_p, weights):
     """2,000 generations of three tokens (at most two drafts per step) with the head drafting a tree; the (x1, x2) counts against
     the exact target joint: chi-square p > 1e-5 (pooled cells, expected >= 5 each). A drafter
     that ignored q (treated drafts as point masses) is shown to fail the same test on its own
@@ -189,8 +191,9 @@ def test_sampling_first_two_tokens_follow_target(small, method, t, top_p):
     joint = _target_joint(target, prompt, t, top_p)
     # a small init keeps the head's q spread out, so it is often accepted and often rejected
     head = make_head(method, target, seed=11, std=0.05, **({"medusa_num_heads": 3} if method == "medusa" else {}))
-    eng = engine(target, method, head, num_draft=8, adaptive=False,
+    eng = engine(target, method, head, num_draft=8, adaptive=False, draft_weights=weights,
                  tree={"depth": 3, "top_k": 3} if method != "medusa" else {"num_nodes": 8})
+    assert all(lin.quantized == (weights != "dense") for lin in head_linears(eng.drafter))
     counts, accepted = _sample_counts(eng, prompt, t, top_p)
     p = _chi2_pvalue(counts, joint)
     assert p > 1e-5, p
@@ -217,6 +220,87 @@ def test_sampling_negative_control_drafts_not_drawn_from_q(small, monkeypatch):
                  tree={"depth": 3, "top_k": 3})
     counts, _ = _sample_counts(eng, prompt, 1.0, 1.0)
     assert _chi2_pvalue(counts, joint) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantized head weights (draft_weights; "auto" = q4_0 on CPU, the default)
+# ------------------------------------------------------------------------------------------------
+def head_linears(drafter) -> list:
+    """The turbospec ``Linear``s a head drafter computes with: its head copy's (``inference_copy``
+    binds each nn.Linear's forward to one) and its draft LM heads."""
+    from turbospec.drafters.medusa import MedusaDrafter
+    from turbospec.model.transformer import Linear
+    module = drafter.heads if isinstance(drafter, MedusaDrafter) else drafter.head
+    out = [m.forward.__self__ for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    lms = getattr(drafter, "lms", None) or [getattr(drafter, "lm", None)]
+    out += [lm.linear for lm in lms if lm is not None]
+    assert out and all(isinstance(lin, Linear) for lin in out)
+    return out
+
+
+@pytest.mark.parametrize("weights", [None, "q8_0", "q4_0"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_quantized_head_drafts_exactly(cyc, method, weights):
+    """A head whose linears are Q8_0 / Q4_0 blocks (quantized from its float weights) drafts, and
+    the output is the plain engine's and transformers' token for token; None is the default, q4_0
+    on CPU. (Exact sampling with quantized heads: the chi-square cases above; batch == alone:
+    tests/drafters/test_lockstep.py.)"""
+    hf, target, ref, vocab = cyc
+    head = make_head(method, target, vocab=vocab)
+    eng = engine(target, method, head, vocab, num_draft=12, adaptive=False, draft_weights=weights)
+    lins = head_linears(eng.drafter)
+    want = weights or ("q4_0" if turbospec.kernels_available() else "dense")
+    assert eng.drafter.weights == want
+    assert all(lin.quantized == (want != "dense") for lin in lins)
+    g = eng.generate(PROMPT, N_NEW)
+    assert g.token_ids == ref
+    assert g.stats["draft_proposed"] > 0
+
+
+def test_quantized_head_computes_close_to_dense(cyc):
+    """The quantized copy is the head's own weights rounded (not a different head): its output
+    stays within the rounding of Q8_0 / Q4_0 of the float head's, Q8_0 closer than Q4_0."""
+    from turbospec.drafters.tree import inference_copy
+    _, target, _, _ = cyc
+    head = make_head("eagle3", target, std=0.05)
+    torch.manual_seed(3)
+    n, h = 5, target.cfg.hidden_size
+    feats = torch.randn(1, n, len(head.cfg.feature_layers) * h)
+    emb = torch.randn(1, n, h)
+    pos = torch.arange(n)[None]
+    with torch.inference_mode():
+        ref = head.logits(head(feats, emb, pos))
+        errs = {}
+        for w in ("q8_0", "q4_0"):
+            q = inference_copy(head, torch.float32, weights=w)
+            out = q.logits(q(feats, emb, pos))
+            errs[w] = float((out - ref).norm() / ref.norm())
+    assert 0 < errs["q8_0"] < 0.02 and errs["q8_0"] < errs["q4_0"] < 0.2, errs
+
+
+def test_draft_weights_refusals(cyc):
+    """Bad draft_weights get a clear error naming the value; a request that cannot be honoured is
+    refused, never ignored."""
+    from turbospec.drafters.tree import head_weights
+    _, target, _, vocab = cyc
+    assert head_weights("dense", "cpu") == "dense" and head_weights("auto", "cuda") == "dense"
+    with pytest.raises(ValueError, match="draft_weights 'q5_k'"):
+        head_weights("q5_k", "cpu")
+    with pytest.raises(ValueError, match="run on CPU only"):
+        head_weights("q4_0", "cuda")
+    with pytest.raises(ValueError, match=r"draft_weights must be one of .* got 'int4'"):
+        Engine(target, drafter="eagle", head=make_head("eagle", target), draft_weights="int4")
+    for d in ("ngram", "suffix", "none"):
+        with pytest.raises(ValueError, match=f"draft_weights='q4_0': drafter='{d}' has no weights"):
+            Engine(target, drafter=d, draft_weights="q4_0")
+    # a layer whose inputs are not whole 32-value blocks: refused when asked for, dense under auto
+    head = make_head("eagle3", target, vocab=vocab, intermediate_size=48)
+    with pytest.raises(ValueError, match=r"draft_weights='q4_0': midlayer\.mlp\.down_proj has K = 48"):
+        engine(target, "eagle3", head, draft_weights="q4_0")
+    eng = engine(target, "eagle3", head, draft_weights="auto")
+    down = eng.drafter.head.midlayer.mlp.down_proj.forward.__self__
+    if turbospec.kernels_available():
+        assert not down.quantized and eng.drafter.head.midlayer.mlp.up_proj.forward.__self__.quantized
 
 
 # ------------------------------------------------------------------------------------------------

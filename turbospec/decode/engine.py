@@ -84,6 +84,12 @@ class Engine:
             never the output). Default: "int8" on CPU (a GGUF-quantized draft twice as fast as with
             exact activations; dense weights are unaffected), except for a draft sharing the target's
             weights (a layer-skip draft), which computes as the target does.
+        draft_weights: how the draft's weights are stored: for a head (EAGLE, Medusa) "auto" / None
+            (default: "q4_0" on CPU, "dense" elsewhere), "dense" (in ``draft_dtype``), "q8_0" or
+            "q4_0" (CPU; quantized from the head's float weights); for a draft model one of
+            ``weights``' modes (default: the target's ``weights``). Drafting reads every head weight
+            each round, so on CPU their bytes set its cost; like the dtype, it changes acceptance
+            and speed, never the output.
         prefix_cache: MiB of prompt K/V (and drafter features) kept to be reused by later prompts
             that start the same way, e.g. the turns of a chat or a shared system prompt (blocks of 16
             tokens, least recently used evicted; ``model.prefix_cache``): a cached prefix gives the
@@ -99,7 +105,7 @@ class Engine:
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
                  weights: str = "auto", activations: str = "exact", max_batch: int = 8,
-                 draft_activations: str | None = None, prefix_cache: int = 512):
+                 draft_activations: str | None = None, prefix_cache: int = 512, draft_weights: str | None = None):
         dtype = parse_dtype(dtype)
         if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -144,7 +150,7 @@ class Engine:
                                  static=static, graphs=cuda_graphs, default_target=default_target,
                                  slots=max_batch + 1,  # a drafter per batch slot and the solo one
                                  draft_activations=draft_activations,
-                                 prefix_cache_bytes=prefix_cache << 20)
+                                 prefix_cache_bytes=prefix_cache << 20, draft_weights=draft_weights)
         self._new_drafter = drafter_builder(drafter, settings, draft_model=draft_model,
                                             draft_tokenizer=draft_tokenizer, head=head, tree=tree)
         self._shared_drafter = isinstance(drafter, Drafter)  # a user's instance: one request at a time

@@ -11,6 +11,7 @@ from ..heads.formats import load_head
 from ..heads.shipped import best_shipped_head, shipped_heads
 from ..model.loader import load_model, load_tokenizer
 from ..model.prefix_cache import PrefixCache
+from ..model.quant import WEIGHT_MODES
 from ..model.transformer import Transformer
 from .base import Drafter
 from .draft_model import DraftModelDrafter, DraftPool, check_compatible
@@ -44,11 +45,17 @@ class DraftSettings:
     slots: int = 1                  # drafters built to run at once (a draft model's pool rows)
     draft_activations: str | None = None  # a draft model's (None: int8 on CPU unless it shares weights)
     prefix_cache_bytes: int = 0     # a draft model's prefix cache (0: none; ``model.prefix_cache``)
+    # how a head's linears are stored for drafting (None: ``tree.head_weights``' default) and a draft
+    # model's weights (None: ``weights``)
+    draft_weights: str | None = None
 
     def __post_init__(self):
         if self.draft_activations not in (None, "exact", "int8"):
             raise ValueError(f"draft_activations must be 'exact', 'int8' or None (int8 on CPU), got "
                              f"{self.draft_activations!r}")
+        if self.draft_weights is not None and self.draft_weights not in WEIGHT_MODES:
+            raise ValueError(f"draft_weights must be one of {', '.join(WEIGHT_MODES)} or None (heads: q4_0 on "
+                             f"CPU; a draft model: the target's weights=), got {self.draft_weights!r}")
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,9 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
                                 f"turbospec Drafter")
             return d
         return build
+    if s.draft_weights is not None and drafter in (None, "none", "ngram", "suffix", "lookahead"):
+        raise ValueError(f"draft_weights={s.draft_weights!r}: drafter={drafter!r} has no weights (draft_weights "
+                         f"applies to the head drafters and draft_model)")
     if drafter is None or drafter == "none":
         return lambda: None
     if drafter in ("eagle", "medusa"):
@@ -108,8 +118,11 @@ def drafter_builder(drafter, s: DraftSettings, *, draft_model=None, draft_tokeni
         if draft_model is None:
             raise ValueError("drafter='draft_model' needs draft_model= (a path, transformers model or "
                              "turbospec Transformer)")
+        if isinstance(draft_model, Transformer) and s.draft_weights is not None:
+            raise ValueError(f"draft_weights={s.draft_weights!r}: the draft model was passed loaded (a Transformer "
+                             f"keeps its weights); pass its path to have it loaded with these weights")
         dm = draft_model if isinstance(draft_model, Transformer) else \
-            load_model(draft_model, s.dtype, device=s.target.device, weights=s.weights)
+            load_model(draft_model, s.dtype, device=s.target.device, weights=s.draft_weights or s.weights)
         dm.set_activations(draft_activations(s, dm))
         if draft_tokenizer is None and not isinstance(draft_model, (Transformer, torch.nn.Module)):
             draft_tokenizer = load_tokenizer(draft_model)
@@ -239,6 +252,7 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
 
         def build():
             return MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype,
+                                 draft_weights=s.draft_weights,
                                  share=first[0] if first else None, **opts)
     else:
         bad = set(opts) - {"depth", "top_k"}
@@ -248,6 +262,7 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
 
         def build():
             return EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab, draft_dtype=s.draft_dtype,
+                                draft_weights=s.draft_weights,
                                 adaptive_depth=s.adaptive, share=first[0] if first else None, **opts)
 
     # The drafters this builder makes (one per batch slot) share the first one's prepared head.

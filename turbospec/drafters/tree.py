@@ -33,13 +33,15 @@ from ..ops.sampling import SamplingParams
 
 class DraftLMHead:
     """logits over a draft vocabulary: rows ``ids`` of the target's LM head (all rows when None),
-    in ``dtype`` (the draft's precision does not affect exactness, only acceptance)."""
+    in ``dtype``, stored as ``weights`` (``head_weights``; the draft's precision does not affect
+    exactness, only acceptance)."""
 
-    def __init__(self, weight: Tensor, ids: Tensor | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, weight: Tensor, ids: Tensor | None = None, dtype: torch.dtype | None = None,
+                 weights: str = "dense"):
         w = weight if ids is None else weight[ids]
         self.ids = ids
         self.dtype = dtype or weight.dtype
-        self.linear = Linear(w.to(self.dtype).contiguous())
+        self.linear = draft_linear(w, self.dtype, weights, name="the draft LM head", strict=False)
 
     def __call__(self, h: Tensor) -> Tensor:
         return self.linear(h.to(self.dtype)).float()
@@ -116,18 +118,62 @@ def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
     return sorted(chosen)
 
 
-def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None) -> torch.nn.Module:
+HEAD_WEIGHTS = ("auto", "dense", "q8_0", "q4_0")
+
+
+def head_weights(mode: str | None, device) -> str:
+    """How a draft head stores its linears for drafting: "dense" (the head's dtype), "q8_0" or
+    "q4_0" (GGUF blocks through ``turbospec::linear``, CPU only). None / "auto": "q4_0" on CPU with
+    the kernels built, else "dense". Drafting reads every head weight each expansion round; after a
+    target step has streamed its own weights through the cache they come from memory, so on CPU the
+    head's weight bytes set its cost (bench/results/2026-11-29-quantized-head-drafting.md); the
+    head's arithmetic changes acceptance only, never the output."""
+    from ..ops import has_op
+    mode = "auto" if mode is None else mode
+    if mode not in HEAD_WEIGHTS:
+        raise ValueError(f"draft_weights {mode!r} is not supported for a head; choose one of {', '.join(HEAD_WEIGHTS)}")
+    cpu = torch.device(device).type == "cpu"
+    if mode == "auto":
+        return "q4_0" if cpu and has_op("linear") else "dense"
+    if mode != "dense" and not cpu:
+        raise ValueError(f"draft_weights={mode!r}: quantized head weights run on CPU only (device {device}); "
+                         f"use 'dense' or 'auto'")
+    return mode
+
+
+def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bias: Tensor | None = None,
+                 name: str = "linear", strict: bool = True) -> Linear:
+    """turbospec's ``Linear`` over a head's ``weight`` [N, K]: dense in ``dtype``, or quantized to
+    ``weights`` (q8_0 / q4_0) from its float values. K must be a multiple of 32 to quantize: a layer
+    that is not stays dense unless ``strict`` (an explicit request), which raises naming it."""
+    if weights != "dense":
+        if weight.shape[-1] % 32 == 0:
+            from ..model.quant import quantize
+            return Linear(quantize(weight.detach().float(), weights), None if bias is None else bias.detach().to(dtype))
+        if strict:
+            raise ValueError(f"draft_weights={weights!r}: {name} has K = {weight.shape[-1]} inputs, not a multiple "
+                             f"of 32 (GGUF blocks); use draft_weights='auto' (such layers stay dense) or 'dense'")
+    return Linear(weight.detach().to(dtype).contiguous(), None if bias is None else bias.detach().to(dtype))
+
+
+def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, weights: str = "dense",
+                   strict: bool = True) -> torch.nn.Module:
     """A copy of a head for drafting: in ``dtype`` (on ``device``: default, where it is), eval mode,
     every ``nn.Linear`` running on turbospec's ``Linear`` (``turbospec::linear`` on CPU)
-    instead of F.linear. The caller's module is left untouched (it may still be trained)."""
+    instead of F.linear, its weight stored as ``weights`` says (``head_weights``; quantized from the
+    caller's float values). The caller's module is left untouched (it may still be trained)."""
     import copy
     m = copy.deepcopy(module).to(dtype).eval()
     if device is not None:
         m = m.to(device)
     if next(m.parameters()).device.type != "cpu":
+        if weights != "dense":
+            raise ValueError(f"draft_weights={weights!r}: quantized head weights run on CPU only")
         return m
-    for sub in m.modules():
+    source = dict(module.named_modules())
+    for name, sub in m.named_modules():
         if isinstance(sub, torch.nn.Linear):
-            fast = Linear(sub.weight.detach().contiguous(), None if sub.bias is None else sub.bias.detach())
+            orig = source[name]
+            fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict)
             sub.forward = fast.__call__
     return m
