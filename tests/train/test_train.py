@@ -435,7 +435,7 @@ def test_time_budget_ends_training_with_a_final_head(tmp_path, bigram):
                "--warmup-steps", "2", "--amp", "none"]),
     ("eagle3", ["--loss-on-prompt", "--ttt-steps", "1", "--feature-layers", "1", "--eval-samples", "0",
                 "--schedule", "constant", "--amp", "bfloat16"]),
-    ("eagle3", ["--distill-topk", "8"]),
+    ("eagle3", ["--distill-topk", "8", "--head-intermediate-size", "96"]),
     ("medusa", ["--distill-topk", "4", "--soft-weight", "0.5"]),
 ])
 def test_options_run(tmp_path, bigram, method, extra):
@@ -448,6 +448,8 @@ def test_options_run(tmp_path, bigram, method, extra):
     if "--eval-samples" in extra:
         assert head.extra["eval"] is None and head.extra["num_eval_samples"] == 0
         assert head.cfg.feature_layers == [1]
+    if "--head-intermediate-size" in extra:  # the head's MLP width, kept in its config and weights
+        assert head.cfg.intermediate_size == 96 and head.midlayer.mlp.up_proj.weight.shape == (96, head.cfg.hidden_size)
 
 
 def _parse(argv):
@@ -726,6 +728,12 @@ def test_bad_inputs_name_the_parameter(tmp_path, capsys):
         train.run(config.TrainConfig(**{**cfg, "distill_topk": 4, "soft_weight": 1.5}))
     with pytest.raises(ValueError, match="--soft-weight 0.5 needs --distill-topk"):
         train.run(config.TrainConfig(**{**cfg, "soft_weight": 0.5}))
+    with pytest.raises(ValueError, match="--head-intermediate-size must be an integer >= 1, got 0"):
+        train.run(config.TrainConfig(**{**cfg, "head_intermediate_size": 0}))
+    with pytest.raises(ValueError, match="--head-intermediate-size 64: EAGLE heads only"):
+        train.run(config.TrainConfig(**{**cfg, "method": "medusa", "head_intermediate_size": 64}))
+    with pytest.raises(ValueError, match="--head-intermediate-size 64 sizes a fresh head"):
+        train.run(config.TrainConfig(**{**cfg, "init_head": str(tmp_path), "head_intermediate_size": 64}))
     with pytest.raises(ValueError, match="--data .*evaluation data"):
         spec = tmp_path / "specbench_dev.jsonl"
         spec.write_text('{"turns": ["q"]}\n')

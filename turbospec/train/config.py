@@ -71,6 +71,7 @@ class TrainConfig:
     soft_weight: float = 1.0           # with distill_topk: weight of the soft loss (the rest: the argmax's)
     feature_layers: list[int] | None = None
     feature_noise: float | None = None  # None: eagle 0.05, else 0
+    head_intermediate_size: int | None = None  # eagle/eagle3: the head's MLP width (None: the target's)
     w_reg: float = 1.0
     w_cls: float = 0.1
     device: str = "cpu"
@@ -99,6 +100,14 @@ def check_config(cfg: TrainConfig) -> None:
                 draft_vocab=(cfg.draft_vocab, 1), distill_topk=(cfg.distill_topk, 0))
     if cfg.ttt_steps is not None:
         ints["ttt_steps"] = (cfg.ttt_steps, 1)
+    if cfg.head_intermediate_size is not None:
+        if cfg.method == "medusa":
+            raise ValueError(f"--head-intermediate-size {cfg.head_intermediate_size!r}: EAGLE heads only (a Medusa "
+                             f"head's blocks are hidden x hidden)")
+        if cfg.init_head:
+            raise ValueError(f"--head-intermediate-size {cfg.head_intermediate_size!r} sizes a fresh head; "
+                             f"--init-head keeps its own")
+        ints["head_intermediate_size"] = (cfg.head_intermediate_size, 1)
     if cfg.eval_samples is not None:
         ints["eval_samples"] = (cfg.eval_samples, 0)
     if cfg.warmup_steps is not None:
@@ -263,6 +272,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3: comma list of 0-based target layers fc fuses (default: low, middle, high)")
     g.add_argument("--feature-noise", type=float, default=None,
                    help="EAGLE input-feature noise U(-a, a) * feature RMS (default: eagle 0.05, eagle3 0)")
+    g.add_argument("--head-intermediate-size", type=int, default=None, metavar="N",
+                   help="eagle/eagle3: the width of the head's MLP (default: the target's intermediate size)")
     g.add_argument("--w-reg", type=float, default=1.0, help="eagle: smooth-L1 feature loss weight")
     g.add_argument("--w-cls", type=float, default=0.1, help="eagle: token cross-entropy weight")
     g = p.add_argument_group("run")

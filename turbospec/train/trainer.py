@@ -53,6 +53,8 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
     kw = {"target": str(source or cfg.target)}
     if cfg.method == "medusa":
         kw.update(medusa_num_heads=cfg.medusa_heads, medusa_num_layers=cfg.medusa_layers)
+    if cfg.method != "medusa" and cfg.head_intermediate_size:
+        kw["intermediate_size"] = cfg.head_intermediate_size
     if cfg.method == "eagle3":
         kw["draft_vocab_size"] = cfg.draft_vocab
         if cfg.feature_layers:
