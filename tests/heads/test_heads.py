@@ -257,6 +257,22 @@ def test_quantized_head_drafts_exactly(cyc, method, weights):
     assert g.stats["draft_proposed"] > 0
 
 
+@pytest.mark.parametrize("weights", ["dense", "q4_0"])
+def test_medusa_with_its_own_lm_heads_drafts_exactly(cyc, weights):
+    """A Medusa checkpoint with per-head LM heads: they draft as ``DraftLMHead``s in the storage
+    asked for (the head copy's own LM-head modules are not converted: they are never called)."""
+    _, target, ref, _ = cyc
+    head = make_head("medusa", target, medusa_num_heads=3)
+    torch.manual_seed(7)
+    head.lm_heads = torch.nn.ModuleList(torch.nn.Linear(target.cfg.hidden_size, target.cfg.vocab_size, bias=False)
+                                        for _ in range(3))
+    eng = engine(target, "medusa", head, num_draft=8, adaptive=False, draft_weights=weights)
+    assert len(eng.drafter.lms) == 3 and all(lm.linear.quantized == (weights == "q4_0") for lm in eng.drafter.lms)
+    assert all(lin.forward.__func__ is torch.nn.Linear.forward for lin in eng.drafter.heads.lm_heads)
+    assert eng.drafter.heads.blocks[0][0].linear.forward.__func__ is not torch.nn.Linear.forward
+    assert eng.generate(PROMPT, N_NEW).token_ids == ref
+
+
 def test_quantized_head_computes_close_to_dense(cyc):
     """The quantized copy is the head's own weights rounded (not a different head): its output
     stays within the rounding of Q8_0 / Q4_0 of the float head's, Q8_0 closer than Q4_0."""

@@ -88,9 +88,9 @@ class MedusaDrafter(Drafter):
                                  "and draft_weights")
             self.heads, self.lms, self.head_rows = share.heads, share.lms, share.head_rows
         else:
-            # the heads draft where the target runs
+            # the heads draft where the target runs; their LM heads (if any) are the DraftLMHeads below
             self.heads = inference_copy(heads, dtype, target.device, self.weights,
-                                        strict=draft_weights not in (None, "auto"))
+                                        strict=draft_weights not in (None, "auto"), skip=("lm_heads",))
             draft_vocab = None if draft_vocab is None else draft_vocab.to(target.device)
             if heads.lm_heads is not None:
                 self.lms = [DraftLMHead(lm.weight.detach().to(target.device), draft_vocab, dtype, self.weights)

@@ -158,11 +158,12 @@ def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bia
 
 
 def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, weights: str = "dense",
-                   strict: bool = True) -> torch.nn.Module:
+                   strict: bool = True, skip: tuple[str, ...] = ()) -> torch.nn.Module:
     """A copy of a head for drafting: in ``dtype`` (on ``device``: default, where it is), eval mode,
     every ``nn.Linear`` running on turbospec's ``Linear`` (``turbospec::linear`` on CPU)
     instead of F.linear, its weight stored as ``weights`` says (``head_weights``; quantized from the
-    caller's float values). The caller's module is left untouched (it may still be trained)."""
+    caller's float values). The caller's module is left untouched (it may still be trained).
+    ``skip``: submodules (names) the drafter computes some other way, left as they are."""
     import copy
     m = copy.deepcopy(module).to(dtype).eval()
     if device is not None:
@@ -173,7 +174,7 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, wei
         return m
     source = dict(module.named_modules())
     for name, sub in m.named_modules():
-        if isinstance(sub, torch.nn.Linear):
+        if isinstance(sub, torch.nn.Linear) and not any(name == k or name.startswith(k + ".") for k in skip):
             orig = source[name]
             fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict)
             sub.forward = fast.__call__
