@@ -5,7 +5,8 @@ For each head (``--method``: the default model's shipped EAGLE-3 / Medusa heads)
 greedily with a fixed node budget (adaptive off, so every step drafts the same tree size and the
 drafting cost is measured at every step; the head alone, without the n-gram chain it ships with).
 Recorded per system: seconds of drafting per verify step (``stats["draft_s"]``), seconds of the
-verify step, τ and decode tok/s; every output is checked equal to plain greedy decoding. The
+verify step, τ, acceptance by draft position (the first round's mean over prompts of
+``stats["accept_per_position"]``) and decode tok/s; every output is checked equal to plain greedy decoding. The
 systems run in turns, ``--rounds`` times (medians reported), so slow phases of a shared machine
 spread over all of them; plain decoding runs in the same turns as the reference.
 
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
+    p.add_argument("--ab-fused", action="store_true",
+                   help="also run each head with its fused q/k/v and gate/up projections undone (separate calls): "
+                        "the fusion's A/B in the same run")
     p.add_argument("--out", default=os.path.join("bench", "out", "draft_cost.json"))
     args = p.parse_args(argv)
     weights = [w for w in args.draft_weights.split(",") if w]
@@ -73,15 +77,27 @@ def main(argv: list[str] | None = None) -> int:
                                             draft_dtype=args.draft_dtype)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
     encoded = [engines["plain"].encode(t) for t in texts]  # the chat template applied
+    if args.ab_fused:
+        from turbospec.heads.layers import MLP, Attention
+        for name in [n for n in engines if n != "plain"]:
+            eng = turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **systems[name])
+            copy = getattr(eng.drafter, "head", None) or eng.drafter.heads
+            for sub in copy.modules():
+                if isinstance(sub, Attention):
+                    sub.fused_qkv = None
+                elif isinstance(sub, MLP):
+                    sub.fused_gate_up = None
+            engines[f"{name}_unfused"] = eng
     for eng in engines.values():  # warm-up: first-call costs out of the measurement
         eng.generate(encoded[0], max_new_tokens=8)
     ref = [engines["plain"].generate(ids, max_new_tokens=args.max_new_tokens).token_ids for ids in encoded]
-    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, eng in engines.items():
             draft = verify = 0.0
             steps = tokens = 0
             equal = True
+            acc: dict[int, list[float]] = {}
             for ids, want in zip(encoded, ref):
                 g = eng.generate(ids, max_new_tokens=args.max_new_tokens)
                 s = g.stats
@@ -90,21 +106,26 @@ def main(argv: list[str] | None = None) -> int:
                 steps += s["verify_steps"]
                 tokens += s["new_tokens"]
                 equal &= g.token_ids == want
+                for i, a in enumerate(s.get("accept_per_position") or []):
+                    if a is not None:
+                        acc.setdefault(i, []).append(a)
             runs[name].append(dict(draft_ms=1e3 * draft / steps, verify_ms=1e3 * verify / steps, tau=tokens / steps,
-                                   tok_s=tokens / (draft + verify), equal=equal))
+                                   tok_s=tokens / (draft + verify), equal=equal,
+                                   accept=[sum(v) / len(v) for _, v in sorted(acc.items())]))
             print(f"{name}: {runs[name][-1]}", flush=True)
     rows = []
     for name, rs in runs.items():
         med = {k: statistics.median(r[k] for r in rs) for k in ("draft_ms", "verify_ms", "tau", "tok_s")}
-        rows.append(dict(system=name, **med, equal=all(r["equal"] for r in rs)))
+        rows.append(dict(system=name, **med, equal=all(r["equal"] for r in rs), accept=rs[0]["accept"]))
     plain = next(r for r in rows if r["system"] == "plain")["tok_s"]
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}; "
              f"{args.threads} threads; {len(encoded)} prompts x {args.max_new_tokens} tokens; {args.nodes} nodes; "
              f"draft dtype {args.draft_dtype}; {args.rounds} rounds (medians)", "",
-             "| system | draft ms / step | verify ms / step | τ | decode tok/s | × plain | output == plain |",
-             "|---|---|---|---|---|---|---|"]
+             "| system | draft ms / step | verify ms / step | τ | acceptance by position | decode tok/s | × plain | "
+             "output == plain |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['system']} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['tau']:.3f} | "
+        acc = " / ".join(f"{a:.2f}" for a in r["accept"]) or "–"
+        lines.append(f"| {r['system']} | {r['draft_ms']:.2f} | {r['verify_ms']:.2f} | {r['tau']:.3f} | {acc} | "
                      f"{r['tok_s']:.1f} | {r['tok_s'] / plain:.2f}× | {r['equal']} |")
     print("\n".join(lines))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
