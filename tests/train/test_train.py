@@ -728,6 +728,13 @@ def test_bad_inputs_name_the_parameter(tmp_path, capsys):
         train.run(config.TrainConfig(**{**cfg, "distill_topk": 4, "soft_weight": 1.5}))
     with pytest.raises(ValueError, match="--soft-weight 0.5 needs --distill-topk"):
         train.run(config.TrainConfig(**{**cfg, "soft_weight": 0.5}))
+    # --loss-on-prompt: on by default for EAGLE heads, off for Medusa (refused there when asked for)
+    assert config.TrainConfig(**cfg).loss_on_prompt is True
+    assert config.TrainConfig(**{**cfg, "method": "medusa"}).loss_on_prompt is False
+    assert config.TrainConfig(**{**cfg, "loss_on_prompt": False}).loss_on_prompt is False
+    assert config.config_from_args(_parse(["train", "--method", "eagle", "--out", "o"])).loss_on_prompt is True
+    assert config.config_from_args(_parse(["train", "--method", "eagle", "--out", "o", "--no-loss-on-prompt"])
+                                   ).loss_on_prompt is False
     with pytest.raises(ValueError, match="--head-intermediate-size must be an integer >= 1, got 0"):
         train.run(config.TrainConfig(**{**cfg, "head_intermediate_size": 0}))
     with pytest.raises(ValueError, match="--head-intermediate-size 64: EAGLE heads only"):
@@ -854,7 +861,7 @@ def test_soft_labels_are_the_targets_distribution(method):
     def loss(topk, head=head, weight=1.0):
         cfg = config.TrainConfig(method=method, out="-", distill_topk=topk, soft_weight=weight, w_reg=0.0, w_cls=1.0,
                                  ttt_steps=1, step_decay=1.0, medusa_heads=1,
-                                 feature_noise=0.0)
+                                 feature_noise=0.0, loss_on_prompt=False)  # the reference counts responses only
         m = objectives.Method(head, objectives.frozen_parts(t, head, "cpu"), cfg, 1.0)
         b = dict(batch)
         if topk:
