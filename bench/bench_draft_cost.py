@@ -82,10 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in [n for n in engines if n != "plain"]:
             eng = turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **systems[name])
             copy = getattr(eng.drafter, "head", None) or eng.drafter.heads
-            for sub in copy.modules():
+            fused = [sub for sub in copy.modules() if isinstance(sub, (Attention, MLP))]
+            if not fused:  # (Medusa heads have no fused projections)
+                continue
+            for sub in fused:
                 if isinstance(sub, Attention):
                     sub.fused_qkv = None
-                elif isinstance(sub, MLP):
+                else:
                     sub.fused_gate_up = None
             engines[f"{name}_unfused"] = eng
     for eng in engines.values():  # warm-up: first-call costs out of the measurement
