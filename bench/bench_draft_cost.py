@@ -52,9 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
-    p.add_argument("--ab-fused", action="store_true",
-                   help="also run each head with its fused q/k/v and gate/up projections undone (separate calls): "
-                        "the fusion's A/B in the same run")
     p.add_argument("--out", default=os.path.join("bench", "out", "draft_cost.json"))
     args = p.parse_args(argv)
     weights = [w for w in args.draft_weights.split(",") if w]
@@ -77,22 +74,6 @@ def main(argv: list[str] | None = None) -> int:
                                             draft_dtype=args.draft_dtype)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
     encoded = [engines["plain"].encode(t) for t in texts]  # the chat template applied
-    if args.ab_fused:
-        from turbospec.heads.layers import MLP, Attention
-        for name in [n for n in engines if n != "plain"]:
-            eng = turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **systems[name])
-            copy = getattr(eng.drafter, "head", None) or eng.drafter.heads
-            fused = [sub for sub in copy.modules() if isinstance(sub, (Attention, MLP))]
-            if not fused:  # (Medusa heads have no fused projections)
-                continue
-            for sub in fused:
-                if isinstance(sub, Attention):
-                    sub.fused_qkv = None
-                else:
-                    sub.fused_gate_up = None
-            engines[f"{name}_unfused"] = eng
-    for eng in engines.values():  # warm-up: first-call costs out of the measurement
-        eng.generate(encoded[0], max_new_tokens=8)
     ref = [engines["plain"].generate(ids, max_new_tokens=args.max_new_tokens).token_ids for ids in encoded]
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):

@@ -294,27 +294,6 @@ def test_quantized_head_computes_close_to_dense(cyc):
     assert 0 < errs["q8_0"] < 0.02 and errs["q8_0"] < errs["q4_0"] < 0.2, errs
 
 
-@pytest.mark.parametrize("weights", ["dense", "q4_0"])
-def test_drafting_copy_fuses_projections_with_the_same_values(cyc, weights):
-    """A drafting copy runs q/k/v and gate/up as one call each (fewer calls per expansion round);
-    its output is the unfused copy's, bit for bit (each output row keeps its own dot products)."""
-    from turbospec.drafters.tree import inference_copy
-    _, target, _, _ = cyc
-    head = make_head("eagle3", target, std=0.05)
-    q = inference_copy(head, torch.float32, weights=weights)
-    attn, mlp = q.midlayer.self_attn, q.midlayer.mlp
-    assert attn.fused_qkv is not None and mlp.fused_gate_up is not None
-    assert head.midlayer.self_attn.fused_qkv is None  # the trained module is left as it was
-    torch.manual_seed(4)
-    n, h = 6, target.cfg.hidden_size
-    args = (torch.randn(1, n, len(head.cfg.feature_layers) * h), torch.randn(1, n, h), torch.arange(n)[None])
-    with torch.inference_mode():
-        fused = q.logits(q(*args))
-        attn.fused_qkv = mlp.fused_gate_up = None
-        separate = q.logits(q(*args))
-    assert torch.equal(fused, separate)
-
-
 def test_draft_weights_refusals(cyc):
     """Bad draft_weights get a clear error naming the value; a request that cannot be honoured is
     refused, never ignored."""

@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from .base import Draft
-from ..heads.layers import MLP, Attention
 from ..model.transformer import Linear
 from ..ops.reference import logits_to_probs
 from ..ops.sampling import SamplingParams
@@ -178,14 +177,4 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, wei
             orig = source[name]
             fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict)
             sub.forward = fast.__call__
-    # projections that read the same input run as one call: fewer weight streams and call overheads
-    # per expansion round (each output row keeps its own dot products: the same values)
-    for name, sub in m.named_modules():
-        orig = source[name]
-        if isinstance(sub, Attention):
-            w = torch.cat([orig.q_proj.weight, orig.k_proj.weight, orig.v_proj.weight])
-            sub.fused_qkv = draft_linear(w, dtype, weights, name=f"{name}.q/k/v_proj", strict=strict)
-        elif isinstance(sub, MLP):
-            w = torch.cat([orig.gate_proj.weight, orig.up_proj.weight])
-            sub.fused_gate_up = draft_linear(w, dtype, weights, name=f"{name}.gate/up_proj", strict=strict)
     return m

@@ -56,14 +56,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, self.nkv * self.d, bias=False)
         self.v_proj = nn.Linear(in_dim, self.nkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-        self.fused_qkv = None  # drafting copies: one Linear over [q; k; v] (``drafters.tree.inference_copy``)
-
-    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v of x (one call of the fused projection where a drafting copy has one: the same
-        values, since every output row is its own dot products)."""
-        if self.fused_qkv is not None:
-            return self.fused_qkv(x).split([self.nh * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None, cache_len: int,
                 mask: Tensor | None) -> Tensor:
@@ -71,7 +63,7 @@ class Attention(nn.Module):
         the prefix [0, cache_len) (all of it) and the new tokens under ``mask`` (bool [B or 1, n, n],
         None = causal), or under a full ``mask`` [B or 1, n, cache_len + n]. Without ``kv``: attention
         over the new tokens only (training)."""
-        return self.o_proj(self.attend(*self.project(x), cos, sin, kv, cache_len, mask))
+        return self.o_proj(self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, kv, cache_len, mask))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, kv: KVCache | None,
                cache_len: int, mask: Tensor | None) -> Tensor:
@@ -106,12 +98,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.fused_gate_up = None  # drafting copies: one Linear over [gate; up] (``drafters.tree.inference_copy``)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fused_gate_up is not None:
-            gate, up = self.fused_gate_up(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
