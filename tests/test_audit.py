@@ -109,6 +109,17 @@ def test_cli_default_model(smollm2, tmp_path):
     assert bad.returncode == 2 and "k must be" in bad.stderr
 
 
+def test_engine_options_reach_the_speculative_engine(tiny):
+    """``engine_options`` go to the speculative engine (here a refusal proves it: draft_weights with
+    n-gram lookup); the audit's own arguments cannot be passed twice."""
+    with pytest.raises(ValueError, match="draft_weights='q4_0': drafter='ngram' has no weights"):
+        run(tiny, engine_options={"draft_weights": "q4_0"})
+    with pytest.raises(ValueError, match="engine_options: 'dtype' is the audit's own argument"):
+        run(tiny, engine_options={"dtype": "bfloat16"})
+    r = run(tiny, engine_options={"adaptive": False}, sampling=False)
+    assert r.greedy.ok
+
+
 def test_runs_ending_at_eos_count_as_ended():
     """A sampled run may end at EOS before k tokens: "ended" (-1) is a category of the later
     positions, in both arms alike, and the audit still passes."""

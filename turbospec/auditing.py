@@ -277,12 +277,15 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
           k: int = 2, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, samples: int | None = None,
           detect_tv: float = 0.15, power: float = 0.9, alpha: float = 0.01, seed: int = 0, num_draft: int | None = None,
           head=None, draft_model=None, max_seq_len: int = 4096, log=None, settings: dict | None = None,
-          tokenizer=None) -> AuditReport:
+          tokenizer=None, engine_options: dict | None = None) -> AuditReport:
     """Check that speculative decoding with ``drafter`` is lossless for ``model`` (see the module
     docstring). ``prompts``: greedy prompts (list, or a .jsonl / .txt path; default: a built-in
     sample); ``samples``: runs per arm (default: enough for ``detect_tv`` at ``power``).
     ``settings``: more of ``Engine.generate``'s settings for both arms, greedy and sampled (e.g.
-    penalties, ``min_p``, ``logit_bias``, ``grammar``); ``tokenizer``: for a model given in memory."""
+    penalties, ``min_p``, ``logit_bias``, ``grammar``); ``tokenizer``: for a model given in memory;
+    ``engine_options``: more ``Engine`` options for the speculative engine (``weights``,
+    ``activations``, ``device``, ``cuda_graphs``, ``adaptive``, ``prefix_cache``, ``draft_activations``,
+    ``draft_weights``, ...); the plain engine runs on the same loaded target."""
     _check("max_new_tokens", max_new_tokens, isinstance(max_new_tokens, int) and max_new_tokens >= 1, "an integer >= 1")
     _check("k", k, isinstance(k, int) and 2 <= k <= 16, "an integer in [2, 16] (tokens sampled per run)")
     _check("temperature", temperature, isinstance(temperature, (int, float)) and temperature > 0,
@@ -308,9 +311,14 @@ def audit(model="default", drafter: str = "auto", dtype: str = "float32", *, pro
     for name in settings:
         if name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "chat", "prompt"):
             raise ValueError(f"settings: {name!r} is the audit's own argument, not a setting")
+    opts = dict(engine_options or {})
+    for name in opts:
+        if name in ("drafter", "dtype", "num_draft", "head", "draft_model", "max_seq_len", "tokenizer"):
+            raise ValueError(f"engine_options: {name!r} is the audit's own argument, not an engine option")
     spec = Engine(model, drafter=drafter, dtype=dtype, num_draft=num_draft, head=head, draft_model=draft_model,
-                  max_seq_len=max_seq_len, tokenizer=tokenizer)
-    plain = Engine(spec.target, drafter="none", tokenizer=spec.tokenizer, max_seq_len=max_seq_len)
+                  max_seq_len=max_seq_len, tokenizer=tokenizer, **opts)
+    plain = Engine(spec.target, drafter="none", tokenizer=spec.tokenizer, max_seq_len=max_seq_len,
+                   cuda_graphs=opts.get("cuda_graphs"))
     name = spec.drafter.name if spec.drafter is not None else "none"
     report = AuditReport(str(model), name, str(spec.target.dtype).replace("torch.", ""), None, None)
 

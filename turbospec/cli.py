@@ -149,6 +149,7 @@ def _audit(args) -> int:
                    k=args.k, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, samples=args.samples,
                    detect_tv=args.detect_tv, power=args.power, alpha=args.alpha, seed=args.seed,
                    num_draft=args.num_draft, head=head, draft_model=args.draft_model, max_seq_len=args.max_seq_len,
+                   engine_options=None if args.draft_weights is None else {"draft_weights": args.draft_weights},
                    log=lambda m: print(f"[audit] {m}", file=sys.stderr, flush=True))
     print(report.table())
     if args.json:
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--head", default=None, help="draft head checkpoint directory")
     a.add_argument("--draft-model", default=None, help="draft model path (for --drafter draft_model)")
     a.add_argument("--num-draft", type=int, default=None)
+    a.add_argument("--draft-weights", default=None, choices=["auto", "dense", "q8_0", "q4_0"],
+                   help="how the head's linears are stored for drafting (default: q4_0 on CPU), as in generate")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--prompts", default=None, help="greedy prompts: .jsonl (prompt / text / turns) or .txt "
                                                    "(one per line); default: a built-in sample")
