@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                                             draft_dtype=args.draft_dtype)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
     encoded = [engines["plain"].encode(t) for t in texts]  # the chat template applied
+    for eng in engines.values():  # warm-up: first-call costs out of the measurement
+        eng.generate(encoded[0], max_new_tokens=8)
     ref = [engines["plain"].generate(ids, max_new_tokens=args.max_new_tokens).token_ids for ids in encoded]
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for _ in range(args.rounds):

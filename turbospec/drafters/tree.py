@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from .base import Draft
+from ..model.quant import WEIGHT_MODES, quantize
 from ..model.transformer import Linear
 from ..ops.reference import logits_to_probs
 from ..ops.sampling import SamplingParams
@@ -118,9 +119,6 @@ def ancestor_closed_top(nodes: list[Node], n: int) -> list[int]:
     return sorted(chosen)
 
 
-HEAD_WEIGHTS = ("auto", "dense", "q8_0", "q4_0")
-
-
 def head_weights(mode: str | None, device) -> str:
     """How a draft head stores its linears for drafting: "dense" (the head's dtype), "q8_0" or
     "q4_0" (GGUF blocks through ``turbospec::linear``, CPU only). None / "auto": "q4_0" on CPU with
@@ -130,8 +128,8 @@ def head_weights(mode: str | None, device) -> str:
     head's arithmetic changes acceptance only, never the output."""
     from ..ops import has_op
     mode = "auto" if mode is None else mode
-    if mode not in HEAD_WEIGHTS:
-        raise ValueError(f"draft_weights {mode!r} is not supported for a head; choose one of {', '.join(HEAD_WEIGHTS)}")
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"draft_weights {mode!r} is not supported for a head; choose one of {', '.join(WEIGHT_MODES)}")
     cpu = torch.device(device).type == "cpu"
     if mode == "auto":
         return "q4_0" if cpu and has_op("linear") else "dense"
@@ -148,7 +146,6 @@ def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bia
     that is not stays dense unless ``strict`` (an explicit request), which raises naming it."""
     if weights != "dense":
         if weight.shape[-1] % 32 == 0:
-            from ..model.quant import quantize
             return Linear(quantize(weight.detach().float(), weights), None if bias is None else bias.detach().to(dtype))
         if strict:
             raise ValueError(f"draft_weights={weights!r}: {name} has K = {weight.shape[-1]} inputs, not a multiple "
