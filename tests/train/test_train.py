@@ -983,3 +983,75 @@ def test_eval_sampled_acceptance_is_one_minus_total_variation():
     assert ev["chains"] == int(chain.sum()) > 0
     assert abs(ev["sampled_acceptance1"] - float(ref)) < 1e-5
     assert "sampled acceptance +1" in objectives.format_eval(ev)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_align_topk_trains_later_steps_only_on_reachable_chains(method):
+    """--align-topk K (GRIFFIN's token-alignable training): unrolled step j counts only the chains
+    whose true tokens were among the head's top K at every earlier step. Checked against a reference
+    built from the unrolled outputs directly; K = the vocabulary masks nothing."""
+    torch.manual_seed(0)
+    t = load_model(make_tiny_model("llama", vocab_size=VOCAB))
+    kw = {"feature_layers": [0, 1], "draft_vocab_size": VOCAB} if method == "eagle3" else {}
+    head = build_head(HeadConfig.for_target(method, t.cfg, **kw))
+    init_weights(head, std=0.2)
+    if method == "eagle3":
+        head.set_draft_vocab(torch.arange(VOCAB))
+    B, n, steps = 2, 32, 3
+    width = head.cfg.hidden_size * (2 if method == "eagle3" else 1)
+    batch = {"features": torch.randn(B, n, width), "ids": torch.randint(0, VOCAB, (B, n)),
+             "argmax": torch.randint(0, VOCAB, (B, n)), "prompt_len": torch.tensor([3, 4]),
+             "length": torch.tensor([n, n - 2])}
+    batch["argmax"][1, n - 2:] = -100
+
+    def loss(k):
+        cfg = config.TrainConfig(method=method, out="-", align_topk=k, ttt_steps=steps, step_decay=1.0,
+                                 w_reg=0.0, w_cls=1.0, feature_noise=0.0, loss_on_prompt=True)
+        m = objectives.Method(head, objectives.frozen_parts(t, head, "cpu"), cfg, 1.0)
+        with torch.no_grad():
+            return m.loss(batch)
+    plain, _ = loss(0)
+    full, stats_full = loss(VOCAB)
+    torch.testing.assert_close(full, plain, rtol=0, atol=0)
+
+    K = VOCAB // 3  # a random head: the true token is in its top third about a third of the time
+    got, stats = loss(K)
+    # the reference: unrolled outputs, the label's rank at each step, a running mask
+    with torch.no_grad():
+        outs = objectives.unroll(head, batch["features"], batch["ids"], t.embed.float(), steps)
+        logits_of = (head.logits if method == "eagle3" else
+                     (lambda h: F_linear(h, objectives.lm_head_weight(t).float())))
+        ok = objectives._lo(batch, True)
+        alive, ref, kept, reach = ok.clone(), 0.0, [], []
+        for j, out in enumerate(outs):
+            y = objectives._labels(batch, 1 + j, ok)
+            rows = alive & (y != -100)
+            lg = logits_of(out).float()
+            ref += torch.nn.functional.cross_entropy(lg[rows], y[rows])
+            kept.append(int(rows.sum()))
+            rank = (lg > lg.gather(-1, y.clamp_min(0)[..., None])).sum(-1)
+            alive = rows & (rank < K)
+            reach.append(int(alive.sum()))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert kept[0] > kept[1] > kept[2] > 0  # the mask bites and leaves something to train
+    assert stats["aligned2"] == pytest.approx(reach[0] / int(ok.sum()))
+    assert stats["aligned3"] == pytest.approx(reach[1] / int(ok.sum()))
+    assert not torch.allclose(got, plain)
+
+
+def test_align_topk_and_wsd_options():
+    for bad, msg in ((dict(method="medusa", align_topk=4), "--align-topk 4 masks the unrolled steps.*--method medusa"),
+                     (dict(method="eagle", align_topk=4), "needs --method eagle or eagle3 with --ttt-steps >= 2.*1 step\\)"),
+                     (dict(method="eagle3", align_topk=-1), "--align-topk must be an integer >= 0, got -1"),
+                     (dict(method="eagle3", schedule="step"), "--schedule 'step': choose one of cosine, linear, constant, wsd")):
+        with pytest.raises(ValueError, match=msg):
+            config.check_config(config.TrainConfig(out="x", **bad))
+    config.check_config(config.TrainConfig(method="eagle", out="x", align_topk=4, ttt_steps=2))
+    args = _parse(["train", "--method", "eagle3", "--out", "o", "--align-topk", "4", "--schedule", "wsd"])
+    cfg = config.config_from_args(args)
+    assert cfg.align_topk == 4 and cfg.schedule == "wsd"
+    # wsd: warmup, the peak until 80 % of the schedule, then linear to 0
+    g = train._schedule(config.TrainConfig(method="eagle3", out="x", warmup_steps=10, schedule="wsd"), 1010)
+    assert g(0) == pytest.approx(0.1)
+    assert g(10) == g(500) == 1.0 and g(810) == pytest.approx(1.0)
+    assert g(910) == pytest.approx(0.5) and g(1010) == pytest.approx(0.0, abs=1e-12)

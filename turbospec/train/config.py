@@ -21,6 +21,8 @@ DEFAULT_DATA = os.path.join(_REPO_ROOT, "..", "shared", "data", "train_prompts.j
 DEFAULT_LR = {"medusa": 3e-3, "eagle": 2e-3, "eagle3": 2e-3}
 EVAL_DEPTH = 3
 TOPK_TABLE = 8
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+WSD_DECAY = 0.2  # wsd: the share of the schedule (after warmup) spent decaying to 0
 
 
 @dataclass
@@ -67,6 +69,7 @@ class TrainConfig:
     medusa_layers: int = 1
     ttt_steps: int | None = None       # None: eagle 1, eagle3 3
     draft_vocab: int = 8192
+    align_topk: int = 0                # > 0: unrolled steps train only where the true token was in the top k
     distill_topk: int = 0              # > 0: soft labels, the target's top-k distribution (0: its argmax)
     soft_weight: float = 1.0           # with distill_topk: weight of the soft loss (the rest: the argmax's)
     feature_layers: list[int] | None = None
@@ -104,7 +107,8 @@ def check_config(cfg: TrainConfig) -> None:
                 shard_tokens=(cfg.shard_tokens, 1), feature_batch_size=(cfg.feature_batch_size, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
                 eval_every=(cfg.eval_every, 0), save_every=(cfg.save_every, 0),
                 medusa_heads=(cfg.medusa_heads, 1), medusa_layers=(cfg.medusa_layers, 1),
-                draft_vocab=(cfg.draft_vocab, 1), distill_topk=(cfg.distill_topk, 0))
+                draft_vocab=(cfg.draft_vocab, 1), distill_topk=(cfg.distill_topk, 0),
+                align_topk=(cfg.align_topk, 0))
     if cfg.ttt_steps is not None:
         ints["ttt_steps"] = (cfg.ttt_steps, 1)
     if cfg.head_intermediate_size is not None:
@@ -139,14 +143,20 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--gen-temperature must be a number in [0, 2] (0: greedy answers), got {t!r}")
     if not 0 < cfg.step_decay <= 1:
         raise ValueError(f"--step-decay must be in (0, 1], got {cfg.step_decay!r}")
-    if cfg.schedule not in ("cosine", "linear", "constant"):
-        raise ValueError(f"--schedule {cfg.schedule!r}: choose cosine, linear or constant")
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule {cfg.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if cfg.feature_dtype not in FEATURE_DTYPES:
         raise ValueError(f"--feature-dtype {cfg.feature_dtype!r}: choose one of {list(FEATURE_DTYPES)}")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"--dtype {cfg.dtype!r}: choose float32, bfloat16 or float16")
     if cfg.gen_dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"--gen-dtype {cfg.gen_dtype!r}: choose float32, bfloat16 or float16")
+    if cfg.align_topk:
+        steps = cfg.ttt_steps if cfg.ttt_steps is not None else (3 if cfg.method == "eagle3" else 1)
+        if cfg.method == "medusa" or steps < 2:
+            raise ValueError(f"--align-topk {cfg.align_topk!r} masks the unrolled steps of an EAGLE head: it needs "
+                             f"--method eagle or eagle3 with --ttt-steps >= 2 (here: --method {cfg.method}, "
+                             f"{steps} step{'s' if steps != 1 else ''})")
     if cfg.loss_on_prompt and cfg.method == "medusa":
         raise ValueError("--loss-on-prompt is for eagle / eagle3 only: a Medusa head reads one feature and "
                          "would learn the user's text, not the target's own continuation")
@@ -244,8 +254,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: medusa 3e-3, eagle 2e-3, eagle3 2e-3)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (padded)")
-    g.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"],
-                   help="decay after the linear warmup")
+    g.add_argument("--schedule", default="cosine", choices=list(SCHEDULES),
+                   help="decay after the linear warmup (wsd: constant, then a linear decay to 0 over the "
+                        "last 20%% of the schedule)")
     g.add_argument("--warmup-steps", type=int, default=None, help="default: 3%% of the steps")
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=0.5, help="max gradient norm")
@@ -269,6 +280,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
     g.add_argument("--ttt-steps", type=int, default=None,
                    help="EAGLE unrolled (training-time test) steps (default: eagle3 3, eagle 1)")
+    g.add_argument("--align-topk", type=int, default=0, metavar="K",
+                   help="eagle/eagle3 with unrolled steps: train step j only on chains whose true tokens "
+                        "were among the head's top K drafts at every earlier step (GRIFFIN's "
+                        "token-alignable training); 0 (default): every chain")
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="eagle3: draft vocabulary size (most frequent response tokens)")
     g.add_argument("--distill-topk", type=int, default=0, metavar="K",

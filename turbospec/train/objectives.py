@@ -30,6 +30,12 @@ chains whose first d drafted tokens (argmax) all equal the target's greedy token
 x_{i+1+j} instead of the head's own draft changes nothing for this metric: a chain only counts at
 depth d when every earlier draft was right, and then the two are the same token.
 
+--align-topk K (GRIFFIN's token-alignable training): step j > 0 trains only on the chains where,
+at every earlier step j' < j, the true token a_{i+1+j'} was among the head's top K drafts there
+(for EAGLE-3: in the draft vocabulary too). Elsewhere the drafts at step j would never be reached
+at inference (a tree of width K holds no branch that carries the true prefix), so training on them
+spends the head's capacity on contexts drafting never meets. The held-out eval is unchanged.
+
 The input-feature noise (EAGLE's augmentation) is uniform, U(-a, a) * the features' RMS,
 a = --feature-noise (default: eagle 0.05).
 """
@@ -86,8 +92,10 @@ def _shift(x: Tensor, k: int, fill: float) -> Tensor:
 
 
 def _ce_chunk(h: Tensor, y: Tensor, fn, soft_ids: Tensor | None = None, soft_p: Tensor | None = None,
-              soft_weight: float = 1.0) -> tuple[Tensor, Tensor]:
+              soft_weight: float = 1.0, rank_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     logits = fn(h).float()
+    with torch.no_grad():  # rows whose label is among the k largest logits (ties count as in)
+        in_top = (logits > logits.gather(1, y[:, None])).sum(1) < rank_k if rank_k else y.new_zeros(0, dtype=torch.bool)
     if soft_ids is None:
         loss = F.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
     else:  # cross-entropy against the target's (top-k) distribution, blended with the argmax's
@@ -95,36 +103,45 @@ def _ce_chunk(h: Tensor, y: Tensor, fn, soft_ids: Tensor | None = None, soft_p: 
         loss = -soft_weight * (soft_p * logq.gather(1, soft_ids)).sum()
         if soft_weight < 1:
             loss = loss - (1 - soft_weight) * logq.gather(1, y[:, None]).sum()
-    return loss, (logits.argmax(-1) == y).sum().float()
+    return loss, (logits.argmax(-1) == y).sum().float(), in_top
 
 
 CE_KEEP_ELEMENTS = 1 << 27  # logits kept for backward up to this many (512 MB fp32); beyond, recomputed
 
 
 def chunked_ce(h: Tensor, y: Tensor, fn: "_Logits", chunk: int = 1024,
-               soft: tuple[Tensor, Tensor] | None = None, soft_weight: float = 1.0) -> tuple[Tensor, Tensor, int]:
+               soft: tuple[Tensor, Tensor] | None = None, soft_weight: float = 1.0,
+               rank_k: int = 0) -> tuple[Tensor, Tensor, int] | tuple[Tensor, Tensor, int, Tensor]:
     """Cross-entropy of logits ``fn(h)`` [N, V] against ``y`` [N] (-100: ignored), in row chunks.
     ``soft`` (ids [N, K] in the logits' space, p [N, K] summing to 1 per row): the loss is
     ``soft_weight`` x the cross-entropy against that distribution + (1 - ``soft_weight``) x the one
     against ``y`` (``y`` also picks the rows and counts the hits).
     When all N x V logits would take more than CE_KEEP_ELEMENTS, each chunk's logits are recomputed
     in backward instead of kept (memory: chunk x V; a third more LM-head compute).
-    Returns (summed loss, top-1 hits, counted rows)."""
+    Returns (summed loss, top-1 hits, counted rows), and with ``rank_k`` > 0 a fourth item: bool [N],
+    whether each row's label is among its ``rank_k`` largest logits (False where y is -100)."""
     keep = y != -100
     h, y = h[keep], y[keep]
     sid, sp = (None, None) if soft is None else (soft[0][keep], soft[1][keep])
-    total, hits = h.new_zeros(()), 0.0
+    total, hits, tops = h.new_zeros(()), 0.0, []
     recompute = torch.is_grad_enabled() and h.requires_grad and \
         h.shape[0] * fn.out_features > CE_KEEP_ELEMENTS
     for s in range(0, h.shape[0], chunk):
-        part = () if sid is None else (sid[s:s + chunk], sp[s:s + chunk], soft_weight)
+        part = (None, None, soft_weight) if sid is None else (sid[s:s + chunk], sp[s:s + chunk], soft_weight)
         if recompute:
-            loss, hit = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, *part, use_reentrant=False)
+            loss, hit, top = checkpoint(_ce_chunk, h[s:s + chunk], y[s:s + chunk], fn, *part, rank_k,
+                                        use_reentrant=False)
         else:
-            loss, hit = _ce_chunk(h[s:s + chunk], y[s:s + chunk], fn, *part)
+            loss, hit, top = _ce_chunk(h[s:s + chunk], y[s:s + chunk], fn, *part, rank_k)
         total = total + loss
         hits += float(hit)
-    return total, hits, int(y.numel())
+        tops.append(top)
+    if not rank_k:
+        return total, hits, int(y.numel())
+    in_top = torch.zeros(keep.shape, dtype=torch.bool, device=keep.device)
+    if tops:
+        in_top[keep] = torch.cat(tops)
+    return total, hits, int(y.numel()), in_top
 
 
 class _Logits:
@@ -250,23 +267,32 @@ class Method:
         if self.noise:
             x = x + (torch.rand_like(x) * 2 - 1) * self.noise
         outs = unroll(self.head, x, batch["ids"], self.fz.embed, self.steps)
+        align_k = self.cfg.align_topk
+        aligned = ok                                              # --align-topk: chains still reachable
         for j, out in enumerate(outs):
-            y = _labels(batch, 1 + j, ok)
+            y = _labels(batch, 1 + j, aligned)
             keep = y != -100
             w = self.cfg.step_decay ** j
             soft = self._soft_labels(batch, 1 + j)
             soft = soft and (soft[0][keep], soft[1][keep])
+            rank_k = align_k if j + 1 < len(outs) else 0
             if self.method == "eagle":
                 tgt = _shift(feats, 1 + j, 0.0)                   # f_{i+1+j}
                 reg = F.smooth_l1_loss(out[keep], tgt[keep], reduction="none").mean(-1).sum()
-                ce, hits, cnt = chunked_ce(out[keep], y[keep], fn, soft=soft, soft_weight=self.cfg.soft_weight)
+                ce, hits, cnt, *top = chunked_ce(out[keep], y[keep], fn, soft=soft,
+                                                 soft_weight=self.cfg.soft_weight, rank_k=rank_k)
                 total = total + w * (self.cfg.w_reg * reg + self.cfg.w_cls * ce) / max(cnt, 1)
                 stats[f"reg{j + 1}"] = reg.item() / max(cnt, 1)
             else:
-                ce, hits, cnt = chunked_ce(out[keep], self._draft_labels(y[keep]), fn, soft=soft,
-                                           soft_weight=self.cfg.soft_weight)
+                ce, hits, cnt, *top = chunked_ce(out[keep], self._draft_labels(y[keep]), fn, soft=soft,
+                                                 soft_weight=self.cfg.soft_weight, rank_k=rank_k)
                 total = total + w * ce / max(cnt, 1)
             stats[f"acc{j + 1}"] = hits / max(cnt, 1)
+            if top:  # step j + 1 trains only where the true token is among step j's top k drafts
+                reach = torch.zeros_like(keep)
+                reach[keep] = top[0]
+                aligned = reach
+                stats[f"aligned{j + 2}"] = float(reach.sum()) / max(int(ok.sum()), 1)
         return total, stats
 
     def _sampled_acceptance(self, out: Tensor, batch: dict, ok: Tensor, chain: Tensor, fn,

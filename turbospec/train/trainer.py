@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from . import data as distill
-from .config import DEFAULT_DATA, DEFAULT_LR, TrainConfig, amp_dtype, answers_by_copy, check_config
+from .config import DEFAULT_DATA, DEFAULT_LR, TrainConfig, WSD_DECAY, amp_dtype, answers_by_copy, check_config
 from .config import add_args, config_from_args  # add_args: re-exported, turbospec.cli imports it from here
 from .data import FeatureStore, collate, log
 from .objectives import Method, format_eval, frozen_parts
@@ -80,7 +80,7 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
 
 def _schedule(cfg: TrainConfig, total: int, time_progress=lambda: 0.0):
     """The learning-rate factor of a step: a linear warmup over the first steps, then the decay
-    (cosine, linear or none) over the progress made, which is the steps' share of ``total`` or,
+    (cosine, linear, wsd or none) over the progress made, which is the steps' share of ``total`` or,
     with a time budget, ``time_progress()`` (the share of the training time used) where that is
     further along: a run given a deadline anneals fully by it. The default warmup (3% of the
     schedule) ends after 3% of the steps or of the time, whichever comes first."""
@@ -93,7 +93,11 @@ def _schedule(cfg: TrainConfig, total: int, time_progress=lambda: 0.0):
         if cfg.schedule == "constant":
             return ramp
         p = min(1.0, max(max(0, step - warm) / max(1, total - warm), time_progress()))
-        return min(ramp, 0.5 * (1 + math.cos(math.pi * p)) if cfg.schedule == "cosine" else 1.0 - p)
+        if cfg.schedule == "cosine":
+            return min(ramp, 0.5 * (1 + math.cos(math.pi * p)))
+        if cfg.schedule == "wsd":  # warmup, stable, then a linear decay over the last WSD_DECAY
+            return min(ramp, min(1.0, (1.0 - p) / WSD_DECAY))
+        return min(ramp, 1.0 - p)
     return f
 
 
@@ -323,6 +327,8 @@ class Trainer:
         self.hyper = hyper
         not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every", "feature_batch_size",
                      "distill_data", "mix_data")  # the feature folder's key holds what the data files hold
+        if not cfg.align_topk:  # off: the key of the runs from before the option existed (they resume)
+            not_keyed += ("align_topk",)
         train_key = distill.sha1({"feat": os.path.basename(self.feat_dir),
                                   **{k: v for k, v in hyper.items() if k not in not_keyed}})
         self.state_path = os.path.join(self.work, f"train-{cfg.method}-{train_key}.pt")
