@@ -223,6 +223,69 @@ TS_AVX2 inline float combine_lanes_avx2(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
+// The 16-lane sums of v[0..15] -> out[0..15], each by exactly the additions of
+// combine_lanes_avx2(lanes 0-7, lanes 8-15) (lane j + j+8, then + 4, then + 2, then + 1; float
+// addition is commutative, so the bits are those of the one-at-a-time reduction), as four rounds of
+// shuffles and adds over all 16 vectors: 45 instructions instead of ~8 per sum. After round 1 vector
+// p holds the 8 partial sums of v[2p] then v[2p+1]; after round 2, 128-bit lane L of vector q those
+// of v[4q + L]; the last round leaves the sum of v[L + 4e] in lane 4L + e.
+TS_AVX512 inline void combine16(const __m512* v, float* out) {
+  __m512 s8[8], s4[4], s2[2];
+  for (int p = 0; p < 8; ++p)  // lanes 0-7 + lanes 8-15 of v[2p] and of v[2p + 1]
+    s8[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                          _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)  // each v's lanes 0-3 + 4-7
+    s4[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * q], s8[2 * q + 1], 0x88),
+                          _mm512_shuffle_f32x4(s8[2 * q], s8[2 * q + 1], 0xDD));
+  for (int m = 0; m < 2; ++m)  // within each 128-bit lane: elements 0, 1 + 2, 3
+    s2[m] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * m], s4[2 * m + 1], 0x44),
+                          _mm512_shuffle_ps(s4[2 * m], s4[2 * m + 1], 0xEE));
+  const __m512 s1 = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, s1);
+  for (int a = 0; a < 16; ++a) out[a] = lanes[4 * (a % 4) + a / 4];
+}
+
+// out[j] = the 16-lane sum of a[j], j < n, with combine_lanes_avx2's additions: 16 at a time from
+// 6 sums up (the last group padded with zeros), one at a time below. Used by the Q4 / Q8 AVX-512
+// kernels from 4 input rows (bench/bench_linear.py, Q4_1 / Q8_0 at 5-16 rows: 1-4 % faster,
+// bench/results/2026-11-29-q4-lane-sums.md); the bfloat16 dot-product and dense kernels
+// measured no gain with it and keep the one-at-a-time sums.
+TS_AVX512 inline void combine_sums(const __m512* a, int n, float* out) {
+  int j = 0;
+  for (; n - j >= 6; j += 16) {
+    if (n - j >= 16) {
+      combine16(a + j, out + j);
+      continue;
+    }
+    __m512 v[16];
+    alignas(64) float res[16];
+    for (int t = 0; t < 16; ++t) v[t] = j + t < n ? a[j + t] : _mm512_setzero_ps();
+    combine16(v, res);
+    for (int t = 0; j + t < n; ++t) out[j + t] = res[t];
+    return;
+  }
+  for (; j < n; ++j) out[j] = combine_lanes_avx2(_mm512_castps512_ps256(a[j]), _mm512_extractf32x8_ps(a[j], 1));
+}
+
+// out[i][r0 + r] = the lane sum of acc[i * NX + r] for nw (<= NWMAX) weight rows x NX input rows:
+// with combine_sums from 4 input rows up, one at a time below (1-3 input rows measured 1-9 %
+// slower with it: the padded groups of 16 and the buffer cost more than they save).
+template <int NWMAX, int NX>
+TS_AVX512 inline void store_sums(const __m512* acc, int64_t nw, float (*out)[kMaxRows], int64_t r0) {
+  if constexpr (NX >= 4) {
+    alignas(64) float res[NWMAX * NX];
+    combine_sums(acc, static_cast<int>(nw) * NX, res);
+    for (int64_t i = 0; i < nw; ++i)
+      for (int r = 0; r < NX; ++r) out[i][r0 + r] = res[i * NX + r];
+  } else {
+    for (int64_t i = 0; i < nw; ++i)
+      for (int r = 0; r < NX; ++r)
+        out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i * NX + r]),
+                                            _mm512_extractf32x8_ps(acc[i * NX + r], 1));
+  }
+}
+
 TS_AVX2 inline __m128i nibbles(const uint8_t* p, int shift) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm_and_si128(shift ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
@@ -1150,9 +1213,7 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
       __m512 a[4 * NX];
       if (prefetch_nta()) rows4_q512_hint<F, NX, true>(wr, row_bytes, xr + r0, K, a);
       else rows4_q512_hint<F, NX, false>(wr, row_bytes, xr + r0, K, a);
-      for (int i = 0; i < 4; ++i)
-        for (int r = 0; r < NX; ++r)
-          out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(a[i * NX + r]), _mm512_extractf32x8_ps(a[i * NX + r], 1));
+      store_sums<4, NX>(a, 4, out, r0);
       return;
     }
   }
@@ -1166,10 +1227,7 @@ TS_AVX512 void rows_q512_nx(const uint8_t* const* wr, int64_t nw, int64_t row_by
     for (; i + NW <= nw; i += NW) span_q512<F, NW, NX>(wr + i, row_bytes, xr + r0, K, b0, b1, acc + i * NX);
     for (; i < nw; ++i) span_q512<F, 1, NX>(wr + i, row_bytes, xr + r0, K, b0, b1, acc + i * NX);
   }
-  for (int64_t i = 0; i < nw; ++i)
-    for (int r = 0; r < NX; ++r)
-      out[i][r0 + r] = combine_lanes_avx2(_mm512_castps512_ps256(acc[i * NX + r]),
-                                          _mm512_extractf32x8_ps(acc[i * NX + r], 1));
+  store_sums<kRowBlock, NX>(acc, nw, out, r0);
 }
 
 // R (1..16; more rows take the panel path) input rows in one pass.
