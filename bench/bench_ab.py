@@ -66,14 +66,19 @@ print(json.dumps(out))
 """
 
 
-def run(tree: str, dtype: str, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run([sys.executable, "-c", CHILD, dtype, str(args.tokens), str(args.threads), str(args.nodes),
-                          args.weights],
+def run_in_tree(tree: str, child: str, argv: list, threads: int) -> dict:
+    """Run the ``child`` script in its own process importing checkout ``tree``'s turbospec; its
+    last stdout line is JSON (bench_linear.py uses this too)."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-c", child, *map(str, argv)],
                          env=env, cwd=os.path.abspath(tree), capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(tree: str, dtype: str, args) -> dict:
+    return run_in_tree(tree, CHILD, [dtype, args.tokens, args.threads, args.nodes, args.weights], args.threads)
 
 
 def main() -> None:

@@ -19,8 +19,10 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_ab import run_in_tree  # noqa: E402
 
 CHILD = r"""
 import json, sys, time, torch
@@ -59,13 +61,7 @@ print(json.dumps(out))
 
 
 def run(tree: str, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), OMP_NUM_THREADS=str(args.threads))
-    out = subprocess.run([sys.executable, "-c", CHILD, args.format, args.shape, args.rows, str(args.threads),
-                          str(args.work)], env=env, cwd=os.path.abspath(tree), capture_output=True, text=True,
-                         timeout=900)
-    if out.returncode != 0:
-        raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, CHILD, [args.format, args.shape, args.rows, args.threads, args.work], args.threads)
 
 
 def main() -> None:
