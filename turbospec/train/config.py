@@ -152,7 +152,7 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.gen_dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"--gen-dtype {cfg.gen_dtype!r}: choose float32, bfloat16 or float16")
     if cfg.align_topk:
-        steps = cfg.ttt_steps if cfg.ttt_steps is not None else (3 if cfg.method == "eagle3" else 1)
+        steps = unrolled_steps(cfg)
         if cfg.method == "medusa" or steps < 2:
             raise ValueError(f"--align-topk {cfg.align_topk!r} masks the unrolled steps of an EAGLE head: it needs "
                              f"--method eagle or eagle3 with --ttt-steps >= 2 (here: --method {cfg.method}, "
@@ -173,6 +173,11 @@ def check_config(cfg: TrainConfig) -> None:
                              f"(END may be left out)")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device!r}: CUDA is not available on this machine")
+
+
+def unrolled_steps(cfg: TrainConfig) -> int:
+    """The EAGLE training-time-test steps: --ttt-steps, else eagle3 3, eagle 1."""
+    return cfg.ttt_steps if cfg.ttt_steps is not None else (3 if cfg.method == "eagle3" else 1)
 
 
 def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import EVAL_DEPTH, TOPK_TABLE, TrainConfig
+from .config import EVAL_DEPTH, TOPK_TABLE, TrainConfig, unrolled_steps
 from ..heads.layers import head_cache
 
 
@@ -220,7 +220,7 @@ class Method:
         if noise is None:
             noise = 0.05 if self.method == "eagle" else 0.0
         self.noise = noise * feature_rms  # half-width of the uniform noise added to input features
-        self.steps = cfg.ttt_steps or (3 if self.method == "eagle3" else 1)
+        self.steps = unrolled_steps(cfg)
 
     def _logits_fn(self) -> "_Logits":
         if self.method == "eagle3":
