@@ -21,8 +21,8 @@
 # GEN_BATCH (256), FEATURE_BATCH (32), EPOCHS (4), BATCH (32 sequences a step), DISTILL (the stored
 # generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy256.npz,
 # whose settings are MAX_NEW 256, all prompts, float32; empty: none), MIX (space-separated stored
-# generations whose samples join the train split, --mix-data: by default the sampled (T = 0.8) answers
-# and the augmented prompts' answers under data/distill/; empty: none), DTYPE (float32: the target's; the CPU
+# generations whose samples join the train split, --mix-data: by default every other SmolLM2
+# generation under data/distill/ (the sampled answers, the augmented prompts' answers); empty: none), DTYPE (float32: the target's; the CPU
 # engine runs it so), SAVE_EVERY (400), RESUME (1: continue), TRAIN_ARGS (more). The extension is
 # built unless its kernels for DEVICE already load (an earlier call on the same machine built them).
 set -uo pipefail
@@ -57,7 +57,12 @@ RESUME_FLAG=""
 [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
 T_TRAIN="${T_TRAIN:-480}"
 DISTILL="${DISTILL-data/distill/smollm2-135m-instruct-greedy256.npz}"
-MIX="${MIX-data/distill/smollm2-135m-instruct-t0.8-bf16-s0-256.npz data/distill/smollm2-135m-instruct-augmented-s0-greedy256.npz}"
+if [ -z "${MIX+set}" ]; then  # default: every stored generation under data/distill/ but DISTILL
+  MIX=""
+  for m in data/distill/smollm2-135m-instruct-*.npz; do
+    [ -f "$m" ] && [ "$m" != "$DISTILL" ] && MIX="$MIX $m"
+  done
+fi
 MIX_FLAGS=()
 for m in $MIX; do MIX_FLAGS+=(--mix-data "$m"); done
 step "train (--time-budget $T_TRAIN s; SIGINT at $(( T_TRAIN + 90 )) s as a backstop)"

@@ -1,0 +1,162 @@
+"""This CPU's arithmetic peaks next to what the linears reach: the floor under any compute-bound
+figure (serving under load, prefill, exact float32 verify rows).
+
+  python bench/bench_peak.py --threads 2 --rows 16,64,256
+
+1. Instruction throughput, one thread, a register-only loop of 12 independent chains (compiled here
+   with g++): ``vfmadd231ps`` zmm (float32, 32 flops) and, where the CPU has AVX-512 BF16,
+   ``vdpbf16ps`` zmm (64 flops). ns per instruction; × threads gives the machine's peak.
+2. GFLOPS of ``x @ w.T`` in torch (oneDNN / MKL) in float32 and bfloat16, and of
+   ``turbospec.ops.linear`` on the same bfloat16 weights and inputs (its dot-product kernel from 4
+   rows) and on float32 weights, for SmolLM2's linear shapes. Best of repeated calls.
+
+Only same-run ratios mean anything: another machine, another day, other figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+LOOP = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+constexpr int N = 12;
+__attribute__((target("avx512f"))) float fma_loop(long it) {
+  __m512 acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_ps(i * 1e-3f);
+  __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-9f);
+  for (long t = 0; t < it; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(a, b, acc[i]);
+    asm volatile("" : "+v"(a));
+  }
+  __m512 s = acc[0]; for (int i = 1; i < N; ++i) s = _mm512_add_ps(s, acc[i]); return _mm512_reduce_add_ps(s);
+}
+#ifdef WITH_BF16
+__attribute__((target("avx512f,avx512bf16"))) float dp_loop(long it) {
+  __m512 acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_ps(i * 1e-3f);
+  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x0001);
+  for (long t = 0; t < it; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+    asm volatile("" : "+v"(a));
+  }
+  __m512 s = acc[0]; for (int i = 1; i < N; ++i) s = _mm512_add_ps(s, acc[i]); return _mm512_reduce_add_ps(s);
+}
+#endif
+template <class F> double best_ns(F f, long it) {
+  double best = 1e30;
+  for (int r = 0; r < 5; ++r) {
+    auto t = std::chrono::steady_clock::now(); volatile float v = f(it); (void)v;
+    double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+    if (s < best) best = s;
+  }
+  return best / (it * double(N)) * 1e9;
+}
+int main() {
+  const long it = 50000000;
+  printf("{\"fma_zmm_ns\": %.4f", best_ns(fma_loop, it));
+#ifdef WITH_BF16
+  printf(", \"dpbf16_zmm_ns\": %.4f", best_ns(dp_loop, it));
+#endif
+  printf("}\n");
+}
+"""
+
+SHAPES = ((1536, 576), (576, 1536), (576, 576), (49152, 576))  # SmolLM2: gate/up, down, q/o, LM head
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def instruction_rates(flags: set[str]) -> dict:
+    if "avx512f" not in flags:
+        return {"skipped": "no AVX-512"}
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "loop.cpp"), os.path.join(d, "loop")
+        with open(src, "w") as f:
+            f.write(LOOP)
+        cmd = ["g++", "-O2", "-o", exe, src] + (["-DWITH_BF16"] if "avx512_bf16" in flags else [])
+        subprocess.run(cmd, check=True)
+        return json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout)
+
+
+def best_seconds(f, flops: float) -> float:
+    for _ in range(3):
+        f()
+    reps = max(5, min(200, int(2e10 / flops)))
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rows", default="16,64,256", help="input rows (comma list)")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    from turbospec import ops
+    flags = cpu_flags()
+    rates = instruction_rates(flags)
+    print("instruction throughput, 1 thread, 12 chains:", rates)
+    for k, v in list(rates.items()):
+        if k.endswith("_ns"):
+            per = 64 if k.startswith("dpbf16") else 32
+            rates[k.replace("_ns", "_peak_gflops")] = round(per / v * args.threads, 1)
+    print("peak GFLOPS at", args.threads, "threads:", {k: v for k, v in rates.items() if k.endswith("gflops")})
+    rows = [int(r) for r in args.rows.split(",")]
+    table = []
+    g = torch.Generator().manual_seed(0)
+    print("| shape (N x K) | rows | torch fp32 | torch bf16 | turbospec fp32 | turbospec bf16 |")
+    print("|---|---|---|---|---|---|")
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=g) * 0.05
+        wb = w.bfloat16()
+        for r in rows:
+            x = torch.randn(r, k, generator=g)
+            xb = x.bfloat16()
+            flops = 2.0 * r * n * k
+            cells = {
+                "torch_fp32": best_seconds(lambda: x @ w.t(), flops),
+                "torch_bf16": best_seconds(lambda: xb @ wb.t(), flops),
+                "turbospec_fp32": best_seconds(lambda: ops.linear(x, [w], [0], None), flops),
+                "turbospec_bf16": best_seconds(lambda: ops.linear(xb, [wb], [30], None), flops),
+            }
+            gf = {c: round(flops / s / 1e9, 1) for c, s in cells.items()}
+            table.append({"shape": f"{n}x{k}", "rows": r, **gf})
+            print(f"| {n}x{k} | {r} | {gf['torch_fp32']} | {gf['torch_bf16']} | {gf['turbospec_fp32']} | "
+                  f"{gf['turbospec_bf16']} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": platform.processor() or platform.machine(), "threads": args.threads,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rates": rates,
+                       "avx512_bf16": "avx512_bf16" in flags, "linear": table}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
