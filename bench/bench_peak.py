@@ -116,6 +116,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="16,64,256", help="input rows (comma list)")
+    p.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES),
+                   help="linear shapes N x K (comma list; default: SmolLM2's gate/up, down, q/o, LM head)")
     p.add_argument("--out", default=None, help="JSON file for the figures")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -133,7 +135,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     print("| shape (N x K) | rows | torch fp32 | torch bf16 | turbospec fp32 | turbospec bf16 |")
     print("|---|---|---|---|---|---|")
-    for n, k in SHAPES:
+    for n, k in (tuple(map(int, sh.split("x"))) for sh in args.shapes.split(",")):
         w = torch.randn(n, k, generator=g) * 0.05
         wb = w.bfloat16()
         for r in rows:

@@ -333,3 +333,20 @@ def test_bench_script_help(script):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:"), proc.stdout[:200]
+
+
+def test_bench_peak_tiny(tmp_path):
+    """bench_peak.py on one small shape: finite, positive GFLOPS for every column; the instruction
+    rates where the CPU has AVX-512 (compiled with g++ here)."""
+    out = tmp_path / "peak.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_peak.py"), "--threads", "1",
+                           "--rows", "4", "--shapes", "64x64", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    (row,) = res["linear"]
+    assert row["shape"] == "64x64" and row["rows"] == 4
+    for col in ("torch_fp32", "torch_bf16", "turbospec_fp32", "turbospec_bf16"):
+        assert row[col] > 0 and row[col] < 1e6, (col, row[col])
+    if "skipped" not in res["rates"]:
+        assert res["rates"]["fma_zmm_ns"] > 0 and res["rates"]["fma_zmm_peak_gflops"] > 0
