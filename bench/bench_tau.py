@@ -65,7 +65,9 @@ def main(argv=None) -> int:
                    help="let the draft budget choose the draft size each step (what users get) instead of "
                         "always drafting up to --nodes; the table then also reads as a speed comparison")
     p.add_argument("--depth", type=int, default=6, help="EAGLE tree: expansion rounds")
-    p.add_argument("--top-k", type=int, default=4, help="EAGLE tree: children per expanded node")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="EAGLE tree: children per expanded node (default: the drafter's, half the node budget "
+                        "within 2-8; runs before 2026-11-29 used 4)")
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
     p.add_argument("--per-category", type=int, default=4)
     p.add_argument("--humaneval", type=int, default=0)

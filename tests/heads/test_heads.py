@@ -73,6 +73,42 @@ def test_tree_sizes(cyc, method, num_draft, tree):
     assert max(sizes) == num_draft and all(s <= num_draft for s in sizes)
 
 
+@pytest.mark.parametrize("num_draft,top_k,want", [
+    (16, None, 8), (8, None, 4), (5, None, 2), (2, None, 2), (40, None, 8),  # half the budget, 2-8
+    (16, 3, 3), (4, 6, 6),                                                     # an explicit top_k wins
+])
+def test_top_k_follows_the_node_budget(cyc, monkeypatch, num_draft, top_k, want):
+    """tree={"top_k": None} (the default): every expansion draws half the step's node budget of
+    children, within [2, 8] (the budget: num_draft, fewer when fewer tokens are left); an explicit
+    top_k is kept; the output stays the plain engine's."""
+    import turbospec.drafters.eagle as eagle_mod
+    from turbospec.drafters.eagle import budget_top_k
+    assert [budget_top_k(n) for n in (1, 4, 5, 8, 9, 16, 17, 63)] == [2, 2, 2, 4, 4, 8, 8, 8]
+    _, target, ref, vocab = cyc
+    seen = []
+    orig = eagle_mod.choose_children
+
+    def spy(logits, k, params, generator):
+        seen.append(k)
+        return orig(logits, k, params, generator)
+    monkeypatch.setattr(eagle_mod, "choose_children", spy)
+    tree = {} if top_k is None else {"top_k": top_k}
+    eng = engine(target, "eagle3", make_head("eagle3", target, vocab=vocab), num_draft=num_draft, adaptive=False,
+                 tree=tree)
+    assert eng.generate(PROMPT, N_NEW).token_ids == ref
+    # the first proposals get the whole budget (the last ones less: fewer tokens left to generate)
+    assert seen[0] == want and max(seen) == want, seen
+    if top_k is None:
+        assert min(seen) < want or num_draft <= 5  # the budget shrank near the end, and top_k with it
+
+
+def test_eagle_tree_options_refused(cyc):
+    _, target, _, vocab = cyc
+    for tree, bad in (({"top_k": 0}, "top_k=0"), ({"top_k": 2.5}, "top_k=2.5"), ({"depth": 0}, "depth=0")):
+        with pytest.raises(ValueError, match=bad):
+            engine(target, "eagle3", make_head("eagle3", target, vocab=vocab), num_draft=8, tree=tree)
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_max_new_tokens_mid_path_and_eos_inside_path(cyc, method):
     hf, target, ref, vocab = cyc

@@ -58,7 +58,8 @@ class Engine:
             time of an expansion round; see ``budget.DepthBudget``).
         head: for drafter="eagle"/"medusa": a head checkpoint directory (turbospec, EAGLE, EAGLE-3 or
             Medusa layout) or a loaded head module.
-        tree: tree-shape options for the head drafters: eagle {"depth", "top_k"}, medusa
+        tree: tree-shape options for the head drafters: eagle {"depth" (default 6), "top_k" (children
+            per expanded node; default: half the node budget, 2-8)}, medusa
             {"choices", "num_nodes"}; either may take "draft_vocab" (target ids the draft may propose)
             and "ngram": N (merge up to N prompt-lookup tokens into the head's tree, greedy steps;
             see ``turbospec.drafters.hybrid``); suffix {"depth", "max_occurrences", "min_prob",

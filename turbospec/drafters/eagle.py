@@ -11,6 +11,7 @@ from torch import Tensor
 
 from .budget import DepthBudget
 from .base import Draft, Drafter
+from ..ops.checks import is_int
 from ..ops.lockstep import Rows
 from ..heads.config import check_head_compatible
 from ..heads.eagle import EagleHead
@@ -22,6 +23,17 @@ GREEDY = SamplingParams(0.0, 0, 1.0)
 from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, head_weights, inference_copy, to_draft
 
 
+TOP_K_MIN, TOP_K_MAX = 2, 8
+
+
+def budget_top_k(max_tokens: int) -> int:
+    """Children per expanded node when ``top_k`` is None: half the step's node budget, within
+    [TOP_K_MIN, TOP_K_MAX]. A wider tree gives the re-ranking more candidates to choose its
+    ``max_tokens`` from (the shipped SmolLM2 head, Spec-Bench sample, 16 nodes, depth 6: τ 1.85 with
+    top_k 4, 1.90 with 8; bench/results/2026-11-29-tree-top-k.md)."""
+    return max(TOP_K_MIN, min(TOP_K_MAX, max_tokens // 2))
+
+
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic-tree drafting with an EAGLE-1/2 or EAGLE-3 head.
 
@@ -30,7 +42,8 @@ class EagleDrafter(Drafter):
     committed, then grows the tree in the slots after them (overwritten next step: that is the
     rollback). Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
     ``top_k`` children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens``
-    nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft).
+    nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft). ``top_k=None``
+    (the default) follows each step's node budget (``budget_top_k``).
 
     ``share``: another EagleDrafter over the same head and options (a batch's other slots) whose
     prepared head copy and LM head this one uses too: one copy of the weights, and in a batch one
@@ -40,13 +53,14 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
 
-    def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int = 4,
+    def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int | None = None,
                  draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
                  adaptive_depth: bool = True, share: "EagleDrafter | None" = None,
                  draft_weights: str | None = None):
         check_head_compatible(head, target.cfg)
-        if depth < 1 or top_k < 1:
-            raise ValueError(f"EagleDrafter: depth and top_k must be >= 1, got depth={depth}, top_k={top_k}")
+        if not is_int(depth) or depth < 1 or not (top_k is None or (is_int(top_k) and top_k >= 1)):
+            raise ValueError(f"EagleDrafter: depth must be an integer >= 1 and top_k an integer >= 1 or None (half "
+                             f"the node budget, {TOP_K_MIN}-{TOP_K_MAX}), got depth={depth!r}, top_k={top_k!r}")
         self.target, self.depth, self.top_k = target, depth, top_k
         dtype = draft_dtype or torch.float32
         dev = self.device = target.device  # the head drafts where the target runs
@@ -137,7 +151,7 @@ class EagleDrafter(Drafter):
         logits: dict[int, Tensor] = {-1: (yield Rows(self.logits, out[0, -1:]))[0]}
         frontier = [-1]
         root_q = None
-        k = self.top_k
+        k = self.top_k or budget_top_k(max_tokens)
         greedy = params.greedy or point_mass
         tree_params = GREEDY if point_mass else params
         depth = min(self.depth, max_tokens)
