@@ -22,8 +22,9 @@
 # generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy256.npz,
 # whose settings are MAX_NEW 256, all prompts, float32; empty: none), MIX (space-separated stored
 # generations whose samples join the train split, --mix-data: by default every other SmolLM2
-# generation under data/distill/ (the sampled answers, the augmented prompts' answers); empty: none), DTYPE (float32: the target's; the CPU
-# engine runs it so), SAVE_EVERY (400), RESUME (1: continue), TRAIN_ARGS (more). The extension is
+# generation under data/distill/ (the sampled answers, the augmented prompts' answers); empty:
+# none), DTYPE (float32: the target's; the CPU engine runs it so), SAVE_EVERY (400), RESUME (1:
+# continue), TRAIN_ARGS (more). The extension is
 # built unless its kernels for DEVICE already load (an earlier call on the same machine built them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
