@@ -350,3 +350,28 @@ def test_bench_peak_tiny(tmp_path):
         assert row[col] > 0 and row[col] < 1e6, (col, row[col])
     if "skipped" not in res["rates"]:
         assert res["rates"]["fma_zmm_ns"] > 0 and res["rates"]["fma_zmm_peak_gflops"] > 0
+
+
+def _load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_check_vllm_head_counts_and_refusals(tmp_path):
+    """check_vllm_head.py: vLLM's spec-decode counters -> τ and acceptance by position (the per-position
+    vector may be longer than the chain; a run without drafts is an error, not τ 1); a venv without
+    Python is refused before anything loads."""
+    m = _load_bench("check_vllm_head")
+    acc = m.vllm_acceptance({"vllm:spec_decode_num_drafts": 10.0, "vllm:spec_decode_num_draft_tokens": 30.0,
+                             "vllm:spec_decode_num_accepted_tokens": 7.0,
+                             "vllm:spec_decode_num_accepted_tokens_per_pos": [5.0, 2.0, 0.0, 0.0]}, 3)
+    assert acc["tau"] == pytest.approx(1.7) and acc["drafts"] == 10 and acc["draft_tokens"] == 30
+    assert acc["accept_per_position"] == pytest.approx([0.5, 0.2, 0.0])
+    with pytest.raises(SystemExit, match="no drafts"):
+        m.vllm_acceptance({"vllm:spec_decode_num_drafts": 0.0}, 3)
+    with pytest.raises(SystemExit, match="has no bin/python"):
+        m.main(["--vllm-venv", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--num-spec must be >= 1"):
+        m.main(["--num-spec", "0", "--vllm-venv", str(tmp_path)])
