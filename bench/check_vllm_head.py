@@ -14,7 +14,8 @@ turbospec's.
    per position.
 3. turbospec decodes the same ids with the same head as a chain of N drafts (EAGLE tree with
    top_k 1, N nodes, fixed budget: what vLLM's eagle3 proposer drafts).
-4. Printed and written: τ (1 + accepted / drafts) and acceptance by position for both, and how
+4. Printed and written: τ (1 + accepted drafts per step, as vLLM counts) and acceptance by position
+   for both (turbospec's per step, of steps that drafted that position), and how
    many outputs are the same tokens. vLLM's float32 CPU kernels are not turbospec's, so an output
    may part from turbospec's where two logits nearly tie; acceptance is compared over all steps.
 """
@@ -130,15 +131,18 @@ def main(argv=None) -> int:
                            tree={"depth": args.num_spec, "top_k": 1}, tokenizer=tok, max_seq_len=2048,
                            draft_dtype="float32", draft_weights="dense")
     ids = [eng.encode(q["text"]) for q in prompts]
-    mine, emitted, steps, pos = [], 0, 0, [0.0] * args.num_spec
+    mine, emitted, steps, accepted, pos = [], 0, 0, 0, [0.0] * args.num_spec
     for x in ids:
         g = eng.generate(x, max_new_tokens=args.max_new_tokens)
         mine.append(g.token_ids)
         emitted += g.stats["new_tokens"]
         steps += g.stats["verify_steps"]
+        accepted += g.stats["draft_accepted"]
         for j, a in enumerate((g.stats.get("accept_per_position") or [])[:args.num_spec]):
             pos[j] += a * g.stats["verify_steps"]
-    ours = {"tau": emitted / steps, "steps": steps, "accept_per_position": [a / steps for a in pos]}
+    # τ as vLLM counts it (1 + accepted drafts per step); tokens per step also counts the prefill's token
+    ours = {"tau": 1 + accepted / steps, "tokens_per_step": emitted / steps, "steps": steps,
+            "accept_per_position": [a / steps for a in pos]}
     v = run_vllm(args, hf_dir, args.export_dir, ids)
     theirs = vllm_acceptance(v["metrics"], args.num_spec)
     same = sum(a == b for a, b in zip(mine, v["outputs"]))
