@@ -506,3 +506,48 @@ def test_benchmark_runs_shipped_heads_alone_and_hybrid(smollm2):
     args.head_ngram = 4
     systems = head_systems(args, model)
     assert systems["ts_medusa_ngram"][1]["tree"] == {"num_nodes": 16, "ngram": 4}
+
+
+def test_with_draft_vocab_carries_the_rows_it_keeps(cyc):
+    """EagleHead.with_draft_vocab: a token in both vocabularies keeps its logit bit for bit, a new
+    token's row is the mean of the old rows, every other weight is the same; the engine drafts with
+    the result exactly as with any head; bad ids and EAGLE-1/2 heads are refused."""
+    _, target, ref, vocab = cyc
+    head = make_head("eagle3", target, seed=4, vocab=vocab)
+    old_ids = head.draft_vocab_ids()
+    extra_ids = [t for t in range(target.cfg.vocab_size) if t not in set(old_ids.tolist())][:5]
+    ids = torch.sort(torch.cat((old_ids[1:], torch.tensor(extra_ids)))).values  # one dropped, five new
+    wide = head.with_draft_vocab(ids)
+    assert wide.cfg.draft_vocab_size == ids.numel() and torch.equal(wide.draft_vocab_ids(), ids)
+    assert bool(wide.t2d[ids].all()) and int(wide.t2d.sum()) == ids.numel()
+    out = torch.randn(7, target.cfg.hidden_size)
+    with torch.no_grad():
+        a, b = head.logits(out), wide.logits(out)
+    pos_old = {int(t): i for i, t in enumerate(old_ids)}
+    for j, t in enumerate(ids.tolist()):
+        if t in pos_old:
+            assert torch.equal(b[:, j], a[:, pos_old[t]])
+        else:
+            assert torch.equal(wide.lm_head.weight[j], head.lm_head.weight.mean(0))
+    for name, t in head.state_dict().items():
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(wide.state_dict()[name], t), name
+    eng = engine(target, "eagle3", wide, num_draft=8, adaptive=False)
+    assert eng.generate(PROMPT, N_NEW).token_ids == ref
+    with pytest.raises(ValueError, match="distinct ascending target ids"):
+        head.with_draft_vocab(torch.tensor([3, 2]))
+    with pytest.raises(ValueError, match="distinct ascending target ids"):
+        head.with_draft_vocab(torch.tensor([0, target.cfg.vocab_size]))
+    with pytest.raises(ValueError, match="EAGLE-3 head's draft vocabulary"):
+        make_head("eagle", target).with_draft_vocab(ids)
+
+
+def test_draft_vocab_from_counts_keeps_the_given_ids():
+    """The most frequent ids, ties to the lower id; ``keep``'s ids come first (all of them when
+    growing, the most frequent of them when shrinking)."""
+    from turbospec.heads.layers import draft_vocab_from_counts
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    assert draft_vocab_from_counts(counts, 3).tolist() == [2, 3, 5]
+    assert draft_vocab_from_counts(counts, 5, keep=torch.tensor([1, 6])).tolist() == [1, 2, 3, 5, 6]
+    assert draft_vocab_from_counts(counts, 2, keep=torch.tensor([4, 7, 1])).tolist() == [4, 7]
+    assert draft_vocab_from_counts(counts, 20).tolist() == list(range(8))

@@ -60,7 +60,7 @@ def _args(method, target, data, out, work, *extra):
     return ["train", "--method", method, "--target", target, "--data", data, "--out", str(out),
             "--work-dir", str(work), "--num-prompts", "40", "--max-new-tokens", "32", "--epochs", "10",
             "--batch-size", "8", "--lr", "3e-3", "--eval-every", "20", "--eval-samples", "8",
-            "--draft-vocab", "48", "--threads", "1", *extra]
+            *(["--draft-vocab", "48"] if method == "eagle3" else []), "--threads", "1", *extra]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,7 +365,7 @@ def test_init_head_starts_from_a_trained_head(tmp_path, bigram):
     tuned = tmp_path / "tuned"
     args2 = _args("eagle3", target, data, tuned, d / "work", "--init-head", str(first))
     args2[args2.index("--epochs") + 1] = "1"
-    args2[args2.index("--draft-vocab") + 1] = "40"  # ignored: the head keeps its own
+    del args2[args2.index("--draft-vocab"):args2.index("--draft-vocab") + 2]  # none given: the head keeps its own
     assert cli.main(args2) == 0
     head = checkpoints.load_head(str(tuned))
     start = head.extra["eval_history"][0]
@@ -377,6 +377,47 @@ def test_init_head_starts_from_a_trained_head(tmp_path, bigram):
     medusa = _args("medusa", target, data, tmp_path / "m", d / "work", "--init-head", str(first))
     with pytest.raises(ValueError, match="is a 'eagle3' head; --method is 'medusa'"):
         train.run(config.config_from_args(_parse(medusa)))
+
+
+def test_init_head_with_another_draft_vocab(tmp_path, bigram, capsys):
+    """--init-head with a --draft-vocab other than the head's: growing keeps every token of the head
+    (their rows carry over, so the run starts where the head was: step-0 eval as good as its final
+    one) and adds the run's most frequent other response tokens; shrinking keeps the most frequent
+    of its tokens; the saved head has the new size; --draft-vocab is refused for the heads without
+    one."""
+    target, data, d = bigram
+    first = tmp_path / "first"
+    args = _args("eagle3", target, data, first, d / "work")
+    args[args.index("--draft-vocab") + 1] = "40"
+    assert cli.main(args) == 0
+    trained = checkpoints.load_head(str(first))
+    assert trained.lm_head.out_features == 40
+    wider = tmp_path / "wider"
+    args2 = _args("eagle3", target, data, wider, d / "work", "--init-head", str(first))
+    args2[args2.index("--draft-vocab") + 1] = "56"
+    args2[args2.index("--epochs") + 1] = "1"
+    capsys.readouterr()
+    assert cli.main(args2) == 0
+    assert "draft vocabulary 40 -> 56 tokens (40 rows carried over)" in capsys.readouterr().err
+    head = checkpoints.load_head(str(wider))
+    assert head.cfg.draft_vocab_size == 56 and head.lm_head.out_features == 56
+    old_ids, new_ids = trained.draft_vocab_ids(), head.draft_vocab_ids()
+    assert bool(torch.isin(old_ids, new_ids).all())  # the 40 most frequent are among the 56
+    assert head.extra["draft_vocab_coverage"] >= trained.extra["draft_vocab_coverage"]
+    start = head.extra["eval_history"][0]
+    assert start["step"] == 0
+    assert start["acceptance"][0] >= trained.extra["eval"]["acceptance"][0] - 0.03
+    narrower = tmp_path / "narrower"
+    args3 = _args("eagle3", target, data, narrower, d / "work", "--init-head", str(first))
+    args3[args3.index("--draft-vocab") + 1] = "24"
+    args3[args3.index("--epochs") + 1] = "1"
+    assert cli.main(args3) == 0
+    assert "draft vocabulary 40 -> 24 tokens (24 rows carried over)" in capsys.readouterr().err
+    assert bool(torch.isin(checkpoints.load_head(str(narrower)).draft_vocab_ids(), old_ids).all())
+    for method in ("eagle", "medusa"):
+        bad = _args(method, target, data, tmp_path / method, d / "work", "--draft-vocab", "32")
+        with pytest.raises(ValueError, match="--draft-vocab 32: EAGLE-3 heads only"):
+            train.run(config.config_from_args(_parse(bad)))
 
 
 def test_time_budget_schedule_anneals_by_the_deadline():

@@ -98,6 +98,39 @@ class EagleHead(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
+    def with_draft_vocab(self, ids: Tensor) -> "EagleHead":
+        """EAGLE-3: a copy of this head over the draft vocabulary ``ids`` (target ids, ascending; any
+        size): every weight but the LM head's is copied; an LM-head row of a token in both vocabularies
+        is copied (so those tokens' logits are unchanged); a new token's row starts as the mean of the
+        old rows (a typical, low logit: drafting ranks the new tokens below the likely old ones until
+        training has learnt them). ``extra`` is carried over."""
+        import dataclasses
+        if not self.eagle3:
+            raise ValueError("with_draft_vocab: an EAGLE-3 head's draft vocabulary (EAGLE-1/2 heads use the "
+                             "target's LM head)")
+        ids = torch.as_tensor(ids, dtype=torch.int64).cpu()
+        v = self.cfg.vocab_size
+        if ids.dim() != 1 or ids.numel() < 1 or not bool((ids[1:] > ids[:-1]).all()) or \
+                int(ids[0]) < 0 or int(ids[-1]) >= v:
+            raise ValueError(f"with_draft_vocab: ids must be distinct ascending target ids in [0, {v}), got "
+                             f"{ids.numel()} ids")
+        new = EagleHead(dataclasses.replace(self.cfg, draft_vocab_size=ids.numel())).to(self.fc.weight.dtype)
+        state = {k: t for k, t in self.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+        missing, unexpected = new.load_state_dict(state, strict=False)
+        assert sorted(missing) == ["d2t", "lm_head.weight", "t2d"] and not unexpected, (missing, unexpected)
+        new.set_draft_vocab(ids)
+        old_w = self.lm_head.weight.detach().cpu()
+        old_row = torch.full((v,), -1, dtype=torch.int64)
+        old_row[self.draft_vocab_ids().cpu()] = torch.arange(old_w.shape[0])
+        rows = old_row[ids]
+        with torch.no_grad():
+            w = old_w.mean(0, keepdim=True).repeat(ids.numel(), 1)
+            kept = rows >= 0
+            w[kept] = old_w[rows[kept]]
+            new.lm_head.weight.copy_(w)
+        new.extra = dict(getattr(self, "extra", {}))
+        return new.to(self.fc.weight.device)
+
     def draft_vocab_ids(self) -> Tensor | None:
         """EAGLE-3: target id of each draft-vocab row; None for EAGLE-1/2 (the drafter decides)."""
         if not self.eagle3:

@@ -114,8 +114,14 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
             nn.init.ones_(m.weight)
 
 
-def draft_vocab_from_counts(counts: Tensor, size: int) -> Tensor:
-    """The ``size`` most frequent token ids (ties: lower id first), sorted ascending."""
+def draft_vocab_from_counts(counts: Tensor, size: int, keep: Tensor | None = None) -> Tensor:
+    """The ``size`` most frequent token ids (ties: lower id first), sorted ascending. ``keep``: the ids
+    of a head's present draft vocabulary, which come first (the most frequent of them when ``size`` is
+    smaller), so that a resized vocabulary drops none of the tokens a trained head drafts."""
     size = min(size, counts.numel())
-    order = torch.sort(-counts.double(), stable=True).indices[:size]
+    score = counts.double()
+    if keep is not None:
+        score = score.clone()
+        score[keep.to(torch.int64).cpu()] += float(counts.sum()) + 1.0  # above every other id
+    order = torch.sort(-score, stable=True).indices[:size]
     return torch.sort(order).values

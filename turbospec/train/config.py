@@ -22,6 +22,7 @@ DEFAULT_LR = {"medusa": 3e-3, "eagle": 2e-3, "eagle3": 2e-3}
 EVAL_DEPTH = 3
 TOPK_TABLE = 8
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
+DEFAULT_DRAFT_VOCAB = 8192  # eagle3: draft vocabulary of a fresh head
 WSD_DECAY = 0.2  # wsd: the share of the schedule (after warmup) spent decaying to 0
 
 
@@ -68,7 +69,7 @@ class TrainConfig:
     medusa_heads: int = 4
     medusa_layers: int = 1
     ttt_steps: int | None = None       # None: eagle 1, eagle3 3
-    draft_vocab: int = 8192
+    draft_vocab: int | None = None     # eagle3; None: DEFAULT_DRAFT_VOCAB for a fresh head, --init-head's own
     align_topk: int = 0                # > 0: unrolled steps train only where the true token was in the top k
     distill_topk: int = 0              # > 0: soft labels, the target's top-k distribution (0: its argmax)
     soft_weight: float = 1.0           # with distill_topk: weight of the soft loss (the rest: the argmax's)
@@ -107,10 +108,15 @@ def check_config(cfg: TrainConfig) -> None:
                 shard_tokens=(cfg.shard_tokens, 1), feature_batch_size=(cfg.feature_batch_size, 1), epochs=(cfg.epochs, 1), batch_size=(cfg.batch_size, 1),
                 eval_every=(cfg.eval_every, 0), save_every=(cfg.save_every, 0),
                 medusa_heads=(cfg.medusa_heads, 1), medusa_layers=(cfg.medusa_layers, 1),
-                draft_vocab=(cfg.draft_vocab, 1), distill_topk=(cfg.distill_topk, 0),
+                distill_topk=(cfg.distill_topk, 0),
                 align_topk=(cfg.align_topk, 0))
     if cfg.ttt_steps is not None:
         ints["ttt_steps"] = (cfg.ttt_steps, 1)
+    if cfg.draft_vocab is not None:
+        if cfg.method != "eagle3":
+            raise ValueError(f"--draft-vocab {cfg.draft_vocab!r}: EAGLE-3 heads only (an EAGLE-1/2 or Medusa head "
+                             f"uses the target's whole vocabulary)")
+        ints["draft_vocab"] = (cfg.draft_vocab, 1)
     if cfg.head_intermediate_size is not None:
         if cfg.method == "medusa":
             raise ValueError(f"--head-intermediate-size {cfg.head_intermediate_size!r}: EAGLE heads only (a Medusa "
@@ -289,8 +295,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="eagle/eagle3 with unrolled steps: train step j only on chains whose true tokens "
                         "were among the head's top K drafts at every earlier step (GRIFFIN's "
                         "token-alignable training); 0 (default): every chain")
-    g.add_argument("--draft-vocab", type=int, default=8192,
-                   help="eagle3: draft vocabulary size (most frequent response tokens)")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"eagle3: draft vocabulary size, the most frequent response tokens of the training "
+                        f"samples (default: {DEFAULT_DRAFT_VOCAB} for a fresh head; with --init-head, that "
+                        f"head's own; a larger size keeps the head's tokens and their rows and adds the most "
+                        f"frequent others, a smaller one keeps the most frequent of its tokens)")
     g.add_argument("--distill-topk", type=int, default=0, metavar="K",
                    help="train against the target's own next-token distribution (its top K tokens, "
                         "stored with the features) instead of its argmax alone; 0 (default): the argmax")

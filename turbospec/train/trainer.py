@@ -32,7 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from . import data as distill
-from .config import DEFAULT_DATA, DEFAULT_LR, TrainConfig, WSD_DECAY, amp_dtype, answers_by_copy, check_config
+from .config import DEFAULT_DATA, DEFAULT_DRAFT_VOCAB, DEFAULT_LR, TrainConfig, WSD_DECAY, amp_dtype, answers_by_copy
+from .config import check_config
 from .config import add_args, config_from_args  # add_args: re-exported, turbospec.cli imports it from here
 from .data import FeatureStore, collate, log
 from .objectives import Method, format_eval, frozen_parts
@@ -56,7 +57,7 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
     if cfg.method != "medusa" and cfg.head_intermediate_size:
         kw["intermediate_size"] = cfg.head_intermediate_size
     if cfg.method == "eagle3":
-        kw["draft_vocab_size"] = cfg.draft_vocab
+        kw["draft_vocab_size"] = cfg.draft_vocab or DEFAULT_DRAFT_VOCAB
         if cfg.feature_layers:
             kw["feature_layers"] = list(cfg.feature_layers)
     hcfg = HeadConfig.for_target(cfg.method, target.cfg, **kw)
@@ -74,7 +75,7 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
         else:
             # the draft LM head learns from scratch (initialising it from the target's rows gave
             # confident wrong logits at first and no better head after training, in a short test)
-            head.set_draft_vocab(draft_vocab_from_counts(counts, cfg.draft_vocab))
+            head.set_draft_vocab(draft_vocab_from_counts(counts, cfg.draft_vocab or DEFAULT_DRAFT_VOCAB))
     return head
 
 
@@ -200,7 +201,7 @@ class Trainer:
         target = load_model(self.source, parse_dtype(cfg.dtype), device=cfg.device)
         tok = load_tokenizer(self.source)
         vocab = target.cfg.vocab_size
-        if cfg.method == "eagle3" and cfg.draft_vocab > vocab:
+        if cfg.method == "eagle3" and (cfg.draft_vocab or 0) > vocab:
             raise ValueError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary ({vocab})")
         if cfg.distill_topk > vocab:
             raise ValueError(f"--distill-topk {cfg.distill_topk} is larger than the target's vocabulary ({vocab})")
@@ -297,10 +298,19 @@ class Trainer:
         for s in train_samples:
             counts += torch.bincount(torch.tensor(s["response_ids"], dtype=torch.int64), minlength=vocab)
         head = build_head(cfg, target, counts, self.source) if self.init is None else self.init
+        coverage = lambda h: float(counts[h.draft_vocab_ids().cpu()].sum()) / max(int(counts.sum()), 1)  # noqa: E731
+        if self.init is not None and cfg.method == "eagle3" and cfg.draft_vocab is not None \
+                and cfg.draft_vocab != head.lm_head.out_features:
+            # --init-head with another --draft-vocab: the head's tokens kept (growing; shrinking, the
+            # most frequent of them), the most frequent other response tokens of these samples added
+            old_n, old_cov = head.lm_head.out_features, coverage(head)
+            head = head.with_draft_vocab(draft_vocab_from_counts(counts, cfg.draft_vocab, keep=head.draft_vocab_ids()))
+            kept = int(torch.isin(head.draft_vocab_ids(), self.init.draft_vocab_ids()).sum())
+            log(f"train: draft vocabulary {old_n} -> {cfg.draft_vocab} tokens ({kept} rows carried over); "
+                f"coverage of the train responses {old_cov:.4f} -> {coverage(head):.4f}")
         frozen = frozen_parts(target, head, dev)
         if cfg.method == "eagle3":
-            ids = head.draft_vocab_ids()
-            self.summary["draft_vocab_coverage"] = float(counts[ids].sum()) / max(int(counts.sum()), 1)
+            self.summary["draft_vocab_coverage"] = coverage(head)
         self.head = head.to(dev).train()
         self.method = Method(self.head, frozen, cfg, self.manifest.get("feature_rms", 1.0))
         self.amp = amp_dtype(cfg.amp, dev)
