@@ -31,14 +31,15 @@ BASH = shutil.which("bash") or "/bin/bash"
 TINY_TIMEOUT_S = 180  # the run takes ~10 s alone; the machine is shared
 
 
-def _load_bench_gpu():
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH_GPU)
+def _load_bench(name: str):
+    """A bench/ script imported as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-bench_gpu = _load_bench_gpu()
+bench_gpu = _load_bench("bench_gpu")
 
 
 def missing_engine_api() -> list[str]:
@@ -350,13 +351,6 @@ def test_bench_peak_tiny(tmp_path):
         assert row[col] > 0 and row[col] < 1e6, (col, row[col])
     if "skipped" not in res["rates"]:
         assert res["rates"]["fma_zmm_ns"] > 0 and res["rates"]["fma_zmm_peak_gflops"] > 0
-
-
-def _load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_check_vllm_head_counts_and_refusals(tmp_path):

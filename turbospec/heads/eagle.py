@@ -16,6 +16,8 @@ Layouts (parameter names are those of the public checkpoints):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -104,7 +106,6 @@ class EagleHead(nn.Module):
         is copied (so those tokens' logits are unchanged); a new token's row starts as the mean of the
         old rows (a typical, low logit: drafting ranks the new tokens below the likely old ones until
         training has learnt them). ``extra`` is carried over."""
-        import dataclasses
         if not self.eagle3:
             raise ValueError("with_draft_vocab: an EAGLE-3 head's draft vocabulary (EAGLE-1/2 heads use the "
                              "target's LM head)")

@@ -56,8 +56,9 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
         kw.update(medusa_num_heads=cfg.medusa_heads, medusa_num_layers=cfg.medusa_layers)
     if cfg.method != "medusa" and cfg.head_intermediate_size:
         kw["intermediate_size"] = cfg.head_intermediate_size
+    draft_vocab = cfg.draft_vocab or DEFAULT_DRAFT_VOCAB
     if cfg.method == "eagle3":
-        kw["draft_vocab_size"] = cfg.draft_vocab or DEFAULT_DRAFT_VOCAB
+        kw["draft_vocab_size"] = draft_vocab
         if cfg.feature_layers:
             kw["feature_layers"] = list(cfg.feature_layers)
     hcfg = HeadConfig.for_target(cfg.method, target.cfg, **kw)
@@ -75,7 +76,7 @@ def build_head(cfg: TrainConfig, target, counts: Tensor | None, source: str = ""
         else:
             # the draft LM head learns from scratch (initialising it from the target's rows gave
             # confident wrong logits at first and no better head after training, in a short test)
-            head.set_draft_vocab(draft_vocab_from_counts(counts, cfg.draft_vocab or DEFAULT_DRAFT_VOCAB))
+            head.set_draft_vocab(draft_vocab_from_counts(counts, draft_vocab))
     return head
 
 
