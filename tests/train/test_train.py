@@ -875,6 +875,84 @@ def test_mix_data_joins_the_train_split(tmp_path):
     assert config.config_from_args(args).mix_data == ["a.npz", "b.npz"]
 
 
+def test_extra_features_join_the_train_split(tmp_path):
+    """--extra-features: the train shards of another run's finished feature folder (answers to
+    other prompts) join this run's train split as they are (no recomputation), the held-out split
+    stays the run's, the draft vocabulary counts their response tokens, the folders join the
+    training state's key and the head's provenance. Refused, naming the option: a folder of another
+    target (its first sample recomputed differs), of other feature layers, without the soft labels
+    --distill-topk needs, unfinished, the run's own, given twice, or not a feature folder."""
+    import shutil
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 10)
+    other = _write_prompts(tmp_path / "q.jsonl", 6, seed=1)
+    base = dict(method="eagle3", target=target, num_prompts=0, max_new_tokens=6, eval_samples=2, threads=1,
+                draft_vocab=48, epochs=1, batch_size=4, eval_every=0, save_every=0)
+    o = train.run(config.TrainConfig(**base, data=other, out=str(tmp_path / "o1"), work_dir=str(tmp_path / "wo"),
+                                     stop_after="features"))
+    extra_dir = o["features_dir"]
+    xman = distill.read_manifest(extra_dir)
+    x_train = sum(len(sh["lengths"]) for sh in xman["shards"])
+    assert x_train == 4
+    cfg = dict(base, data=data, out=str(tmp_path / "o"), work_dir=str(tmp_path / "w"))
+    plain = train.Trainer(config.TrainConfig(**cfg))
+    plain.run()
+    t = train.Trainer(config.TrainConfig(**cfg, extra_features=[extra_dir]))
+    t.run()
+    assert t.feat_dir == plain.feat_dir  # the run's own features are not recomputed or re-keyed
+    own = [sh for sh in t.store.shards if sh["dir"] == t.feat_dir]
+    joined = [sh for sh in t.store.shards if sh["dir"] == extra_dir]
+    assert len(own) == len(plain.store.shards) and [sh["file"] for sh in joined] == [sh["file"] for sh in xman["shards"]]
+    assert t.store.num_train_samples() == plain.store.num_train_samples() + x_train
+    assert t.tokens == plain.tokens + sum(sum(sh["lengths"]) for sh in xman["shards"])
+    assert len(t.eval_batches) == len(plain.eval_batches)
+    for a, b in zip(t.eval_batches, plain.eval_batches):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # every batch of the plan is one shard's samples; the extra folder's are read from it
+    plan = t.store.plan(4, 0, 0)
+    assert {sh for sh, _ in plan} == set(range(len(t.store.shards)))
+    sh = t.store.shards.index(joined[0])
+    from safetensors.torch import load_file
+    assert torch.equal(t.store.load(sh)["features"], load_file(os.path.join(extra_dir, joined[0]["file"]))["features"])
+    assert t.state_path != plain.state_path
+    # the response tokens of the extra folder's train samples are counted
+    o_samples = sorted(distill.read_samples(os.path.join(o["generation_dir"], "samples.jsonl")),
+                       key=lambda r: r["index"])  # the order the run splits
+    o_train, _ = distill.split(o_samples, 2)
+    want = torch.zeros(VOCAB, dtype=torch.int64)
+    for s in o_train:
+        want += torch.bincount(torch.tensor(s["response_ids"]), minlength=VOCAB)
+    assert torch.equal(distill.response_counts(extra_dir, xman, VOCAB), want)
+    with open(os.path.join(cfg["out"], "config.json")) as f:
+        extra = json.load(f)["turbospec_extra"]
+    assert extra["num_samples"] == t.store.num_train_samples()
+    assert extra["extra_features"][0]["folder"] == os.path.basename(extra_dir)
+    assert extra["extra_features"][0]["train_samples"] == x_train
+    # refusals
+    foreign = train.run(config.TrainConfig(**{**base, "target": _save_target(tmp_path / "m2", bigram=True)}, data=other,
+                                           out=str(tmp_path / "o2"), work_dir=str(tmp_path / "wf"),
+                                           stop_after="features"))["features_dir"]
+    layers = train.run(config.TrainConfig(**base, data=other, out=str(tmp_path / "o3"), work_dir=str(tmp_path / "wl"),
+                                          feature_layers=[1, 0], stop_after="features"))["features_dir"]
+    unfinished = str(tmp_path / "unfinished")
+    shutil.copytree(extra_dir, unfinished)
+    man = distill.read_manifest(unfinished)
+    man["complete"] = False
+    with open(os.path.join(unfinished, "manifest.json"), "w") as f:
+        json.dump(man, f)
+    for bad, kw, msg in (([foreign], {}, "was not computed by this target"),
+                         ([layers], {}, "holds features of layers \\[1, 0\\]; this head reads \\[0, 1\\]"),
+                         ([extra_dir], dict(distill_topk=4), "stores no soft labels; --distill-topk 4"),
+                         ([unfinished], {}, "unfinished"),
+                         ([t.feat_dir], {}, "this run's own feature folder"),
+                         ([extra_dir, extra_dir + "/"], {}, "given twice"),
+                         ([str(tmp_path)], {}, "not a feature folder")):
+        with pytest.raises(ValueError, match=f"--extra-features .*{msg}"):
+            train.run(config.TrainConfig(**{**cfg, **kw}, extra_features=bad))
+    args = _parse(["train", "--method", "eagle3", "--out", "o", "--extra-features", "a", "--extra-features", "b"])
+    assert config.config_from_args(args).extra_features == ["a", "b"]
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_soft_labels_are_the_targets_distribution(method):
     """--distill-topk: the loss is the cross-entropy against the target's distribution at each

@@ -52,6 +52,7 @@ class TrainConfig:
     feature_dtype: str = "bfloat16"
     feature_batch_size: int = 8
     train_samples: tuple[int, int | None] | None = None  # a slice [start, end) of the train split
+    extra_features: list[str] | None = None  # finished feature folders whose train samples join
     # stage 3
     epochs: int = 1
     lr: float | None = None            # None: DEFAULT_LR[method]
@@ -177,6 +178,12 @@ def check_config(cfg: TrainConfig) -> None:
         if not is_int(a) or a < 0 or (b is not None and (not is_int(b) or b <= a)):
             raise ValueError(f"--train-samples {cfg.train_samples!r}: expected START:END with 0 <= START < END "
                              f"(END may be left out)")
+    extra = [os.path.realpath(d) for d in cfg.extra_features or []]
+    if len(set(extra)) != len(extra):
+        raise ValueError(f"--extra-features {cfg.extra_features!r}: a folder is given twice")
+    for d in cfg.extra_features or []:
+        if not os.path.isfile(os.path.join(d, "manifest.json")):
+            raise ValueError(f"--extra-features {d!r} is not a feature folder (no manifest.json in it)")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device!r}: CUDA is not available on this machine")
 
@@ -256,6 +263,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--feature-batch-size", type=int, default=8,
                    help="samples per target forward when extracting features (similar lengths together; "
                         "on CPU the features are the same bits as one sample at a time)")
+    g.add_argument("--extra-features", action="append", default=None, metavar="DIR",
+                   help="(repeatable) a finished feature folder (<work>/feat-<key>) of another run of the "
+                        "same target and feature layers, e.g. other answers extracted before: its train "
+                        "samples join this run's, without recomputing them; its first sample is recomputed "
+                        "to check the target; the held-out split stays this run's")
     g.add_argument("--train-samples", default=None, metavar="START:END",
                    help="extract features for and train on only samples START..END-1 of the train split "
                         "(the held-out split is unchanged; END may be left out): continue a head "

@@ -759,13 +759,95 @@ def _summarize(manifest: dict, t0: float) -> None:
     manifest["seconds"] = round(time.perf_counter() - t0, 1)
 
 
+def read_manifest(feat_dir: str) -> dict:
+    """The manifest of a feature folder; a clear error when there is none."""
+    path = os.path.join(feat_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"{feat_dir!r} is not a feature folder (no manifest.json in it)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_extra_features(feat_dir: str, manifest: dict, spec, feature_dtype: str, topk: int,
+                         own_dir: str) -> None:
+    """Refuses an --extra-features folder that cannot join this run's features: unfinished, the
+    run's own folder, other feature layers or dtype, or without the soft labels --distill-topk
+    needs. That the same target computed it is checked on its numbers (``check_same_target``)."""
+    name = f"--extra-features {feat_dir!r}"
+    st = manifest.get("settings", {})
+    if os.path.realpath(feat_dir) == os.path.realpath(own_dir):
+        raise ValueError(f"{name} is this run's own feature folder")
+    if not manifest.get("complete"):
+        raise ValueError(f"{name}: its features are unfinished (the run that extracts them has not completed); "
+                         f"finish it first")
+    spec_key = "final" if spec == "final" else [int(i) for i in spec]
+    if st.get("spec") != spec_key:
+        raise ValueError(f"{name} holds features of layers {st.get('spec')}; this head reads {spec_key}")
+    if st.get("feature_dtype") != feature_dtype:
+        raise ValueError(f"{name} stores {st.get('feature_dtype')} features; this run's --feature-dtype is "
+                         f"{feature_dtype}")
+    if topk and st.get("topk", 0) < topk:
+        raise ValueError(f"{name} stores {'no soft labels' if not st.get('topk') else 'top-' + str(st['topk'])}; "
+                         f"--distill-topk {topk} needs the top {topk}")
+    if not manifest.get("shards"):
+        raise ValueError(f"{name} has no train samples")
+
+
+@torch.inference_mode()
+def check_same_target(target: Transformer, feat_dir: str, manifest: dict, spec, fdtype: torch.dtype,
+                      tol: float = 2e-2) -> float:
+    """Recomputes the first train sample of a feature folder with ``target`` and compares: the
+    stored features must match to ``tol`` relative RMS (another device or kernel rounds
+    differently; another model, layer or weight file is off by O(1)) and the stored labels exactly.
+    Returns the relative RMS difference."""
+    from safetensors import safe_open
+    first = manifest["shards"][0]
+    with safe_open(os.path.join(feat_dir, first["file"]), framework="pt") as f:
+        off = f.get_slice("offsets")[0:2]
+        e = int(off[1])
+        ids = f.get_slice("ids")[0:e].tolist()
+        stored = f.get_slice("features")[0:e].float()
+        argmax = f.get_slice("argmax")[0:e]
+    p = first["prompt_lens"][0]
+    row = _sample_tensors(target, {"prompt_ids": ids[:p], "response_ids": ids[p:]}, spec,
+                          target.new_cache(len(ids)), fdtype)
+    mine = row["features"].float()
+    if mine.shape != stored.shape:
+        raise ValueError(f"--extra-features {feat_dir!r}: its features are {stored.shape[1]} wide, this "
+                         f"target's {mine.shape[1]}")
+    rel = float((mine - stored).pow(2).mean().sqrt() / stored.pow(2).mean().sqrt().clamp_min(1e-30))
+    agree = float((row["argmax"] == argmax).float().mean())
+    if not rel <= tol or agree < 0.99:
+        raise ValueError(f"--extra-features {feat_dir!r} was not computed by this target: its first sample "
+                         f"recomputed differs by {rel:.3g} relative RMS in the features (at most {tol:g} "
+                         f"allowed) and agrees with its labels at {100 * agree:.1f}% of positions")
+    return rel
+
+
+def response_counts(feat_dir: str, manifest: dict, vocab: int) -> Tensor:
+    """How often each token is a response token in a feature folder's train shards (the ids after
+    each sample's prompt), read without loading the features."""
+    from safetensors import safe_open
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for sh in manifest["shards"]:
+        with safe_open(os.path.join(feat_dir, sh["file"]), framework="pt") as f:
+            ids, off = f.get_tensor("ids").long(), f.get_tensor("offsets")
+        keep = torch.ones(ids.numel(), dtype=torch.bool)
+        for s, p in enumerate(sh["prompt_lens"]):
+            keep[int(off[s]):int(off[s]) + p] = False
+        counts += torch.bincount(ids[keep], minlength=vocab)[:vocab]
+    return counts
+
+
 class FeatureStore:
     """Reads a feature folder: batch plans from the manifest alone, one train shard in memory at a
-    time (memory stays bounded by --shard-tokens), the eval split loaded once."""
+    time (memory stays bounded by --shard-tokens), the eval split loaded once. ``extra``: other
+    folders ``[(dir, manifest)]`` whose train shards join (--extra-features); the eval split stays
+    this folder's."""
 
-    def __init__(self, feat_dir: str, manifest: dict):
+    def __init__(self, feat_dir: str, manifest: dict, extra: list[tuple[str, dict]] = ()):
         self.dir, self.manifest = feat_dir, manifest
-        self.shards = manifest["shards"]
+        self.shards = [dict(sh, dir=d) for d, m in [(feat_dir, manifest), *extra] for sh in m["shards"]]
         self._cached: tuple[int, dict] | None = None
 
     def num_train_samples(self) -> int:
@@ -774,7 +856,8 @@ class FeatureStore:
     def load(self, shard: int) -> dict[str, Tensor]:
         if self._cached is None or self._cached[0] != shard:
             self._cached = None
-            self._cached = (shard, load_file(os.path.join(self.dir, self.shards[shard]["file"])))
+            sh = self.shards[shard]
+            self._cached = (shard, load_file(os.path.join(sh["dir"], sh["file"])))
         return self._cached[1]
 
     def plan(self, batch_size: int, seed: int, epoch: int) -> list[tuple[int, list[int]]]:

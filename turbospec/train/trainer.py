@@ -147,6 +147,7 @@ class Trainer:
         self.deadline: float | None = None
         self.time_p0, self.train_avail = 0.0, None
         self.init = None  # --init-head: the head training starts from
+        self.extra_features: list[tuple[str, dict]] = []  # --extra-features: [(folder, manifest)]
 
     def run(self) -> dict:
         """The whole pipeline; returns a summary (stage infos, final eval, checkpoint path)."""
@@ -282,6 +283,15 @@ class Trainer:
             other_answerer=answers_by_copy(cfg) or bool(cfg.mix_data), mix=self.mix_records,
             topk=cfg.distill_topk)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
+        self.extra_features = []
+        for d in cfg.extra_features or []:
+            m = distill.read_manifest(d)
+            distill.check_extra_features(d, m, spec, cfg.feature_dtype, cfg.distill_topk, self.feat_dir)
+            rel = distill.check_same_target(target, d, m, spec, distill.FEATURE_DTYPES[cfg.feature_dtype])
+            n, tokens = sum(len(sh["lengths"]) for sh in m["shards"]), sum(sum(sh["lengths"]) for sh in m["shards"])
+            log(f"features: --extra-features {d}: {n} train samples ({tokens} tokens) join; its first sample "
+                f"recomputed by this target: {rel:.2e} relative RMS")
+            self.extra_features.append((d, m))
 
     def _stage_deadline(self, share: float) -> float | None:
         """With --time-budget: when a data stage stops (the budget's first ``share``); else None."""
@@ -298,6 +308,8 @@ class Trainer:
         counts = torch.zeros(vocab, dtype=torch.int64)
         for s in train_samples:
             counts += torch.bincount(torch.tensor(s["response_ids"], dtype=torch.int64), minlength=vocab)
+        for d, m in self.extra_features:
+            counts += distill.response_counts(d, m, vocab)
         head = build_head(cfg, target, counts, self.source) if self.init is None else self.init
         coverage = lambda h: float(counts[h.draft_vocab_ids().cpu()].sum()) / max(int(counts.sum()), 1)  # noqa: E731
         if self.init is not None and cfg.method == "eagle3" and cfg.draft_vocab is not None \
@@ -324,7 +336,7 @@ class Trainer:
         """The feature store and batch plan, AdamW, the schedule, and where the training state is
         saved (keyed by every setting that changes the result)."""
         cfg = self.cfg
-        self.store = FeatureStore(self.feat_dir, self.manifest)
+        self.store = FeatureStore(self.feat_dir, self.manifest, self.extra_features)
         self.eval_batches = self.store.eval_batches(cfg.batch_size)
         self.per_epoch = len(self.store.plan(cfg.batch_size, cfg.seed, 0))
         self.total = self.per_epoch * cfg.epochs
@@ -337,10 +349,12 @@ class Trainer:
                      amp_dtype=str(self.amp), eval_samples=self.manifest["eval_samples"])
         self.hyper = hyper
         not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every", "feature_batch_size",
-                     "distill_data", "mix_data")  # the feature folder's key holds what the data files hold
+                     "distill_data", "mix_data", "extra_features")  # the feature folders' keys hold what the data files hold
         if not cfg.align_topk:  # off: the key of the runs from before the option existed (they resume)
             not_keyed += ("align_topk",)
-        train_key = distill.sha1({"feat": os.path.basename(self.feat_dir),
+        extra_key = {"extra_feat": [os.path.basename(os.path.normpath(d)) for d, _ in self.extra_features]} \
+            if self.extra_features else {}  # absent without: earlier runs' keys stay valid
+        train_key = distill.sha1({"feat": os.path.basename(self.feat_dir), **extra_key,
                                   **{k: v for k, v in hyper.items() if k not in not_keyed}})
         self.state_path = os.path.join(self.work, f"train-{cfg.method}-{train_key}.pt")
         self.tokens = sum(sum(s["lengths"]) for s in self.store.shards)
@@ -390,6 +404,11 @@ class Trainer:
             extra["head_accuracy"] = ev["rank_accuracy"]  # what medusa.default_choices takes
         if self.mix_records:
             extra["mix_data"] = self.mix_records
+        if self.extra_features:
+            extra["extra_features"] = [
+                {"folder": os.path.basename(os.path.normpath(d)), "generation": m["settings"].get("gen"),
+                 "mix": m["settings"].get("mix"), "train_samples": sum(len(sh["lengths"]) for sh in m["shards"]),
+                 "tokens": sum(sum(sh["lengths"]) for sh in m["shards"])} for d, m in self.extra_features]
         if "draft_vocab_coverage" in self.summary:
             extra["draft_vocab_coverage"] = self.summary["draft_vocab_coverage"]
         return extra
