@@ -82,8 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join("bench", "out", "tau.json"))
     args = p.parse_args(argv)
     nodes = [int(x) for x in args.nodes.split(",") if x.strip()]
-    if not nodes or any(n < 1 for n in nodes):
-        raise SystemExit(f"--nodes {args.nodes!r}: expected a comma list of integers >= 1")
+    from turbospec.ops.limits import MAX_TREE_NODES
+    if not nodes or any(not 1 <= n < MAX_TREE_NODES for n in nodes):
+        raise SystemExit(f"--nodes {args.nodes!r}: expected a comma list of integers in [1, {MAX_TREE_NODES - 1}] "
+                         f"(drafts per step; a tree holds {MAX_TREE_NODES} rows with its root)")
     if not args.head and not args.drafter and not args.plain:
         raise SystemExit("nothing to run: pass --head, --drafter and / or --plain")
     if args.rounds < 1:

@@ -369,3 +369,12 @@ def test_check_vllm_head_counts_and_refusals(tmp_path):
         m.main(["--vllm-venv", str(tmp_path)])
     with pytest.raises(SystemExit, match="--num-spec must be >= 1"):
         m.main(["--num-spec", "0", "--vllm-venv", str(tmp_path)])
+
+
+def test_bench_tau_refuses_budgets_the_tree_cannot_hold():
+    """--nodes past the tree's 63 drafts (64 rows with the root) is refused before any model loads,
+    not after the smaller budgets have run."""
+    m = _load_bench("bench_tau")
+    for bad in ("8,64", "0", ""):
+        with pytest.raises(SystemExit, match=r"--nodes .*\[1, 63\]"):
+            m.main(["--nodes", bad, "--out", os.devnull])
