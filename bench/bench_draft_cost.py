@@ -12,6 +12,7 @@ spread over all of them; plain decoding runs in the same turns as the reference.
 
     python bench/bench_draft_cost.py --method eagle3 --method medusa --draft-weights dense,q8_0,q4_0 \\
         --draft-dtype float32 --nodes 4 --per-category 2 --max-new-tokens 64 --rounds 3
+    python bench/bench_draft_cost.py --method eagle3 --head v16k=/work/train/all16k/head --draft-weights q4_0
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--method", action="append", choices=["eagle3", "medusa"], default=None,
                    help="shipped head(s) to measure (repeatable; default: eagle3)")
+    p.add_argument("--head", action="append", default=None, metavar="NAME=DIR",
+                   help="(repeatable) a trained head folder to measure as NAME, with the tree options of "
+                        "its own shipped engine settings, else those of the shipped head of its method")
     p.add_argument("--draft-weights", default="dense,q8_0,q4_0", help="comma list of head weight storages")
     p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--nodes", type=int, default=4, help="draft nodes per step (fixed: adaptive off)")
@@ -55,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join("bench", "out", "draft_cost.json"))
     args = p.parse_args(argv)
     weights = [w for w in args.draft_weights.split(",") if w]
+    named = []
+    for spec in args.head or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not os.path.isfile(os.path.join(path, "config.json")):
+            raise SystemExit(f"--head {spec!r}: expected NAME=DIR with a head's config.json in DIR")
+        named.append((name, path))
     torch.set_num_threads(args.threads)
 
     import turbospec
@@ -65,13 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(args.spec_bench, args.per_category)
     heads = shipped_heads()
     systems: dict[str, dict] = {"plain": dict(drafter="none")}
-    for method in args.method or ["eagle3"]:
-        head = load_head(heads[method], target_cfg=target.cfg)
-        tree = {k: v for k, v in head.extra.get("engine", {}).get("tree", {}).items() if k != "ngram"}
+    def tree_of(head):
+        engine = head.extra.get("engine") or load_head(heads[head.cfg.method], target_cfg=target.cfg).extra["engine"]
+        return {k: v for k, v in engine.get("tree", {}).items() if k != "ngram"}
+
+    todo = [(m, load_head(heads[m], target_cfg=target.cfg)) for m in args.method or ([] if named else ["eagle3"])]
+    todo += [(name, load_head(path, target_cfg=target.cfg)) for name, path in named]
+    for label, head in todo:
         for w in weights:
-            systems[f"{method}_{w}"] = dict(drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree,
-                                            num_draft=args.nodes, adaptive=False, draft_weights=w,
-                                            draft_dtype=args.draft_dtype)
+            systems[f"{label}_{w}"] = dict(drafter="medusa" if head.cfg.method == "medusa" else "eagle", head=head,
+                                           tree=tree_of(head), num_draft=args.nodes, adaptive=False,
+                                           draft_weights=w, draft_dtype=args.draft_dtype)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
     encoded = [engines["plain"].encode(t) for t in texts]  # the chat template applied
     for eng in engines.values():  # warm-up: first-call costs out of the measurement

@@ -378,3 +378,11 @@ def test_bench_tau_refuses_budgets_the_tree_cannot_hold():
     for bad in ("8,64", "0", ""):
         with pytest.raises(SystemExit, match=r"--nodes .*\[1, 63\]"):
             m.main(["--nodes", bad, "--out", os.devnull])
+
+
+def test_bench_draft_cost_head_option_refuses_bad_folders(tmp_path):
+    """bench_draft_cost.py --head NAME=DIR names the option and the value before loading anything."""
+    m = _load_bench("bench_draft_cost")
+    for bad in ("nohead", "x=" + str(tmp_path), "=" + str(tmp_path)):
+        with pytest.raises(SystemExit, match="--head .*expected NAME=DIR"):
+            m.main(["--head", bad, "--out", os.devnull])
