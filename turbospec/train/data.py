@@ -620,7 +620,7 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
     ``time.perf_counter()`` value): the shard in progress is written and the stage returns once it
     has passed; the manifest lists the shards done (not "complete") and a later call resumes.
     ``batch_size``: samples per target forward (``_batch_tensors``), taken by similar length from
-    windows of 4 batches and stored in sample order. ``mix``: the records of ``load_mix`` when
+    windows of up to 32 batches (``_window``) and stored in sample order. ``mix``: the records of ``load_mix`` when
     ``samples`` hold other generations' samples too (tagged ``"mix"``); they join the key.
     ``topk`` > 0: the target's top-k next tokens and log-probabilities are stored too (a key of
     their own)."""
@@ -715,11 +715,11 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
         bar.update(skip)
         rows, group = [], []
         i = start
-        window: list[dict] = []  # computed ahead: 4 batches of samples at a time (a deadline waits for them)
+        window: list[dict] = []  # computed ahead, a window at a time (a deadline waits for it)
         while i < len(train):
             s = train[i]
             if not window:
-                ahead = 1 if batch_size <= 1 else 4 * batch_size
+                ahead = 1 if batch_size <= 1 else _window(train, i, batch_size, shard_tokens)
                 window = _tensors_in_order(target, train[i:i + ahead], spec, fdtype, batch_size, topk)
             rows.append(window.pop(0))
             group.append(s)
@@ -750,6 +750,21 @@ def _collect(target, samples, feat_dir, settings, spec, stop_at=None, batch_size
     log(f"features: done in {manifest['seconds']} s; the target's argmax equals the generated token at "
          f"{100 * manifest['argmax_agreement']:.2f}% of response positions -> {feat_dir}")
     return feat_dir, manifest
+
+
+def _window(train: list[dict], i: int, batch_size: int, shard_tokens: int) -> int:
+    """How many samples from ``train[i]`` on are computed together: batches are taken from them by
+    similar length, so the wider the window the less padding (on the greedy answers to the training
+    prompts, batches of 8: 77 % of the computed rows are real tokens with windows of 4 batches, 97 %
+    with 32). Up to 32 batches, and no more tokens than a shard (``--shard-tokens`` bounds memory)
+    but at least one batch."""
+    n, tokens = 0, 0
+    while i + n < len(train) and n < 32 * batch_size:
+        t = len(train[i + n]["prompt_ids"]) + len(train[i + n]["response_ids"])
+        if n >= batch_size and tokens + t > shard_tokens:
+            break
+        n, tokens = n + 1, tokens + t
+    return n
 
 
 def _summarize(manifest: dict, t0: float) -> None:
