@@ -23,9 +23,8 @@
 # whose settings are MAX_NEW 256, all prompts, float32; empty: none), MIX (space-separated stored
 # generations whose samples join the train split, --mix-data: by default every other SmolLM2
 # generation under data/distill/ (the sampled answers, the augmented prompts' answers); empty:
-# none), DRAFT_VOCAB (16384: the head's draft vocabulary; 8,192 tokens cover 89.7 % of the target's
-# Spec-Bench answers and 75.8 % of its translations, 16,384 chosen on all stored answers 96.4 %:
-# bench/results/2026-11-29-draft-vocab-coverage.md), DTYPE (float32: the target's; the CPU engine
+# none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
+# proposal 11 % dearer on CPU, bench/results/2026-11-29-extra-features-all16k.md), DTYPE (float32: the target's; the CPU engine
 # runs it so), SAVE_EVERY (400), RESUME (1:
 # continue), TRAIN_ARGS (more). The extension is
 # built unless its kernels for DEVICE already load (an earlier call on the same machine built them).
@@ -75,7 +74,7 @@ timeout -s INT -k 60 "$(( T_TRAIN + 90 ))" python -u -m turbospec.cli train --me
   --num-prompts "${NUM_PROMPTS:-0}" --max-new-tokens "${MAX_NEW:-256}" --gen-batch-size "${GEN_BATCH:-256}" \
   --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --batch-size "${BATCH:-32}" \
   --loss-on-prompt --time-budget "$T_TRAIN" --feature-batch-size "${FEATURE_BATCH:-32}" \
-  --draft-vocab "${DRAFT_VOCAB:-16384}" \
+  --draft-vocab "${DRAFT_VOCAB:-8192}" \
   ${DISTILL:+--distill-data "$DISTILL"} "${MIX_FLAGS[@]}" \
   --eval-every "${SAVE_EVERY:-400}" --save-every "${SAVE_EVERY:-400}" $RESUME_FLAG ${TRAIN_ARGS:-} \
   2>&1 | tee -a "$OUT/train.log"
