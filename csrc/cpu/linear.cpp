@@ -86,6 +86,9 @@ constexpr FormatInfo info_of(int64_t f) {
     case kQ4_1G: return {32, 20, "Q4_1G"};
     case kQ5_0G: return {32, 22, "Q5_0G"};
     case kQ8_0G: return {32, 34, "Q8_0G"};
+    case kQ4_0X: return {32, 18, "Q4_0X"};
+    case kQ4_1X: return {32, 20, "Q4_1X"};
+    case kQ8_0X: return {32, 34, "Q8_0X"};
     default: return {0, 0, nullptr};
   }
 }
@@ -107,7 +110,7 @@ FormatInfo checked_info(int64_t f) {
   FormatInfo fi{};
   TORCH_CHECK(format_info(f, &fi), "linear: weight format ", f, " is not supported; supported (GGML type ids): ",
               "0 F32, 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, ",
-              "1002 Q4_0G, 1003 Q4_1G, 1006 Q5_0G, 1008 Q8_0G");
+              "1002 Q4_0G, 1003 Q4_1G, 1006 Q5_0G, 1008 Q8_0G, 2002 Q4_0X, 2003 Q4_1X, 2008 Q8_0X");
   return fi;
 }
 
@@ -1600,6 +1603,9 @@ std::vector<Segment> segments(at::TensorList weights, at::IntArrayRef formats, i
     const at::Tensor& w = weights[i];
     const int64_t f = formats[i];
     const FormatInfo fi = checked_info(f);
+    TORCH_CHECK(interleaved_base(f) < 0, "linear: weights[", i, "] has the interleaved format ", fi.name, " (", f,
+                "), which only activations=8 reads; de-interleave it (reference.deinterleave_blocks) for exact "
+                "activations");
     TORCH_CHECK(w.dim() == 2 && w.is_cpu() && !w.is_mkldnn(), "linear: weights[", i,
                 "] must be a dense 2-D CPU tensor, got ", w.sizes());
     int64_t row_bytes;
@@ -1697,6 +1703,14 @@ at::Tensor dequantize(const at::Tensor& raw, int64_t format, int64_t K) {
     regroup_rows(r.data_ptr<uint8_t>(), plain.data_ptr<uint8_t>(), r.size(0), K / 32, fi.bytes, header_halves(base),
                  false);
     return dequantize(plain, base, K);
+  }
+  const int64_t ibase = interleaved_base(format);
+  if (ibase >= 0) {
+    TORCH_CHECK(r.size(0) % kInterleaveRows == 0, "dequantize: ", fi.name, " holds rows in groups of ",
+                kInterleaveRows, ", got ", r.size(0), " rows");
+    at::Tensor plain = at::empty_like(r);
+    deinterleave_rows(r.data_ptr<uint8_t>(), plain.data_ptr<uint8_t>(), r.size(0), K / 32, ibase);
+    return dequantize(plain, ibase, K);
   }
   at::Tensor out = at::empty({raw.size(0), K}, raw.options().dtype(at::kFloat));
   const uint8_t* src = r.data_ptr<uint8_t>();

@@ -22,7 +22,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -48,6 +50,7 @@ struct QRow {
   const float* d;
   const float* s;
   const int32_t* lsum;  // [K / 32][8]
+  const int32_t* bsum;  // [K / 32]: sum of q per block (the interleaved formats' offset term)
   // per 256 (the K-quant formats): q256 [K], d256 [K / 256], sums of q256 per 16 [K / 16]
   const int8_t* q256;
   const float* d256;
@@ -122,17 +125,19 @@ void quantize_row_256(const float* x, int64_t K, int8_t* q, float* d, int16_t* b
   }
 }
 
-// Per 32: q, d, d * sum(q) per block and the eight 4-value lane sums of q per block.
-void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum, Isa isa) {
+// Per 32: q, d, the sum of q and d * sum(q) per block and the eight 4-value lane sums of q per block.
+void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* lsum, int32_t* bsum, Isa isa) {
   for (int64_t b = 0; b < K / 32; ++b) {
     d[b] = quantize_block_isa(x + 32 * b, 32, q + 32 * b, isa);
 #ifdef TS_X86
     if (isa != Isa::kScalar) {
-      s[b] = d[b] * static_cast<float>(quad_sums_avx2(q + 32 * b, lsum + 8 * b));
+      bsum[b] = quad_sums_avx2(q + 32 * b, lsum + 8 * b);
+      s[b] = d[b] * static_cast<float>(bsum[b]);
       continue;
     }
 #endif
-    s[b] = d[b] * static_cast<float>(sum_q(q + 32 * b, 32));
+    bsum[b] = sum_q(q + 32 * b, 32);
+    s[b] = d[b] * static_cast<float>(bsum[b]);
     for (int l = 0; l < 8; ++l) lsum[8 * b + l] = sum_q(q + 32 * b + 4 * l, 4);
   }
 }
@@ -824,6 +829,227 @@ void rows_grouped(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const
   rows<F>(pr, nw, row_bytes, xr, R, K, out, ldo, isa);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Interleaved layouts (Q4_0X / Q4_1X / Q8_0X, gguf_blocks.h): tiles of 16 weight rows, one integer
+// lane per weight row. Order (reference.linear_int8): per output, one accumulator, block by block
+// y = fma(d_w * d_x, S, y) with S the exact integer sum of q_w * q_x over the block's 32 values,
+// then (Q4_1X) y = fma(min_w, d_x * sum(q_x), y). The stored values are unsigned (u = q_w + off:
+// Q4_0 8, Q4_1 0, Q8_0 128), so S = sum u * q_x - off * sum(q_x).
+constexpr bool is_x(int64_t F) { return F == kQ4_0X || F == kQ4_1X || F == kQ8_0X; }
+constexpr int x_offset(int64_t F) { return F == kQ4_0X ? 8 : F == kQ8_0X ? 128 : 0; }
+constexpr int64_t x_chunk(int64_t F) { return kInterleaveRows * (F == kQ4_0X ? 18 : F == kQ4_1X ? 20 : 34); }
+constexpr int x_header(int64_t F) { return F == kQ4_1X ? 64 : 32; }
+
+template <int64_t F>
+void rows_x_scalar(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r) {
+    float acc[kInterleaveRows] = {};
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* p = g + b * x_chunk(F);
+      const uint8_t* v = p + x_header(F);
+      const int8_t* q = xr[r].q + 32 * b;
+      for (int i = 0; i < kInterleaveRows; ++i) {
+        int32_t S = 0;
+        if constexpr (F == kQ8_0X) {
+          for (int c = 0; c < 8; ++c)
+            for (int e = 0; e < 4; ++e) S += static_cast<int32_t>(v[64 * c + 4 * i + e]) * q[4 * c + e];
+        } else {
+          for (int c = 0; c < 4; ++c)
+            for (int e = 0; e < 4; ++e) {
+              const uint8_t u = v[64 * c + 4 * i + e];
+              S += static_cast<int32_t>(u & 15) * q[4 * c + e] + static_cast<int32_t>(u >> 4) * q[16 + 4 * c + e];
+            }
+        }
+        S -= x_offset(F) * xr[r].bsum[b];
+        acc[i] = std::fma(half_at(p + 2 * i) * xr[r].d[b], static_cast<float>(S), acc[i]);
+        if constexpr (F == kQ4_1X) acc[i] = std::fma(half_at(p + 32 + 2 * i), xr[r].s[b], acc[i]);
+      }
+    }
+    for (int i = 0; i < kInterleaveRows; ++i) out[r * ldo + i] = acc[i];
+  }
+}
+
+#ifdef TS_X86
+#define TS_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// acc + the exact sums of 4 byte products per 32-bit lane (w unsigned, x signed): vpdpbusd, or
+// maddubs + madd where the CPU has no VNNI. maddubs adds two products into 16 bits: exact for the
+// 4-bit formats (2 * 15 * 127 < 2^15); Q8_0X's unsigned values (up to 255) take the signed form
+// instead (|w| against x with w's sign, w = u - 128: 2 * 128 * 127 < 2^15 too) and its offset is
+// then not subtracted (kernel `signed_q8`): the same integers.
+template <bool VNNI>
+TS_AVX512VNNI __attribute__((always_inline)) inline __m512i dot4(__m512i acc, __m512i w, __m512i x) {
+  if constexpr (VNNI) {
+    return _mm512_dpbusd_epi32(acc, w, x);
+  } else {
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+  }
+}
+
+template <int64_t F, int NX, bool VNNI>
+TS_AVX512VNNI void tile_x512(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
+  constexpr bool signed_q8 = F == kQ8_0X && !VNNI;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const bool nta = prefetch_nta();
+  __m512 acc[NX];
+  for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p = g + b * x_chunk(F);
+    const uint8_t* v = p + x_header(F);
+    for (int64_t off = 0; off < x_chunk(F); off += 64) prefetch_weights(p + 4 * x_chunk(F) + off, nta);
+    __m512i S[NX];
+    for (int r = 0; r < NX; ++r) S[r] = _mm512_setzero_si512();
+    if constexpr (F == kQ8_0X) {
+      for (int c = 0; c < 8; ++c) {
+        __m512i w = _mm512_loadu_si512(v + 64 * c);
+        __mmask64 neg = 0;
+        if constexpr (signed_q8) {
+          w = _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80)));  // the signed values
+          neg = _mm512_movepi8_mask(w);
+          w = _mm512_abs_epi8(w);
+        }
+        for (int r = 0; r < NX; ++r) {
+          __m512i x = _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
+          if constexpr (signed_q8) x = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+          S[r] = dot4<VNNI>(S[r], w, x);
+        }
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i raw = _mm512_loadu_si512(v + 64 * c);
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < NX; ++r) {
+          S[r] = dot4<VNNI>(S[r], lo, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)));
+          S[r] = dot4<VNNI>(S[r], hi, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c)));
+        }
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512 mw = _mm512_setzero_ps();
+    if constexpr (F == kQ4_1X) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int r = 0; r < NX; ++r) {
+      __m512i s = S[r];
+      if constexpr (x_offset(F) != 0 && !signed_q8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x_offset(F) * xr[r].bsum[b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xr[r].d[b])), _mm512_cvtepi32_ps(s), acc[r]);
+      if constexpr (F == kQ4_1X) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr[r].s[b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < NX; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <int64_t F, bool VNNI>
+void rows_x512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  constexpr int kPass = 6;  // input rows per pass: 6 integer + 6 float accumulators
+  int64_t r = 0;
+  for (; r + kPass <= R; r += kPass) tile_x512<F, kPass, VNNI>(g, xr + r, K, out + r * ldo, ldo);
+  switch (R - r) {
+    case 5: tile_x512<F, 5, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 4: tile_x512<F, 4, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 3: tile_x512<F, 3, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 2: tile_x512<F, 2, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 1: tile_x512<F, 1, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// The AVX2 path of the same tiles: each 64-byte chunk as two registers of 8 weight rows; maddubs +
+// madd (exact, as above; Q8_0X in the signed form), the same per-block order.
+template <int64_t F, int NX>
+TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool nta = prefetch_nta();
+  __m256 acc[NX][2];
+  for (int r = 0; r < NX; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p = g + b * x_chunk(F);
+    const uint8_t* v = p + x_header(F);
+    for (int64_t off = 0; off < x_chunk(F); off += 64) prefetch_weights(p + 4 * x_chunk(F) + off, nta);
+    __m256i S[NX][2];
+    for (int r = 0; r < NX; ++r) S[r][0] = S[r][1] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (F == kQ8_0X) {
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h)),
+                                             _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed values
+          const __m256i a = _mm256_abs_epi8(w);
+          for (int r = 0; r < NX; ++r) {
+            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)), w);
+            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+          }
+        }
+      } else {
+        for (int c = 0; c < 4; ++c) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h));
+          const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+          for (int r = 0; r < NX; ++r) {
+            const __m256i xl = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
+            const __m256i xh = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c));
+            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones));
+            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      __m256 mw = _mm256_setzero_ps();
+      if constexpr (F == kQ4_1X) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
+      for (int r = 0; r < NX; ++r) {
+        __m256i s = S[r][h];
+        if constexpr (F == kQ4_0X) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xr[r].d[b])), _mm256_cvtepi32_ps(s), acc[r][h]);
+        if constexpr (F == kQ4_1X) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xr[r].s[b]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < NX; ++r) {
+    _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+    _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+  }
+}
+
+template <int64_t F>
+TS_AVX2 void rows_x256(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) tile_x256<F, 2>(g, xr + r, K, out + r * ldo, ldo);
+  if (r < R) tile_x256<F, 1>(g, xr + r, K, out + r * ldo, ldo);
+}
+
+bool has_vnni() {
+  // TURBOSPEC_VNNI=0 (read once) takes the maddubs form on a CPU with VNNI too: the tests' way to
+  // run it; the two forms give the same integers
+  static const bool v = __builtin_cpu_supports("avx512vnni") && !(std::getenv("TURBOSPEC_VNNI") &&
+                                                                   std::string(std::getenv("TURBOSPEC_VNNI")) == "0");
+  return v;
+}
+#endif  // TS_X86
+
+// One group of 16 interleaved rows (wr[0]: the group's first byte; nw == 16) against R input rows.
+template <int64_t F>
+void rows_x(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
+            int64_t ldo, Isa isa) {
+  (void)nw, (void)row_bytes;
+#ifdef TS_X86
+  if (isa == Isa::kAvx512) {
+    if (has_vnni()) rows_x512<F, true>(wr[0], xr, R, K, out, ldo);
+    else rows_x512<F, false>(wr[0], xr, R, K, out, ldo);
+    return;
+  }
+  if (isa == Isa::kAvx2) {
+    rows_x256<F>(wr[0], xr, R, K, out, ldo);
+    return;
+  }
+#endif
+  rows_x_scalar<F>(wr[0], xr, R, K, out, ldo);
+}
+
 RowsFn rows_fn(int64_t f) {
   switch (f) {
     case kQ4_0: return &rows<kQ4_0>;
@@ -837,6 +1063,9 @@ RowsFn rows_fn(int64_t f) {
     case kQ4_1G: return &rows_grouped<kQ4_1G>;
     case kQ5_0G: return &rows_grouped<kQ5_0G>;
     case kQ8_0G: return &rows_grouped<kQ8_0G>;
+    case kQ4_0X: return &rows_x<kQ4_0X>;
+    case kQ4_1X: return &rows_x<kQ4_1X>;
+    case kQ8_0X: return &rows_x<kQ8_0X>;
     default: return nullptr;
   }
 }
@@ -850,7 +1079,7 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   TORCH_CHECK(K % 32 == 0, "linear: activations=8 needs K % 32 == 0, got K = ", K);
   struct Seg {
     const uint8_t* w;
-    int64_t rows, row_bytes, col0, item0;
+    int64_t rows, row_bytes, col0, item0, per_item;  // per_item: weight rows per work item
     RowsFn fn;
   };
   std::vector<Seg> segs;
@@ -865,10 +1094,13 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
     TORCH_CHECK(w.dim() == 2 && w.is_cpu() && w.scalar_type() == at::kByte && w.size(1) == rb, "linear: weights[", i,
                 "] (format ", formats[i], ", K = ", K, ") must be uint8 [N, ", rb, "], got ", w.scalar_type(), " ",
                 w.sizes());
+    const int64_t per_item = interleaved_base(formats[i]) >= 0 ? kInterleaveRows : kRows;
+    TORCH_CHECK(w.size(0) % per_item == 0 || per_item == kRows, "linear: weights[", i, "] (format ", formats[i],
+                ", interleaved) holds rows in groups of ", per_item, ", got ", w.size(0), " rows");
     keep.push_back(w.contiguous());
-    segs.push_back({keep.back().data_ptr<uint8_t>(), w.size(0), rb, N, items, fn});
+    segs.push_back({keep.back().data_ptr<uint8_t>(), w.size(0), rb, N, items, per_item, fn});
     N += w.size(0);
-    items += (w.size(0) + kRows - 1) / kRows;
+    items += (w.size(0) + per_item - 1) / per_item;
   }
   const int64_t nb = K / 32;
   const bool need32 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return !is_k(f); });
@@ -879,18 +1111,18 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   // Reused between calls (a decode step makes ~200 of them): no allocation once they are big enough.
   thread_local std::vector<int8_t> q, q256;
   thread_local std::vector<float> d, s, d256;
-  thread_local std::vector<int32_t> lsum;
+  thread_local std::vector<int32_t> lsum, bsum;
   thread_local std::vector<int16_t> bsum16;
   thread_local std::vector<QRow> xr;
   q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
-  lsum.resize(n32 * nb * 8), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
+  lsum.resize(n32 * nb * 8), bsum.resize(n32 * nb), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
   const Isa isa = cpu_isa();
   for (int64_t r = 0; r < R; ++r) {
     QRow& row = xr[r];
     row = {};
     if (need32) {
-      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8], isa);
-      row.q = &q[r * K], row.d = &d[r * nb], row.s = &s[r * nb], row.lsum = &lsum[r * nb * 8];
+      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8], &bsum[r * nb], isa);
+      row.q = &q[r * K], row.d = &d[r * nb], row.s = &s[r * nb], row.lsum = &lsum[r * nb * 8], row.bsum = &bsum[r * nb];
     }
     if (need256) {
       quantize_row_256(xp + r * K, K, &q256[r * K], &d256[r * (K / 256)], &bsum16[r * (K / 16)], isa);
@@ -904,9 +1136,9 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
     for (int64_t it = a; it < b; ++it) {
       while (si + 1 < segs.size() && segs[si + 1].item0 <= it) ++si;
       const Seg& sg = segs[si];
-      const int64_t o0 = (it - sg.item0) * kRows, nw = std::min(kRows, sg.rows - o0);
+      const int64_t o0 = (it - sg.item0) * sg.per_item, nw = std::min(sg.per_item, sg.rows - o0);
       const uint8_t* wr[kRows];
-      for (int64_t i = 0; i < nw; ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
+      for (int64_t i = 0; i < std::min(nw, kRows); ++i) wr[i] = sg.w + (o0 + i) * sg.row_bytes;
       sg.fn(wr, nw, sg.row_bytes, rows_q, R, K, yp + sg.col0 + o0, N, isa);
     }
   });

@@ -243,11 +243,39 @@ def test_read_gguf_weights_keeps_blocks_and_undoes_llama_permutation(tmp_path, k
         torch.testing.assert_close(out, ref(ids).logits.float(), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("quant", ["q4_0", "q8_0"])
+def test_int8_interleaved_layout_matches_spec_on_every_path(quant):
+    """With int8 activations the Q4_0 / Q8_0 linears hold their blocks interleaved by 16 rows (the
+    int8 kernels' layout): the bytes de-interleave to the exact model's, a linear of a layer equals
+    reference.linear_int8, the whole forward is the same on every ISA path, and "exact" restores
+    the exact model's logits."""
+    from turbospec.ops import reference
+    model = _model("llama", quant, torch.float32)
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    run = lambda: model.forward(ids, torch.arange(ids.shape[1])[None], model.new_cache(16), 0)
+    exact = run()
+    lin = model.layers[0].linears()[0]
+    fmt0, w0 = lin.formats[0], lin.weights[0].clone()  # grouped (1000 + id) on the AVX-512 path
+    base = {"q4_0": 2, "q8_0": 8}[quant]
+    model.set_activations("int8")
+    assert lin.formats == [2000 + base] and lin.weights[0].shape == w0.shape
+    plain = reference.deinterleave_blocks(lin.weights[0], 2000 + base, lin.in_features)
+    assert torch.equal(plain, reference.ungroup_blocks(w0, fmt0, lin.in_features) if fmt0 != base else w0)
+    x = torch.randn(5, lin.in_features)
+    assert torch.equal(lin(x), reference.linear_int8(x, lin.weights, lin.formats, lin.bias))
+    outs = on_every_isa(run)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    assert not torch.equal(outs[0], exact)
+    model.set_activations("exact")
+    assert torch.equal(run(), exact)
+
+
 def test_grouped_layout_follows_isa_and_activations():
     """The linears hold Q4_0 / Q8_0 blocks grouped (1000 + id) when built on the AVX-512 path with
-    exact activations, in GGUF order otherwise and after ``set_activations("int8")``, back grouped
-    after "exact"; the bytes are the same (ungrouped == as built on the AVX2 path) and so are the
-    logits of every layout and path."""
+    exact activations, in GGUF order on the other paths, interleaved (2000 + id) after
+    ``set_activations("int8")`` on every path, back grouped after "exact"; the bytes are the same
+    (ungrouped == as built on the AVX2 path) and so are the logits of every layout and path."""
     from turbospec.ops import reference
     if ops.cpu_isa() != "avx512":
         pytest.skip("grouped weights are used on the AVX-512 path only; this CPU has none")
@@ -274,8 +302,14 @@ def test_grouped_layout_follows_isa_and_activations():
     want = run(plain)
     assert torch.equal(run(grouped), want)
     grouped.set_activations("int8")
-    assert set(fmts(grouped)) == {2}
-    assert torch.equal(run(grouped), run(plain.set_activations("int8")))
+    assert set(fmts(grouped)) == {2002}
+    try:
+        ops.cpu_isa("avx2")
+        plain.set_activations("int8")
+    finally:
+        ops.cpu_isa("default")
+    assert set(fmts(plain)) == {2002}
+    assert torch.equal(run(grouped), run(plain))
     grouped.set_activations("exact")
     assert set(fmts(grouped)) == {1002}
     assert torch.equal(run(grouped), want)

@@ -600,3 +600,122 @@ def test_int8_extreme_weights_and_activations(name):
     ys = on_every_isa(lambda: ops.linear(x, [raw], [fmt], activations=8))
     for y in ys:
         assert torch.equal(y, reference.linear_int8(x, [raw], [fmt]))
+
+
+# ------------------------------------------------------------------------------------------------
+# interleaved layouts (2000 + the GGUF id): 16 rows' blocks side by side, int8 activations only
+# ------------------------------------------------------------------------------------------------
+INTERLEAVED = {"Q4_0": 2002, "Q4_1": 2003, "Q8_0": 2008}
+
+
+def extreme_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """random_blocks with every other row's values at the format's extremes (Q8_0: -128 and 127;
+    4-bit: 15 and 0 in both nibbles), the products the byte-pairing instructions must keep exact."""
+    nbytes = reference.WEIGHT_FORMATS[BLOCK_FORMATS[name]][2]
+    raw = random_blocks(name, n, k, seed=seed).reshape(n, k // 32, nbytes).clone()
+    hdr = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[name]
+    raw[0::4, :, hdr:] = 0x80 if name == "Q8_0" else 0xFF
+    raw[1::4, :, hdr:] = 0x7F if name == "Q8_0" else 0x00
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+@pytest.mark.parametrize("k", [32, 576])
+def test_interleave_blocks_layout_and_round_trip(name, k):
+    """interleave_blocks moves bytes only (deinterleave_blocks undoes it; Q8_0's values + 128), to
+    the places gguf_blocks.h describes; C++ dequantize of it gives the GGUF layout's bits."""
+    fmt, xfmt = BLOCK_FORMATS[name], INTERLEAVED[name]
+    n = 32
+    raw = random_blocks(name, n, k, seed=k)
+    inter = reference.interleave_blocks(raw, fmt, k)
+    assert inter.shape == raw.shape and not torch.equal(inter, raw)
+    assert torch.equal(reference.deinterleave_blocks(inter, xfmt, k), raw)
+    nbytes = reference.WEIGHT_FORMATS[fmt][2]
+    blocks = raw.reshape(n, k // 32, nbytes)
+    group = inter.reshape(n // 16, k // 32, 16 * nbytes)
+    nh = 2 if name == "Q4_1" else 1
+    g, j, i = 1, k // 32 - 1, 5  # row 16 + 5, the last block
+    chunk = group[g, j]
+    assert torch.equal(chunk[2 * i:2 * i + 2], blocks[16 + i, j, 0:2])                  # d
+    if nh == 2:
+        assert torch.equal(chunk[32 + 2 * i:32 + 2 * i + 2], blocks[16 + i, j, 2:4])    # m
+    qs = blocks[16 + i, j, 2 * nh:]
+    for c in range(len(qs) // 4):
+        got = chunk[32 * nh + 64 * c + 4 * i:32 * nh + 64 * c + 4 * i + 4]
+        want = qs[4 * c:4 * c + 4] ^ (0x80 if name == "Q8_0" else 0)
+        assert torch.equal(got, want), c
+    want = ops.dequantize(raw, fmt, k).view(torch.int32)
+    assert torch.equal(ops.dequantize(inter, xfmt, k).view(torch.int32), want)
+    assert torch.equal(reference.dequantize(inter, xfmt, k).view(torch.int32), want)
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
+def test_interleaved_int8_linear_matches_spec(isa, name, rows):
+    """int8 linear over interleaved blocks == reference.linear_int8 (its own order: one accumulator,
+    an exact integer per block) on every path, extreme values included, with a bias and a second
+    interleaved segment; close to the exact result."""
+    k = 576
+    fmt, xfmt = BLOCK_FORMATS[name], INTERLEAVED[name]
+    parts = [reference.interleave_blocks(extreme_blocks(name, 32, k, seed=rows), fmt, k),
+             reference.interleave_blocks(random_blocks("Q4_1", 16, k, seed=rows + 1), 3, k)]
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    x[0, :64] = torch.sign(x[0, :64])  # whole blocks quantized to +-127
+    b = torch.randn(48, generator=g)
+    got = ops.linear(x, parts, [xfmt, 2003], b, activations=8)
+    assert torch.equal(got, reference.linear_int8(x, parts, [xfmt, 2003], b))
+    plain = [reference.deinterleave_blocks(p, f, k) for p, f in zip(parts, (xfmt, 2003))]
+    exact = ops.linear(x, plain, [fmt, 3], b)
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("name", list(INTERLEAVED))
+def test_interleaved_rows_isas_and_threads_give_identical_bits(name):
+    k = 576
+    fmt, xfmt = BLOCK_FORMATS[name], INTERLEAVED[name]
+    inter = reference.interleave_blocks(random_blocks(name, 48, k, seed=3), fmt, k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    y = rows_alone_on_every_path(lambda rows: ops.linear(rows, [inter], [xfmt], activations=8), x)
+    assert torch.equal(y, reference.linear_int8(x, [inter], [xfmt]))
+
+
+def test_interleaved_without_vnni_gives_the_same_bits():
+    """The AVX-512 kernel without VNNI (maddubs + madd; TURBOSPEC_VNNI=0) gives the VNNI form's bits."""
+    import os
+    import subprocess
+    import sys
+    if ops.cpu_isa() != "avx512":
+        pytest.skip("the AVX-512 path only")
+    code = ("import torch, sys; from turbospec import ops; from turbospec.ops import reference as R; "
+            "sys.path[:0] = ['tests', 'tests/ops']; from test_linear import random_blocks, extreme_blocks; "
+            "ok = True\n"
+            "for name, f in (('Q4_0', 2), ('Q4_1', 3), ('Q8_0', 8)):\n"
+            "    w = R.interleave_blocks(extreme_blocks(name, 32, 576, 1), f, 576)\n"
+            "    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))\n"
+            "    ok &= torch.equal(ops.linear(x, [w], [2000 + f], activations=8), R.linear_int8(x, [w], [2000 + f]))\n"
+            "print(ok)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_VNNI": "0"}, cwd=root,
+                         capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+def test_interleaved_layout_bad_input():
+    raw = random_blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match=r"interleave_blocks: format 6 has no interleaved layout; Q4_0 \(2\)"):
+        reference.interleave_blocks(random_blocks("Q5_0", 16, 64), 6, 64)
+    with pytest.raises(ValueError, match=r"N a multiple of 16, got torch.uint8 \[12, 40\]"):
+        reference.interleave_blocks(raw[:12], 3, 64)
+    with pytest.raises(ValueError, match=r"deinterleave_blocks: format 3 is not an interleaved format"):
+        reference.deinterleave_blocks(raw, 3, 64)
+    inter = reference.interleave_blocks(raw, 3, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"weights\[0\] has the interleaved format Q4_1X \(2003\), which only "
+                                           r"activations=8 reads"):
+        ops.linear(x, [inter], [2003])
+    with pytest.raises(RuntimeError, match=r"weights\[0\] \(format 2003, interleaved\) holds rows in groups of 16, "
+                                           r"got 12 rows"):
+        torch.ops.turbospec.linear(x, [inter[:12]], [2003], None, 8)
+    with pytest.raises(RuntimeError, match=r"dequantize: Q4_1X holds rows in groups of 16, got 12 rows"):
+        torch.ops.turbospec.dequantize(inter[:12], 2003, 64)

@@ -227,22 +227,39 @@ class Linear:
         self.set_layout()
 
     def set_layout(self) -> None:
-        """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest: grouped
-        (``reference.group_blocks``: each row's scales side by side; Q4_1 decode 1.15-1.3x faster in
-        bench/RESULTS.md run 19) where the
-        kernels run their AVX-512 path with exact activations, else GGUF's. The same values either way
-        (every kernel takes both layouts and gives the same bits); this only moves bytes."""
+        """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest where they run
+        their AVX-512 path: with exact activations grouped (``reference.group_blocks``: each row's
+        scales side by side; Q4_1 decode 1.15-1.3x faster in bench/RESULTS.md run 19); with int8
+        activations on every path Q4_0 / Q4_1 / Q8_0 interleaved by 16 rows (``reference.interleave_blocks``: the
+        int8 kernels' 16-row tiles, 2-4x the older kernel's speed, bench/results/2026-11-29-int8-
+        interleaved.md; every segment of the linear must then take int8 activations and hold a
+        multiple of 16 rows), else GGUF's. The same values in every layout; grouped and GGUF order give
+        the same bits on every kernel path, the interleaved layout its own order (``reference.
+        linear_int8``), the same on every path too."""
         from ..ops import cpu_isa
-        grouped = self.kernel and self.activations == 0 and cpu_isa() == "avx512"
+        avx512 = self.kernel and cpu_isa() == "avx512"
+        k = self.in_features
+        plain = [reference.grouped_base(f) or reference.interleaved_base(f) or f for f in self.formats]
+        interleave = self.kernel and self.activations == 8 and k % 32 == 0 and all(
+            f in reference.INTERLEAVED and w.shape[0] % reference.INTERLEAVE_ROWS == 0
+            for f, w in zip(plain, self.weights))
         for i, f in enumerate(self.formats):
-            base = reference.grouped_base(f)
-            old = self.weights[i]
-            if grouped and f in reference.GROUPED:
-                self.weights[i], self.formats[i] = reference.group_blocks(old, f, self.in_features), reference.GROUPED[f]
-            elif not grouped and base is not None:
-                self.weights[i], self.formats[i] = reference.ungroup_blocks(old, f, self.in_features), base
-            if self.weights[i] is not old:
-                release_pages(old)  # (a GGUF's pages, once copied)
+            base = plain[i]
+            want = reference.INTERLEAVED[base] if interleave else \
+                reference.GROUPED[base] if avx512 and self.activations == 0 and base in reference.GROUPED else base
+            if want == f:
+                continue
+            old = w = self.weights[i]
+            if reference.grouped_base(f) is not None:
+                w = reference.ungroup_blocks(w, f, k)
+            elif reference.interleaved_base(f) is not None:
+                w = reference.deinterleave_blocks(w, f, k)
+            if want in reference.GROUPED.values():
+                w = reference.group_blocks(w, base, k)
+            elif want in reference.INTERLEAVED.values():
+                w = reference.interleave_blocks(w, base, k)
+            self.weights[i], self.formats[i] = w, want
+            release_pages(old)  # (a GGUF's pages, once copied)
 
     def dense(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight as one dense [N, K] tensor (GGUF blocks dequantized exactly), in ``dtype``

@@ -571,7 +571,10 @@ WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q
                   3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
                   13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210),
                   # turbospec's own ids (1000 + the GGUF id): the same blocks, grouped (``group_blocks``)
-                  1002: ("Q4_0G", 32, 18), 1003: ("Q4_1G", 32, 20), 1006: ("Q5_0G", 32, 22), 1008: ("Q8_0G", 32, 34)}
+                  1002: ("Q4_0G", 32, 18), 1003: ("Q4_1G", 32, 20), 1006: ("Q5_0G", 32, 22), 1008: ("Q8_0G", 32, 34),
+                  # (2000 + the GGUF id): 16 rows' blocks interleaved, read with int8 activations only
+                  # (``interleave_blocks``)
+                  2002: ("Q4_0X", 32, 18), 2003: ("Q4_1X", 32, 20), 2008: ("Q8_0X", 32, 34)}
 GROUP_BLOCKS = 16  # blocks per group of a grouped layout
 DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -639,6 +642,63 @@ def ungroup_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     return out
 
 
+INTERLEAVED = {2: 2002, 3: 2003, 8: 2008}  # GGUF format id -> its interleaved layout's id
+INTERLEAVE_ROWS = 16  # weight rows per group of an interleaved layout
+
+
+def interleaved_base(fmt: int) -> int | None:
+    """The GGUF format id of an interleaved format id (2003 Q4_1X -> 3 Q4_1), else None."""
+    return fmt - 2000 if fmt in INTERLEAVED.values() else None
+
+
+def _interleave_check(raw: Tensor, fmt: int, k: int, what: str) -> None:
+    if fmt not in INTERLEAVED:
+        raise ValueError(f"{what}: format {fmt!r} has no interleaved layout; Q4_0 (2), Q4_1 (3), Q8_0 (8) have")
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(fmt, k) \
+            or raw.shape[0] % INTERLEAVE_ROWS:
+        raise ValueError(f"{what}: raw must be uint8 [N, {row_bytes(fmt, k)}] with N a multiple of "
+                         f"{INTERLEAVE_ROWS}, got {raw.dtype} {list(raw.shape)}")
+
+
+def interleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """GGUF blocks uint8 [N, row bytes] of Q4_0 / Q4_1 / Q8_0 (``fmt`` 2 / 3 / 8; N a multiple of 16)
+    -> the interleaved layout (format ``2000 + fmt``), the layout of the int8-activation kernels'
+    16-row tiles (an integer lane per weight row). Rows 16 g .. 16 g + 15 fill the bytes of those rows,
+    block after block; block j of the group holds the 16 rows' fp16 d (32 bytes), then (Q4_1) their
+    fp16 m (32 bytes), then the values in chunks of 64 bytes, 4 per row (byte 4 i + e of a chunk:
+    row i): Q4_0 / Q4_1 chunk c (0..3) holds GGUF's quant bytes 4 c .. 4 c + 3 of each row's block
+    (low nibbles: values 4 c + e, high nibbles: 16 + 4 c + e); Q8_0 chunk c (0..7) holds values
+    4 c + e, each stored + 128 as an unsigned byte."""
+    _interleave_check(raw, fmt, k, "interleave_blocks")
+    n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[fmt][2]
+    b = raw.reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS, nb, nbytes).transpose(1, 2)  # [g, nb, 16, bytes]
+    nh = 2 if fmt == 3 else 1
+    heads = [b[..., 2 * h:2 * h + 2].reshape(*b.shape[:2], 32) for h in range(nh)]
+    qs = b[..., 2 * nh:]
+    if fmt == 8:
+        qs = qs ^ 0x80
+    chunks = qs.reshape(*b.shape[:3], -1, 4).transpose(2, 3).reshape(*b.shape[:2], -1)  # [g, nb, chunk, 16, 4]
+    return torch.cat(heads + [chunks], -1).reshape(n, -1).contiguous()
+
+
+def deinterleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
+    """The inverse of ``interleave_blocks``: interleaved rows (``fmt`` 2002 / 2003 / 2008) -> GGUF blocks."""
+    base = interleaved_base(fmt)
+    if base is None:
+        raise ValueError(f"deinterleave_blocks: format {fmt!r} is not an interleaved format (2002, 2003, 2008)")
+    _interleave_check(raw, base, k, "deinterleave_blocks")
+    n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[base][2]
+    nh = 2 if base == 3 else 1
+    b = raw.reshape(n // INTERLEAVE_ROWS, nb, INTERLEAVE_ROWS * nbytes)
+    g = b.shape[0]
+    heads = [b[..., 32 * h:32 * h + 32].reshape(g, nb, INTERLEAVE_ROWS, 2) for h in range(nh)]
+    qs = b[..., 32 * nh:].reshape(g, nb, -1, INTERLEAVE_ROWS, 4).transpose(2, 3).reshape(g, nb, INTERLEAVE_ROWS, -1)
+    if base == 8:
+        qs = qs ^ 0x80
+    blocks = torch.cat(heads + [qs], -1)  # [g, nb, 16, bytes]
+    return blocks.transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def _f16(raw: Tensor) -> Tensor:  # uint8 [..., 2] -> float32 [...]
     return raw.contiguous().view(torch.float16).squeeze(-1).float()
 
@@ -668,6 +728,8 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
                          f"got {raw.dtype} {list(raw.shape)}")
     if grouped_base(fmt) is not None:
         return dequantize(ungroup_blocks(raw, fmt, k), grouped_base(fmt), k)
+    if interleaved_base(fmt) is not None:
+        return dequantize(deinterleave_blocks(raw, fmt, k), interleaved_base(fmt), k)
     b = raw.reshape(n, k // block, nbytes)
     if name in ("Q4_0", "Q4_1", "Q5_0"):
         d = _f16(b[..., 0:2])[..., None]
@@ -725,9 +787,11 @@ def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor |
     Q5_K; None for the others). ``dequantize`` = scale * q (+ minw), weight by weight."""
     n = raw.shape[0]
     name, block, nbytes = WEIGHT_FORMATS[fmt]
-    dequantize(raw[:1], fmt, k)  # the same argument checks
+    dequantize(raw[:INTERLEAVE_ROWS] if interleaved_base(fmt) is not None else raw[:1], fmt, k)  # the same checks
     if grouped_base(fmt) is not None:
         return block_parts(ungroup_blocks(raw, fmt, k), grouped_base(fmt), k)
+    if interleaved_base(fmt) is not None:
+        return block_parts(deinterleave_blocks(raw, fmt, k), interleaved_base(fmt), k)
     b = raw.reshape(n, k // block, nbytes)
     minw = None
     if name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
@@ -821,6 +885,9 @@ def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tens
     weights, lanes j = 0..7 take the exact integer L_j = sum of q_w * q_x over weights 4j..4j+3 of
     the block and accumulate acc_j = fma(scale_w * d_x, L_j, acc_j) block by block (``block_parts``);
     Q4_1 adds m = fma(min_w, d_x * sum(q_x), m) block by block.
+    Their interleaved layouts (Q4_0X / Q4_1X / Q8_0X, ``interleave_blocks``): one accumulator, block
+    by block y = fma(d_w * d_x, S, y) with S the exact integer sum of q_w * q_x over the block, then
+    (Q4_1X) y = fma(min_w, d_x * sum(q_x), y); y (+ bias).
     Q4_K / Q5_K / Q6_K (activations per 256, one super-block): lane j takes the exact integer
     L_j = sum over the 8 sub-blocks of (integer scale) * sum of u_w * q_x over weights 4j..4j+3 of the
     sub-block (u_w: the stored unsigned values; Q6_K: its scale of each 16), and per super-block
@@ -845,11 +912,21 @@ def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tens
         R, nb = qx.shape[0], k // 32
         q, scale, minw = block_parts(w, f, k)
         n = q.shape[0]
+        sx = dx * qx.view(R, nb, 32).sum(-1).float()  # [R, nb]
+        if interleaved_base(f) is not None:
+            dots = (q.view(n, 1, nb, 32) * qx.view(1, R, nb, 32)).sum(-1).float()  # exact integers [n, R, nb]
+            d = scale.view(n, nb, 2)[..., 0]
+            y = torch.zeros(n, R, dtype=torch.float32)
+            for blk in range(nb):
+                y = _fma32(y, d[:, None, blk] * dx[None, :, blk], dots[:, :, blk])
+                if minw is not None:
+                    y = _fma32(y, minw[:, None, blk], sx[None, :, blk])
+            outs.append(y.T)
+            continue
         lanes = (q.view(n, 1, nb, 8, 4) * qx.view(1, R, nb, 8, 4)).sum(-1)  # exact integers [n, R, nb, 8]
         s = scale.view(n, 1, nb, 2, 1).expand(n, 1, nb, 2, 4).reshape(n, 1, nb, 8) * dx.view(1, R, nb, 1)
         acc = torch.zeros(n, R, 8, dtype=torch.float32)
         m = torch.zeros(n, R, dtype=torch.float32)
-        sx = dx * qx.view(R, nb, 32).sum(-1).float()  # [R, nb]
         for blk in range(nb):
             acc = _fma32(acc, s[:, :, blk], lanes[:, :, blk].float())
             if minw is not None:
