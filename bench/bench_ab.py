@@ -6,7 +6,8 @@ Each round runs every checkout once, in turn (A B A B ...), each in its own proc
 checkout's ``turbospec`` (its own built ``_C``): the default model (SmolLM2-135M-Instruct, the
 GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
 (no drafts), at ``--threads`` threads, per ``--dtype`` (``--weights dense``: dequantized to it); a
-verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens.
+verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens. ``--activations int8`` (repeatable,
+with ``exact``): the GGUF's linears take int8 activations (``Engine(activations="int8")``).
 Then speculative decoding through the whole step at fixed lengths (n-gram chains of 8, the shipped
 EAGLE-3 head's 16-node trees) on a rewrite prompt. Prints each checkout's medians and their
 ratios; writes JSON with --out. Only same-run ratios mean anything (machines and their load differ).
@@ -27,8 +28,9 @@ import json, sys, time, torch
 import turbospec, turbospec.heads.shipped
 from turbospec import Engine
 dtype, tokens, threads, nodes, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+acts = sys.argv[6] if len(sys.argv) > 6 else "exact"
 torch.set_num_threads(threads)
-eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512, weights=weights)
+eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512, weights=weights, activations=acts)
 prompt = "Explain in a few sentences why the sky is blue."
 eng.generate(prompt, max_new_tokens=8)  # warm-up
 g = eng.generate(prompt, max_new_tokens=tokens)
@@ -58,7 +60,7 @@ rewrite = "Repeat this list exactly, twice: apples, pears, plums, cherries, grap
 for name, kw in (("ngram", dict(drafter="ngram", num_draft=8)),
                  ("eagle3", dict(drafter="eagle", head=turbospec.heads.shipped.shipped_heads()["eagle3"],
                                  num_draft=16))):
-    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, weights=weights, **kw)
+    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, weights=weights, activations=acts, **kw)
     e.generate(rewrite, max_new_tokens=8)
     s = e.generate(rewrite, max_new_tokens=tokens)
     out[name + "_tok_s"], out[name + "_ids"] = s.stats["decode_tokens_per_s"], s.token_ids[:16]
@@ -78,7 +80,10 @@ def run_in_tree(tree: str, child: str, argv: list, threads: int) -> dict:
 
 
 def run(tree: str, dtype: str, args) -> dict:
-    return run_in_tree(tree, CHILD, [dtype, args.tokens, args.threads, args.nodes, args.weights], args.threads)
+    """``dtype``: "float32" or "float32/int8" (the dtype and the activations)."""
+    d, _, acts = dtype.partition("/")
+    return run_in_tree(tree, CHILD, [d, args.tokens, args.threads, args.nodes, args.weights, acts or "exact"],
+                       args.threads)
 
 
 def main() -> None:
@@ -91,12 +96,15 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto", choices=["auto", "dense"],
                    help="auto: the GGUF's blocks as stored; dense: dequantized to --dtype")
+    p.add_argument("--activations", action="append", default=None, choices=["exact", "int8"],
+                   help="exact (default) and / or int8 (the GGUF linears' int8 activations)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
     if any(len(t) != 2 for t in trees):
         p.error("--tree takes NAME=PATH")
-    dtypes = args.dtype or ["float32", "bfloat16"]
+    dtypes = [d if a == "exact" else f"{d}/{a}" for d in (args.dtype or ["float32", "bfloat16"])
+              for a in (args.activations or ["exact"])]
     res = {d: {name: [] for name, _ in trees} for d in dtypes}
     start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for r in range(args.rounds):

@@ -214,6 +214,10 @@ def main() -> int:
     p.add_argument("--draft-weights", default="auto",
                    help="comma list: the shipped heads' stored weights in the Spec-Bench section (auto, dense, q8_0, "
                         "q4_0), one system each (an A/B in one run)")
+    p.add_argument("--spec-activations", default="exact",
+                   help="spec section: the target's activations, comma list of exact / int8 (int8 rows: _int8)")
+    p.add_argument("--head-activations", default="auto",
+                   help="spec section: the heads' activations, comma list of auto / exact / int8")
     p.add_argument("--draft-model", default=None,
                    help="a draft .gguf for --model (same tokenizer): adds the target/draft pair section")
     p.add_argument("--pair-fixed", default="2,3,4,6,8", help="fixed draft lengths for the pair section")
@@ -336,22 +340,35 @@ def llama_decode(cmd: list[str], texts: list[str]) -> dict:
 
 def spec_run(src: str, bin_dir: str | None, args) -> dict:
     """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / suffix / shipped head + ngram (quantized
-    GGUF, fp32 activations) and llama-lookup; turbospec outputs checked equal to plain greedy."""
+    GGUF; fp32 activations, and / or int8 ones: --spec-activations, systems suffixed _int8, each
+    mode against its own plain row) and llama-lookup; turbospec outputs checked equal to plain greedy
+    (of the same mode)."""
     import torch
     import turbospec
     from turbospec.benchmark import head_systems
-    target = turbospec.load_model(src, torch.float32, weights="auto")
     tok = turbospec.load_tokenizer(src)
     texts, encoded = spec_prompts(tok, args)
-    systems = {"ts_plain": dict(drafter="none"), "ts_ngram": dict(drafter="ngram"), "ts_suffix": dict(drafter="suffix")}
-    if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
-        shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
-        weights = args.draft_weights.split(",")
-        for name, (head, opts) in head_systems(shipped, target).items():
-            for w in weights:  # the head's stored weights (--draft-weights; "auto": the engine's default)
-                kw = {} if w == "auto" else {"draft_weights": w}
-                systems[name if len(weights) == 1 else f"{name}_{w}"] = dict(opts, head=head, **kw)
-    out = ts_systems(target, tok, encoded, systems, args)
+    out = {}
+    for acts in args.spec_activations.split(","):
+        target = turbospec.load_model(src, torch.float32, weights="auto", activations=acts)
+        sfx = "" if acts == "exact" else "_" + acts
+        base = {"activations": acts}
+        systems = {"ts_plain" + sfx: dict(base, drafter="none"), "ts_ngram" + sfx: dict(base, drafter="ngram"),
+                   "ts_suffix" + sfx: dict(base, drafter="suffix")}
+        if args.model == "default":  # the shipped heads, as they ship (EAGLE-3 with prompt lookup merged in)
+            shipped = argparse.Namespace(head=[], model="default", head_draft=None, head_ngram=0)
+            weights = args.draft_weights.split(",")
+            head_acts = args.head_activations.split(",")
+            for name, (head, opts) in head_systems(shipped, target).items():
+                for w in weights:  # the head's stored weights (--draft-weights; "auto": the engine's default)
+                    for ha in head_acts:  # the head's activations (--head-activations; "auto": the default)
+                        kw = {} if w == "auto" else {"draft_weights": w}
+                        if ha != "auto":
+                            kw["draft_activations"] = ha
+                        label = name + (f"_{w}" if len(weights) > 1 else "") + (f"_h{ha}" if len(head_acts) > 1 else "")
+                        systems[label + sfx] = dict(opts, head=head, **base, **kw)
+        out.update(ts_systems(target, tok, encoded, systems, args))
+        del target
     if bin_dir:
         out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,
                                                    args.threads)

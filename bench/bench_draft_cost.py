@@ -48,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", action="append", default=None, metavar="NAME=DIR",
                    help="(repeatable) a trained head folder to measure as NAME, with the tree options of "
                         "its own shipped engine settings, else those of the shipped head of its method")
-    p.add_argument("--draft-weights", default="dense,q8_0,q4_0", help="comma list of head weight storages")
+    p.add_argument("--draft-weights", default="dense,q8_0,q4_0",
+                   help="comma list of head weight storages; a quantized one + '+int8' (q4_0+int8) drafts with "
+                        "int8 activations (draft_activations='int8'), else exact ones")
+    p.add_argument("--activations", default="exact", choices=["exact", "int8"],
+                   help="the target's activations (Engine(activations=...))")
     p.add_argument("--draft-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--nodes", type=int, default=4, help="draft nodes per step (fixed: adaptive off)")
     p.add_argument("--per-category", type=int, default=2)
@@ -74,18 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     tok = turbospec.load_tokenizer(turbospec.default_model_path())
     texts = prompts(args.spec_bench, args.per_category)
     heads = shipped_heads()
-    systems: dict[str, dict] = {"plain": dict(drafter="none")}
+    systems: dict[str, dict] = {"plain": dict(drafter="none", activations=args.activations)}
+    shipped_engine: dict = {}  # method -> its shipped head's engine settings (loaded once)
+
     def tree_of(head):
-        engine = head.extra.get("engine") or load_head(heads[head.cfg.method], target_cfg=target.cfg).extra["engine"]
+        engine = head.extra.get("engine")
+        if not engine:
+            m = head.cfg.method
+            if m not in shipped_engine:
+                shipped_engine[m] = load_head(heads[m], target_cfg=target.cfg).extra["engine"]
+            engine = shipped_engine[m]
         return {k: v for k, v in engine.get("tree", {}).items() if k != "ngram"}
 
     todo = [(m, load_head(heads[m], target_cfg=target.cfg)) for m in args.method or ([] if named else ["eagle3"])]
     todo += [(name, load_head(path, target_cfg=target.cfg)) for name, path in named]
     for label, head in todo:
         for w in weights:
+            storage, _, acts = w.partition("+")
+            if acts not in ("", "int8"):
+                raise SystemExit(f"--draft-weights {w!r}: expected a storage, optionally + '+int8'")
             systems[f"{label}_{w}"] = dict(drafter="medusa" if head.cfg.method == "medusa" else "eagle", head=head,
                                            tree=tree_of(head), num_draft=args.nodes, adaptive=False,
-                                           draft_weights=w, draft_dtype=args.draft_dtype)
+                                           draft_weights=storage, draft_activations=acts or "exact",
+                                           draft_dtype=args.draft_dtype, activations=args.activations)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
     encoded = [engines["plain"].encode(t) for t in texts]  # the chat template applied
     for eng in engines.values():  # warm-up: first-call costs out of the measurement
@@ -120,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = next(r for r in rows if r["system"] == "plain")["tok_s"]
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}; "
              f"{args.threads} threads; {len(encoded)} prompts x {args.max_new_tokens} tokens; {args.nodes} nodes; "
-             f"draft dtype {args.draft_dtype}; {args.rounds} rounds (medians)", "",
+             f"draft dtype {args.draft_dtype}; target activations {args.activations}; {args.rounds} rounds (medians)",
+             "",
              "| system | draft ms / step | verify ms / step | τ | acceptance by position | decode tok/s | × plain | "
              "output == plain |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

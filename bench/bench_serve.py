@@ -22,7 +22,8 @@ p50 / p99, written with the date, machine, commit and command to ``--out`` (defa
 bench/out/serve_peers-<time>.json). Servers (bench/http_peers.py starts them):
 
 * ``turbospec``: ``turbospec serve`` on the GGUF as shipped (Q4_1 kept quantized, fp32 activations;
-  ``--turbospec-flags`` adds options, e.g. "--weights dense");
+  ``--turbospec-flags`` adds options, e.g. "--weights dense"); ``turbospec-int8``: the same with
+  ``--activations int8`` (llama.cpp's arithmetic);
 * ``vllm`` / ``vllm-ngram``: vLLM's CPU build from ``--vllm-venv`` on the GGUF dequantized to an fp32
   safetensors directory (``--hf-dir``, written once), prefix caching on, ``--vllm-dtype`` (float32: the
   same arithmetic as turbospec's exact activations); ``vllm-ngram`` adds its n-gram speculation
@@ -189,7 +190,7 @@ def hf_padded(source: str, tokenizer, prompts, levels, max_new, temperature, dev
     return out
 
 
-SERVERS = ("turbospec", "vllm", "vllm-ngram", "vllm-bf16", "llama-server")
+SERVERS = ("turbospec", "turbospec-int8", "vllm", "vllm-ngram", "vllm-bf16", "llama-server")
 
 
 def server_spec(name: str, args, port: int, gguf: str):
@@ -198,9 +199,10 @@ def server_spec(name: str, args, port: int, gguf: str):
 
     import http_peers
     slots = max(args.concurrency)
-    if name == "turbospec":
+    if name in ("turbospec", "turbospec-int8"):  # -int8: the same with --activations int8
+        extra = ["--activations", "int8"] if name == "turbospec-int8" else []
         return http_peers.turbospec_spec(gguf, port, args.threads, slots, args.ctx_per_slot,
-                                         shlex.split(args.turbospec_flags or ""))
+                                         shlex.split(args.turbospec_flags or "") + extra, name=name)
     if name == "llama-server":
         return http_peers.llama_spec(args.llama_server, gguf, port, args.threads, slots, args.ctx_per_slot,
                                      cache_prompt=True)

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--draft-dtype", default=None, help="the head's dtype (default: the target's)")
+    p.add_argument("--draft-activations", default=None, choices=["exact", "int8"],
+                   help="the heads' activations (default: the engine's)")
     p.add_argument("--draft-weights", default=None, choices=["auto", "dense", "q8_0", "q4_0"],
                    help="how the head's linears are stored for drafting (default: the engine's, q4_0 on CPU)")
     p.add_argument("--threads", type=int, default=None)
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
     plain_row = {"head": "plain", "path": None, "nodes": 0, "round": 1, "tok_s": ref_tok_s,
                  "tau": {c: 1.0 for c in [q["category"] for q in prompts] + ["overall"]}}
     systems = [(name, path, dict(drafter="eagle", head=path, tree={"depth": args.depth, "top_k": args.top_k},
-                                 draft_dtype=args.draft_dtype, draft_weights=args.draft_weights))
+                                 draft_dtype=args.draft_dtype, draft_weights=args.draft_weights,
+                                 draft_activations=args.draft_activations))
                for name, path in heads]
     for d in args.drafter:
         if d == "hybrid":
@@ -126,7 +129,8 @@ def main(argv=None) -> int:
             if args.hybrid_skip_head_at != "default":
                 tree["skip_head_at"] = None if args.hybrid_skip_head_at == "none" else float(args.hybrid_skip_head_at)
             systems.append(("hybrid", hpath, dict(drafter="hybrid", head=hpath, draft_dtype=args.draft_dtype,
-                                                  draft_weights=args.draft_weights, tree=tree)))
+                                                  draft_weights=args.draft_weights,
+                                                  draft_activations=args.draft_activations, tree=tree)))
         else:
             systems.append((d, None, dict(drafter=d)))
     for name, path, opts in systems:

@@ -41,8 +41,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MiB of prompt K/V kept for later prompts that start the same way (0: off)")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --num-draft tokens")
     p.add_argument("--draft-activations", default=None, choices=["exact", "int8"],
-                   help="the --draft-model's activations (default: int8 on CPU; they change speed, never "
-                        "the output)")
+                   help="the --draft-model's or a quantized head's activations (default: int8 on CPU; they "
+                        "change speed, never the output)")
     p.add_argument("--draft-weights", default=None, choices=["auto", "dense", "q8_0", "q4_0"],
                    help="how the draft head's linears (or the --draft-model's weights) are stored: heads default "
                         "to q4_0 on CPU (drafting reads every head weight each round), dense elsewhere; a draft "

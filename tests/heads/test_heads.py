@@ -215,7 +215,8 @@ def _sample_counts(eng, prompt, t, top_p, n=2000):
 @pytest.mark.parametrize("method,t,top_p,weights", [
     ("eagle", 0.7, 0.9, "dense"), ("eagle", 1.0, 1.0, "dense"), ("eagle3", 1.0, 0.8, "dense"),
     ("medusa", 0.7, 0.9, "dense"), ("medusa", 1.0, 1.0, "dense"),
-    ("eagle3", 0.7, 0.9, "q4_0"), ("medusa", 1.0, 0.8, "q4_0")])  # quantized heads (the CPU default)
+    ("eagle3", 0.7, 0.9, "q4_0"), ("medusa", 1.0, 0.8, "q4_0"),  # quantized heads (the CPU default)
+    ("eagle3", 1.0, 1.0, "q4_0+int8")])  # ... with int8 activations
 def test_sampling_first_two_tokens_follow_target(small, method, t, top_p, weights):
     """2,000 generations of three tokens (at most two drafts per step) with the head drafting a tree; the (x1, x2) counts against
     the exact target joint: chi-square p > 1e-5 (pooled cells, expected >= 5 each). A drafter
@@ -227,9 +228,12 @@ def test_sampling_first_two_tokens_follow_target(small, method, t, top_p, weight
     joint = _target_joint(target, prompt, t, top_p)
     # a small init keeps the head's q spread out, so it is often accepted and often rejected
     head = make_head(method, target, seed=11, std=0.05, **({"medusa_num_heads": 3} if method == "medusa" else {}))
+    weights, _, acts = weights.partition("+")
     eng = engine(target, method, head, num_draft=8, adaptive=False, draft_weights=weights,
+                 draft_activations=acts or "exact",
                  tree={"depth": 3, "top_k": 3} if method != "medusa" else {"num_nodes": 8})
     assert all(lin.quantized == (weights != "dense") for lin in head_linears(eng.drafter))
+    assert all(lin.activations == (8 if acts else 0) for lin in head_linears(eng.drafter) if lin.quantized)
     counts, accepted = _sample_counts(eng, prompt, t, top_p)
     p = _chi2_pvalue(counts, joint)
     assert p > 1e-5, p
@@ -309,6 +313,30 @@ def test_medusa_with_its_own_lm_heads_drafts_exactly(cyc, weights):
     assert eng.generate(PROMPT, N_NEW).token_ids == ref
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
+def test_int8_activation_head_drafts_exactly(cyc, method):
+    """draft_activations="int8": a quantized head's linears take int8 activations (blocks in the int8
+    kernels' interleaved layout where they hold whole groups of 16 rows); the output is still the
+    plain engine's and transformers' token for token."""
+    from turbospec.ops import reference
+    hf, target, ref, vocab = cyc
+    if not turbospec.kernels_available():
+        pytest.skip("quantized heads need the CPU kernels")
+    head = make_head(method, target, vocab=vocab)
+    eng = engine(target, method, head, vocab, num_draft=12, adaptive=False, draft_weights="q4_0",
+                 draft_activations="int8")
+    assert eng.drafter.activations == "int8"
+    lins = head_linears(eng.drafter)
+    assert all(lin.activations == 8 for lin in lins if lin.quantized)
+    assert any(f == 2002 for lin in lins for f in lin.formats)
+    assert all(f in (2, 2002) for lin in lins if lin.quantized for f in lin.formats)
+    assert all((f == 2002) == (w.shape[0] % reference.INTERLEAVE_ROWS == 0)
+               for lin in lins if lin.quantized for f, w in zip(lin.formats, lin.weights))
+    g = eng.generate(PROMPT, N_NEW)
+    assert g.token_ids == ref
+    assert g.stats["draft_proposed"] > 0
+
+
 def test_quantized_head_computes_close_to_dense(cyc):
     """The quantized copy is the head's own weights rounded (not a different head): its output
     stays within the rounding of Q8_0 / Q4_0 of the float head's, Q8_0 closer than Q4_0."""
@@ -353,6 +381,12 @@ def test_draft_weights_refusals(cyc):
     down = eng.drafter.head.midlayer.mlp.down_proj.forward.__self__
     if turbospec.kernels_available():
         assert not down.quantized and eng.drafter.head.midlayer.mlp.up_proj.forward.__self__.quantized
+    # int8 activations need quantized weights; a bad value names itself
+    with pytest.raises(ValueError, match=r"draft_activations='int8': a head takes int8 activations with quantized "
+                                         r"weights only .* got draft_weights='dense'"):
+        engine(target, "eagle", make_head("eagle", target), draft_weights="dense", draft_activations="int8")
+    with pytest.raises(ValueError, match=r"draft_activations must be 'exact', 'int8' or None"):
+        Engine(target, drafter="eagle", head=make_head("eagle", target), draft_activations="int4")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
-from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, head_weights, inference_copy, to_draft
+from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, head_activations, head_weights, \
+    inference_copy, to_draft
 
 
 TOP_K_MIN, TOP_K_MAX = 2, 8
@@ -56,7 +57,7 @@ class EagleDrafter(Drafter):
     def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int | None = None,
                  draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
                  adaptive_depth: bool = True, share: "EagleDrafter | None" = None,
-                 draft_weights: str | None = None):
+                 draft_weights: str | None = None, draft_activations: str | None = None):
         check_head_compatible(head, target.cfg)
         if not is_int(depth) or depth < 1 or not (top_k is None or (is_int(top_k) and top_k >= 1)):
             raise ValueError(f"EagleDrafter: depth must be an integer >= 1 and top_k an integer >= 1 or None (half "
@@ -66,6 +67,7 @@ class EagleDrafter(Drafter):
         dev = self.device = target.device  # the head drafts where the target runs
         self.dtype = dtype
         self.weights = head_weights(draft_weights, dev)  # how the head's linears are stored for drafting
+        self.activations = head_activations(draft_activations, self.weights)  # ... and what they compute with
         self.features = head.feature_spec
         # committed pairs + the tree grown after them (up to two trees' worth of nodes ahead)
         self.kv = head_cache(head.cfg, max_seq_len + 2 * MAX_TREE_NODES, dtype=dtype, device=dev)
@@ -73,12 +75,13 @@ class EagleDrafter(Drafter):
         # object for all the drafters that share the head, so that a batch's requests go in one call
         if share is not None:
             if share.target is not target or share.dtype != dtype or share.head.cfg != head.cfg \
-                    or share.weights != self.weights:
-                raise ValueError("EagleDrafter: share= must be a drafter of the same target, head, draft_dtype and "
-                                 "draft_weights")
+                    or share.weights != self.weights or share.activations != self.activations:
+                raise ValueError("EagleDrafter: share= must be a drafter of the same target, head, draft_dtype, "
+                                 "draft_weights and draft_activations")
             self.head, self.lm, self.vocab_ids, self.logits = share.head, share.lm, share.vocab_ids, share.logits
         else:
-            self.head = inference_copy(head, dtype, dev, self.weights, strict=draft_weights not in (None, "auto"))
+            self.head = inference_copy(head, dtype, dev, self.weights, strict=draft_weights not in (None, "auto"),
+                                       activations=self.activations)
             if head.eagle3:
                 self.lm = None
                 self.vocab_ids = self.head.draft_vocab_ids()
@@ -86,7 +89,7 @@ class EagleDrafter(Drafter):
                 self.logits = lambda out: lm_head(out).float()
             else:
                 draft_vocab = None if draft_vocab is None else draft_vocab.to(dev)
-                self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype, self.weights)
+                self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype, self.weights, self.activations)
                 self.vocab_ids = draft_vocab
                 self.logits = self.lm
         self._cached = 0

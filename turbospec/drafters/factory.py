@@ -252,7 +252,7 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
 
         def build():
             return MedusaDrafter(s.target, head, draft_vocab=vocab, draft_dtype=s.draft_dtype,
-                                 draft_weights=s.draft_weights,
+                                 draft_weights=s.draft_weights, draft_activations=s.draft_activations,
                                  share=first[0] if first else None, **opts)
     else:
         bad = set(opts) - {"depth", "top_k"}
@@ -262,7 +262,7 @@ def head_drafter_builder(kind: str, s: DraftSettings, head, tree: dict) -> Calla
 
         def build():
             return EagleDrafter(s.target, head, s.max_seq_len, draft_vocab=vocab, draft_dtype=s.draft_dtype,
-                                draft_weights=s.draft_weights,
+                                draft_weights=s.draft_weights, draft_activations=s.draft_activations,
                                 adaptive_depth=s.adaptive, share=first[0] if first else None, **opts)
 
     # The drafters this builder makes (one per batch slot) share the first one's prepared head.

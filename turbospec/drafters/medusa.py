@@ -19,7 +19,7 @@ from ..heads.config import check_head_compatible
 from ..heads.medusa import MedusaHeads
 from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
-from .tree import DraftLMHead, Node, choose_children, head_weights, inference_copy, to_draft
+from .tree import DraftLMHead, Node, choose_children, head_activations, head_weights, inference_copy, to_draft
 
 
 def default_choices(num_heads: int, num_nodes: int, head_accuracy: list[list[float]] | None = None
@@ -71,11 +71,12 @@ class MedusaDrafter(Drafter):
     def __init__(self, target, heads: MedusaHeads, choices: list[list[int]] | None = None,
                  num_nodes: int = 32, draft_vocab: Tensor | None = None,
                  draft_dtype: torch.dtype | None = None, share: "MedusaDrafter | None" = None,
-                 draft_weights: str | None = None):
+                 draft_weights: str | None = None, draft_activations: str | None = None):
         check_head_compatible(heads, target.cfg)
         dtype = draft_dtype or torch.float32
         self.target, self.dtype = target, dtype
         self.weights = head_weights(draft_weights, target.device)  # how the heads' linears are stored for drafting
+        self.activations = head_activations(draft_activations, self.weights)  # ... and what they compute with
         k = heads.cfg.medusa_num_heads
         if choices is None:
             acc = getattr(heads, "extra", {}).get("head_accuracy")
@@ -83,20 +84,21 @@ class MedusaDrafter(Drafter):
         self.choices = _check_choices(choices, k)
         if share is not None:
             if share.target is not target or share.dtype != dtype or share.heads.cfg != heads.cfg \
-                    or share.weights != self.weights:
-                raise ValueError("MedusaDrafter: share= must be a drafter of the same target, heads, draft_dtype "
-                                 "and draft_weights")
+                    or share.weights != self.weights or share.activations != self.activations:
+                raise ValueError("MedusaDrafter: share= must be a drafter of the same target, heads, draft_dtype, "
+                                 "draft_weights and draft_activations")
             self.heads, self.lms, self.head_rows = share.heads, share.lms, share.head_rows
         else:
             # the heads draft where the target runs; their LM heads (if any) are the DraftLMHeads below
             self.heads = inference_copy(heads, dtype, target.device, self.weights,
-                                        strict=draft_weights not in (None, "auto"), skip=("lm_heads",))
+                                        strict=draft_weights not in (None, "auto"), skip=("lm_heads",),
+                                        activations=self.activations)
             draft_vocab = None if draft_vocab is None else draft_vocab.to(target.device)
             if heads.lm_heads is not None:
-                self.lms = [DraftLMHead(lm.weight.detach().to(target.device), draft_vocab, dtype, self.weights)
-                            for lm in heads.lm_heads]
+                self.lms = [DraftLMHead(lm.weight.detach().to(target.device), draft_vocab, dtype, self.weights,
+                                        self.activations) for lm in heads.lm_heads]
             else:
-                shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype, self.weights)
+                shared = DraftLMHead(target.lm_head_weight, draft_vocab, dtype, self.weights, self.activations)
                 self.lms = [shared] * k
             blocks = self.heads
             #: features [n, H] -> the K heads' outputs [n, K, H] (one object for the sharing drafters)

@@ -38,11 +38,12 @@ class DraftLMHead:
     exactness, only acceptance)."""
 
     def __init__(self, weight: Tensor, ids: Tensor | None = None, dtype: torch.dtype | None = None,
-                 weights: str = "dense"):
+                 weights: str = "dense", activations: str = "exact"):
         w = weight if ids is None else weight[ids]
         self.ids = ids
         self.dtype = dtype or weight.dtype
-        self.linear = draft_linear(w, self.dtype, weights, name="the draft LM head", strict=False)
+        self.linear = draft_linear(w, self.dtype, weights, name="the draft LM head", strict=False,
+                                   activations=activations)
 
     def __call__(self, h: Tensor) -> Tensor:
         return self.linear(h.to(self.dtype)).float()
@@ -139,14 +140,40 @@ def head_weights(mode: str | None, device) -> str:
     return mode
 
 
+def head_activations(mode: str | None, weights: str) -> str:
+    """The activations a head's quantized linears draft with (``draft_activations``): "exact", or
+    "int8" (int8 activations and integer dot products, as a draft model's; speed and acceptance
+    only, never the output). None: HEAD_ACTIVATIONS for quantized heads, "exact" for dense ones."""
+    if mode not in (None, "exact", "int8"):
+        raise ValueError(f"draft_activations must be 'exact', 'int8' or None, got {mode!r}")
+    if mode == "int8" and weights == "dense":
+        raise ValueError("draft_activations='int8': a head takes int8 activations with quantized weights only "
+                         "(draft_weights q8_0 / q4_0, or auto on CPU), got draft_weights='dense'")
+    if mode is None:
+        return HEAD_ACTIVATIONS if weights != "dense" else "exact"
+    return mode
+
+
+# a quantized head's default activations: int8, as a draft model's on CPU (the shipped EAGLE-3 head, 4-node
+# proposals: 4.74 -> 3.66 ms, tau 1.598 either way; Spec-Bench tau at 16 nodes 1.90 either way;
+# bench/results/2026-11-29-int8-interleaved.md)
+HEAD_ACTIVATIONS = "int8"
+
+
 def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bias: Tensor | None = None,
-                 name: str = "linear", strict: bool = True) -> Linear:
+                 name: str = "linear", strict: bool = True, activations: str = "exact") -> Linear:
     """turbospec's ``Linear`` over a head's ``weight`` [N, K]: dense in ``dtype``, or quantized to
-    ``weights`` (q8_0 / q4_0) from its float values. K must be a multiple of 32 to quantize: a layer
-    that is not stays dense unless ``strict`` (an explicit request), which raises naming it."""
+    ``weights`` (q8_0 / q4_0) from its float values, computing with ``activations`` ("int8": int8
+    activations, the quantized blocks in the int8 kernels' layout). K must be a multiple of 32 to
+    quantize: a layer that is not stays dense unless ``strict`` (an explicit request), which raises
+    naming it."""
     if weights != "dense":
         if weight.shape[-1] % 32 == 0:
-            return Linear(quantize(weight.detach().float(), weights), None if bias is None else bias.detach().to(dtype))
+            lin = Linear(quantize(weight.detach().float(), weights), None if bias is None else bias.detach().to(dtype))
+            if activations == "int8":
+                lin.activations = 8
+                lin.set_layout()
+            return lin
         if strict:
             raise ValueError(f"draft_weights={weights!r}: {name} has K = {weight.shape[-1]} inputs, not a multiple "
                              f"of 32 (GGUF blocks); use draft_weights='auto' (such layers stay dense) or 'dense'")
@@ -154,11 +181,12 @@ def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bia
 
 
 def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, weights: str = "dense",
-                   strict: bool = True, skip: tuple[str, ...] = ()) -> torch.nn.Module:
+                   strict: bool = True, skip: tuple[str, ...] = (), activations: str = "exact") -> torch.nn.Module:
     """A copy of a head for drafting: in ``dtype`` (on ``device``: default, where it is), eval mode,
     every ``nn.Linear`` running on turbospec's ``Linear`` (``turbospec::linear`` on CPU)
     instead of F.linear, its weight stored as ``weights`` says (``head_weights``; quantized from the
-    caller's float values). The caller's module is left untouched (it may still be trained).
+    caller's float values; ``activations``: theirs, ``draft_linear``). The caller's module is left
+    untouched (it may still be trained).
     ``skip``: submodules (names) the drafter computes some other way, left as they are."""
     import copy
     m = copy.deepcopy(module).to(dtype).eval()
@@ -172,6 +200,6 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, wei
     for name, sub in m.named_modules():
         if isinstance(sub, torch.nn.Linear) and not any(name == k or name.startswith(k + ".") for k in skip):
             orig = source[name]
-            fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict)
+            fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict, activations)
             sub.forward = fast.__call__
     return m
