@@ -10,7 +10,12 @@ least disturbed by a shared machine); the parent prints each checkout's fastest 
 and the median of the per-round ratios to the first checkout. Formats: ``bf16`` (bfloat16 weights
 and bfloat16-valued inputs: the AVX-512 BF16 dot products where the CPU has them), ``f32``, and the
 GGUF block formats ``q4_0`` / ``q4_1`` / ``q8_0`` (float32 inputs, quantized from seeded normal
-weights by the ``gguf`` package). Only same-run ratios mean anything.
+weights by the ``gguf`` package). ``--activations int8``: the block formats with int8 activations;
+``q4_0x`` / ``q4_1x`` / ``q8_0x``: the same blocks interleaved by 16 rows (int8 activations only, the
+layout a model takes in int8 mode). Only same-run ratios mean anything.
+
+  python bench/bench_linear.py --tree after=. --format q4_1 --activations int8 --rows 1,4,16,64,256
+  python bench/bench_linear.py --tree after=. --format q4_1x --rows 1,4,16,64,256
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ CHILD = r"""
 import json, sys, time, torch
 from turbospec import ops
 fmt, shapes, rows, threads, work = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
+acts = int(sys.argv[6]) if len(sys.argv) > 6 else 0
 torch.set_num_threads(threads)
 out = {}
 for shape in shapes.split(","):
@@ -40,14 +46,18 @@ for shape in shapes.split(","):
         weights, code = w, 0
     else:
         from gguf import GGMLQuantizationType, quants
-        qt = GGMLQuantizationType[fmt.upper()]
+        base = fmt.rstrip("x")
+        qt = GGMLQuantizationType[base.upper()]
         weights = torch.from_numpy(quants.quantize(w.numpy(), qt).copy())
-        code = {"q4_0": 2, "q4_1": 3, "q8_0": 8}[fmt]
+        code = {"q4_0": 2, "q4_1": 3, "q8_0": 8}[base]
+        if fmt.endswith("x"):
+            from turbospec.ops import reference
+            weights, code = reference.interleave_blocks(weights, code, k), 2000 + code
     for r in map(int, rows.split(",")):
         x = torch.randn(r, k, generator=g)
         if fmt == "bf16":
             x = x.bfloat16()
-        call = lambda: ops.linear(x, [weights], [code], None)
+        call = lambda: ops.linear(x, [weights], [code], None, activations=acts)
         for _ in range(3):
             call()
         best = float("inf")
@@ -61,13 +71,16 @@ print(json.dumps(out))
 
 
 def run(tree: str, args) -> dict:
-    return run_in_tree(tree, CHILD, [args.format, args.shape, args.rows, args.threads, args.work], args.threads)
+    acts = 8 if args.activations == "int8" or args.format.endswith("x") else 0
+    return run_in_tree(tree, CHILD, [args.format, args.shape, args.rows, args.threads, args.work, acts], args.threads)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tree", action="append", required=True, help="NAME=PATH of a checkout with _C built")
-    p.add_argument("--format", default="bf16", choices=["bf16", "f32", "q4_0", "q4_1", "q8_0"])
+    p.add_argument("--format", default="bf16", choices=["bf16", "f32", "q4_0", "q4_1", "q8_0", "q4_0x", "q4_1x", "q8_0x"])
+    p.add_argument("--activations", default="exact", choices=["exact", "int8"],
+                   help="int8: the block formats with int8 activations (the x formats always)")
     p.add_argument("--shape", default="1536x576,576x1536,576x576,8192x576",
                    help="comma list of OUTxIN weight shapes (default: SmolLM2's layers and a draft LM head)")
     p.add_argument("--rows", default="16,64,256", help="comma list of input rows")
