@@ -3,7 +3,7 @@
   python bench/bench_ab.py --tree before=/work/before --tree after=. --rounds 5
 
 Each round runs every checkout once, in turn (A B A B ...), each in its own process importing that
-checkout's ``turbospec`` (its own built ``_C``): the default model (SmolLM2-135M-Instruct, the
+checkout's ``turbospec`` (its own built ``_C``): ``--model`` (default: SmolLM2-135M-Instruct, the
 GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
 (no drafts), at ``--threads`` threads, per ``--dtype`` (``--weights dense``: dequantized to it); a
 verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens. ``--activations int8`` (repeatable,
@@ -29,8 +29,9 @@ import turbospec, turbospec.heads.shipped
 from turbospec import Engine
 dtype, tokens, threads, nodes, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 acts = sys.argv[6] if len(sys.argv) > 6 else "exact"
+model = sys.argv[7] if len(sys.argv) > 7 else "default"
 torch.set_num_threads(threads)
-eng = Engine("default", drafter="none", dtype=dtype, max_seq_len=512, weights=weights, activations=acts)
+eng = Engine(model, drafter="none", dtype=dtype, max_seq_len=512, weights=weights, activations=acts)
 prompt = "Explain in a few sentences why the sky is blue."
 eng.generate(prompt, max_new_tokens=8)  # warm-up
 g = eng.generate(prompt, max_new_tokens=tokens)
@@ -57,10 +58,11 @@ out = {"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
 # speculative decoding through the whole step (drafts, tree verify, lazy LM head, compaction):
 # n-gram chains and the shipped EAGLE-3 head's 16-node trees, fixed lengths
 rewrite = "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes."
-for name, kw in (("ngram", dict(drafter="ngram", num_draft=8)),
-                 ("eagle3", dict(drafter="eagle", head=turbospec.heads.shipped.shipped_heads()["eagle3"],
-                                 num_draft=16))):
-    e = Engine("default", dtype=dtype, max_seq_len=512, adaptive=False, weights=weights, activations=acts, **kw)
+spec = [("ngram", dict(drafter="ngram", num_draft=8))]
+if model == "default":  # the shipped head is SmolLM2's
+    spec.append(("eagle3", dict(drafter="eagle", head=turbospec.heads.shipped.shipped_heads()["eagle3"], num_draft=16)))
+for name, kw in spec:
+    e = Engine(model, dtype=dtype, max_seq_len=512, adaptive=False, weights=weights, activations=acts, **kw)
     e.generate(rewrite, max_new_tokens=8)
     s = e.generate(rewrite, max_new_tokens=tokens)
     out[name + "_tok_s"], out[name + "_ids"] = s.stats["decode_tokens_per_s"], s.token_ids[:16]
@@ -82,8 +84,8 @@ def run_in_tree(tree: str, child: str, argv: list, threads: int) -> dict:
 def run(tree: str, dtype: str, args) -> dict:
     """``dtype``: "float32" or "float32/int8" (the dtype and the activations)."""
     d, _, acts = dtype.partition("/")
-    return run_in_tree(tree, CHILD, [d, args.tokens, args.threads, args.nodes, args.weights, acts or "exact"],
-                       args.threads)
+    return run_in_tree(tree, CHILD, [d, args.tokens, args.threads, args.nodes, args.weights, acts or "exact",
+                                     args.model], args.threads)
 
 
 def main() -> None:
@@ -96,6 +98,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--weights", default="auto", choices=["auto", "dense"],
                    help="auto: the GGUF's blocks as stored; dense: dequantized to --dtype")
+    p.add_argument("--model", default="default", help="'default' (SmolLM2 Q4_1) or a GGUF / model path; "
+                   "another model's rows leave out the shipped EAGLE-3 head")
     p.add_argument("--activations", action="append", default=None, choices=["exact", "int8"],
                    help="exact (default) and / or int8 (the GGUF linears' int8 activations)")
     p.add_argument("--out", default=None)
@@ -123,7 +127,8 @@ def main() -> None:
             tok = statistics.median(x["tok_s"] for x in runs)
             ver = statistics.median(x["verify_ms"] for x in runs)
             pre = statistics.median(x["prefill_tok_s"] for x in runs)
-            spec = {k: statistics.median(x[k + "_tok_s"] for x in runs) for k in ("ngram", "eagle3")}
+            spec = {k: statistics.median(x[k + "_tok_s"] for x in runs) for k in ("ngram", "eagle3")
+                    if k + "_tok_s" in runs[0]}
             base = base or (tok, ver, spec, pre)
             summary[f"{d} {name}"] = {"tok_s": tok, "verify_ms": ver, "tok_s_ratio": tok / base[0],
                                       "verify_ratio": ver / base[1], "prefill_tok_s": pre,
@@ -135,6 +140,8 @@ def main() -> None:
                   f"prefill 256 {pre:7.1f} tok/s ({pre / base[3]:.3f}x)  "
                   + "  ".join(f"{k} {v:6.1f} tok/s ({v / base[2][k]:.3f}x)" for k, v in spec.items()))
         for key in ("ids", "ngram_ids", "eagle3_ids"):
+            if key not in res[d][trees[0][0]][0]:
+                continue
             ids = {name: res[d][name][0][key] for name, _ in trees}
             if len({tuple(v) for v in ids.values()}) != 1:
                 print(f"WARNING {d} {key}: the checkouts decoded different tokens: {ids}")

@@ -122,28 +122,31 @@ inline void ungroup_into(const uint8_t* const* wr, int64_t nw, int64_t row_bytes
   }
 }
 
-// Interleaved layouts (turbospec's own format ids, 2000 + the GGUF id of Q4_0 / Q4_1 / Q8_0; the
+// Interleaved layouts (turbospec's own format ids, 2000 + the GGUF id of Q4_0 / Q4_1 / Q5_0 / Q8_0; the
 // int8-activation kernels' 16-row tiles, linear_int8.cpp): rows 16 g .. 16 g + 15 (N % 16 == 0) fill
 // the same 16 * row_bytes bytes, block after block; block j of the group (16 * bytes bytes) holds
 // the 16 rows' fp16 d, then (Q4_1) their fp16 m, then the values in chunks of 64 bytes, 4 per row
-// (byte 4 i + e of a chunk: row i). Q4_0 / Q4_1: chunk c (0..3) = GGUF's quant bytes 4 c .. 4 c + 3
-// of each row's block (low nibbles: values 4 c + e, high: 16 + 4 c + e); Q8_0: chunk c (0..7) =
-// values 4 c + e + 128 as unsigned bytes. (reference.interleave_blocks is the specification.)
+// (byte 4 i + e of a chunk: row i). Q4_0 / Q4_1 / Q5_0: chunk c (0..3) = GGUF's quant bytes
+// 4 c .. 4 c + 3 of each row's block (low nibbles: values 4 c + e, high: 16 + 4 c + e); Q8_0: chunk c
+// (0..7) = values 4 c + e + 128 as unsigned bytes. Q5_0 then: 4 x 16 bytes of fifth bits, byte i of
+// part c = bits 4 c .. 4 c + 3 of row i's qh | bits 16 + 4 c .. 16 + 4 c + 3 << 4.
+// (reference.interleave_blocks is the specification.)
 constexpr int64_t kInterleavedBase = 2000;
 constexpr int64_t kInterleaveRows = 16;
 
 // The GGUF format of an interleaved one, or -1.
 constexpr int64_t interleaved_base(int64_t f) {
-  return (f == kInterleavedBase + 2 || f == kInterleavedBase + 3 || f == kInterleavedBase + 8) ? f - kInterleavedBase
-                                                                                                 : -1;
+  return (f == kInterleavedBase + 2 || f == kInterleavedBase + 3 || f == kInterleavedBase + 6 ||
+          f == kInterleavedBase + 8) ? f - kInterleavedBase : -1;
 }
 
 // rows (a multiple of 16) interleaved rows of nb blocks of base format `base` (src) -> GGUF blocks (dst).
 inline void deinterleave_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nb, int64_t base) {
-  const int64_t bytes = base == 2 ? 18 : base == 3 ? 20 : 34, row_bytes = nb * bytes;
+  const int64_t bytes = base == 2 ? 18 : base == 3 ? 20 : base == 6 ? 22 : 34, row_bytes = nb * bytes;
   const int nh = header_halves(base);
   const int64_t chunks = base == 8 ? 8 : 4;
   const uint8_t flip = base == 8 ? 0x80 : 0x00;
+  const int qs0 = 2 * nh + (base == 6 ? 4 : 0);  // the quant bytes' offset in a GGUF block
   for (int64_t g = 0; g < rows / kInterleaveRows; ++g) {
     const uint8_t* s = src + g * kInterleaveRows * row_bytes;
     uint8_t* d = dst + g * kInterleaveRows * row_bytes;
@@ -153,7 +156,15 @@ inline void deinterleave_rows(const uint8_t* src, uint8_t* dst, int64_t rows, in
         uint8_t* out = d + i * row_bytes + j * bytes;
         for (int h = 0; h < nh; ++h) std::memcpy(out + 2 * h, blk + 32 * h + 2 * i, 2);
         for (int64_t c = 0; c < chunks; ++c)
-          for (int e = 0; e < 4; ++e) out[2 * nh + 4 * c + e] = blk[32 * nh + 64 * c + 4 * i + e] ^ flip;
+          for (int e = 0; e < 4; ++e) out[qs0 + 4 * c + e] = blk[32 * nh + 64 * c + 4 * i + e] ^ flip;
+        if (base == 6) {
+          uint32_t qh = 0;
+          for (int c = 0; c < 4; ++c) {
+            const uint32_t hb = blk[32 + 256 + 16 * c + i];
+            qh |= (hb & 15u) << (4 * c) | (hb >> 4) << (16 + 4 * c);
+          }
+          std::memcpy(out + 2, &qh, 4);
+        }
       }
     }
   }

@@ -17,9 +17,9 @@ enum WeightFormat : int64_t {
   // turbospec's own: Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks with each row's fp16 scales grouped
   // (gguf_blocks.h, reference.group_blocks); the same values, the kernels' fast layout on AVX-512
   kQ4_0G = 1002, kQ4_1G = 1003, kQ5_0G = 1006, kQ8_0G = 1008,
-  // turbospec's own: Q4_0 / Q4_1 / Q8_0 blocks of 16 rows interleaved (gguf_blocks.h,
+  // turbospec's own: Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks of 16 rows interleaved (gguf_blocks.h,
   // reference.interleave_blocks), read with int8 activations only (linear_int8.cpp)
-  kQ4_0X = 2002, kQ4_1X = 2003, kQ8_0X = 2008,
+  kQ4_0X = 2002, kQ4_1X = 2003, kQ5_0X = 2006, kQ8_0X = 2008,
 };
 
 // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]); W_i is [N_i, K] float32 /

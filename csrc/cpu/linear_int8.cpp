@@ -831,15 +831,17 @@ void rows_grouped(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const
 
 
 // ---------------------------------------------------------------------------------------------
-// Interleaved layouts (Q4_0X / Q4_1X / Q8_0X, gguf_blocks.h): tiles of 16 weight rows, one integer
+// Interleaved layouts (Q4_0X / Q4_1X / Q5_0X / Q8_0X, gguf_blocks.h): tiles of 16 weight rows, one integer
 // lane per weight row. Order (reference.linear_int8): per output, one accumulator, block by block
 // y = fma(d_w * d_x, S, y) with S the exact integer sum of q_w * q_x over the block's 32 values,
 // then (Q4_1X) y = fma(min_w, d_x * sum(q_x), y). The stored values are unsigned (u = q_w + off:
-// Q4_0 8, Q4_1 0, Q8_0 128), so S = sum u * q_x - off * sum(q_x).
-constexpr bool is_x(int64_t F) { return F == kQ4_0X || F == kQ4_1X || F == kQ8_0X; }
-constexpr int x_offset(int64_t F) { return F == kQ4_0X ? 8 : F == kQ8_0X ? 128 : 0; }
-constexpr int64_t x_chunk(int64_t F) { return kInterleaveRows * (F == kQ4_0X ? 18 : F == kQ4_1X ? 20 : 34); }
+// Q4_0 8, Q4_1 0, Q5_0 16, Q8_0 128), so S = sum u * q_x - off * sum(q_x).
+constexpr int x_offset(int64_t F) { return F == kQ4_0X ? 8 : F == kQ5_0X ? 16 : F == kQ8_0X ? 128 : 0; }
+constexpr int64_t x_chunk(int64_t F) {
+  return kInterleaveRows * (F == kQ4_0X ? 18 : F == kQ4_1X ? 20 : F == kQ5_0X ? 22 : 34);
+}
 constexpr int x_header(int64_t F) { return F == kQ4_1X ? 64 : 32; }
+constexpr int x_fifth(int64_t F) { return F == kQ5_0X ? 32 + 256 : 0; }  // Q5_0X: where the fifth bits start
 
 template <int64_t F>
 void rows_x_scalar(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
@@ -855,11 +857,14 @@ void rows_x_scalar(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float
           for (int c = 0; c < 8; ++c)
             for (int e = 0; e < 4; ++e) S += static_cast<int32_t>(v[64 * c + 4 * i + e]) * q[4 * c + e];
         } else {
-          for (int c = 0; c < 4; ++c)
+          for (int c = 0; c < 4; ++c) {
+            const int hb = F == kQ5_0X ? p[x_fifth(F) + 16 * c + i] : 0;
             for (int e = 0; e < 4; ++e) {
               const uint8_t u = v[64 * c + 4 * i + e];
-              S += static_cast<int32_t>(u & 15) * q[4 * c + e] + static_cast<int32_t>(u >> 4) * q[16 + 4 * c + e];
+              const int lo = (u & 15) | ((hb >> e) & 1) << 4, hi = (u >> 4) | ((hb >> (4 + e)) & 1) << 4;
+              S += lo * q[4 * c + e] + hi * q[16 + 4 * c + e];
             }
+          }
         }
         S -= x_offset(F) * xr[r].bsum[b];
         acc[i] = std::fma(half_at(p + 2 * i) * xr[r].d[b], static_cast<float>(S), acc[i]);
@@ -924,7 +929,15 @@ TS_AVX512VNNI void tile_x512(const uint8_t* g, const QRow* xr, int64_t K, float*
     } else {
       for (int c = 0; c < 4; ++c) {
         const __m512i raw = _mm512_loadu_si512(v + 64 * c);
-        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        if constexpr (F == kQ5_0X) {  // byte i of the part -> each byte of lane i; bit e / 4 + e -> 0x10 in byte e
+          const __m512i hb = _mm512_shuffle_epi8(
+              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c))),
+              _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
+          const __m512i b5 = _mm512_set1_epi8(0x10);
+          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x08040201)), b5));
+          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x80402010)), b5));
+        }
         for (int r = 0; r < NX; ++r) {
           S[r] = dot4<VNNI>(S[r], lo, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)));
           S[r] = dot4<VNNI>(S[r], hi, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c)));
@@ -987,7 +1000,17 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
       } else {
         for (int c = 0; c < 4; ++c) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h));
-          const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+          __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+          if constexpr (F == kQ5_0X) {  // as in tile_x512, rows 8 h .. 8 h + 7
+            const __m256i hb = _mm256_shuffle_epi8(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c + 8 * h))),
+                _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000, 0x0C0C0C0C, 0x08080808, 0x04040404,
+                                 0x00000000));
+            const __m256i b5 = _mm256_set1_epi8(0x10);
+            const __m256i pl = _mm256_set1_epi32(0x08040201), ph = _mm256_set1_epi32(static_cast<int>(0x80402010u));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, pl), pl), b5));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, ph), ph), b5));
+          }
           for (int r = 0; r < NX; ++r) {
             const __m256i xl = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
             const __m256i xh = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c));
@@ -1003,7 +1026,7 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
       if constexpr (F == kQ4_1X) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
       for (int r = 0; r < NX; ++r) {
         __m256i s = S[r][h];
-        if constexpr (F == kQ4_0X) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
+        if constexpr (F == kQ4_0X || F == kQ5_0X) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xr[r].d[b])), _mm256_cvtepi32_ps(s), acc[r][h]);
         if constexpr (F == kQ4_1X) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xr[r].s[b]), acc[r][h]);
       }
@@ -1065,6 +1088,7 @@ RowsFn rows_fn(int64_t f) {
     case kQ8_0G: return &rows_grouped<kQ8_0G>;
     case kQ4_0X: return &rows_x<kQ4_0X>;
     case kQ4_1X: return &rows_x<kQ4_1X>;
+    case kQ5_0X: return &rows_x<kQ5_0X>;
     case kQ8_0X: return &rows_x<kQ8_0X>;
     default: return nullptr;
   }

@@ -605,15 +605,16 @@ def test_int8_extreme_weights_and_activations(name):
 # ------------------------------------------------------------------------------------------------
 # interleaved layouts (2000 + the GGUF id): 16 rows' blocks side by side, int8 activations only
 # ------------------------------------------------------------------------------------------------
-INTERLEAVED = {"Q4_0": 2002, "Q4_1": 2003, "Q8_0": 2008}
+INTERLEAVED = {"Q4_0": 2002, "Q4_1": 2003, "Q5_0": 2006, "Q8_0": 2008}
 
 
 def extreme_blocks(name: str, n: int, k: int, seed: int) -> torch.Tensor:
     """random_blocks with every other row's values at the format's extremes (Q8_0: -128 and 127;
-    4-bit: 15 and 0 in both nibbles), the products the byte-pairing instructions must keep exact."""
+    4-bit: 15 and 0 in both nibbles; Q5_0: 31 and 0), the products the byte-pairing instructions
+    must keep exact."""
     nbytes = reference.WEIGHT_FORMATS[BLOCK_FORMATS[name]][2]
     raw = random_blocks(name, n, k, seed=seed).reshape(n, k // 32, nbytes).clone()
-    hdr = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[name]
+    hdr = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q8_0": 2}[name]  # Q5_0: its fifth bits (qh) too
     raw[0::4, :, hdr:] = 0x80 if name == "Q8_0" else 0xFF
     raw[1::4, :, hdr:] = 0x7F if name == "Q8_0" else 0x00
     return raw.reshape(n, -1)
@@ -639,11 +640,16 @@ def test_interleave_blocks_layout_and_round_trip(name, k):
     assert torch.equal(chunk[2 * i:2 * i + 2], blocks[16 + i, j, 0:2])                  # d
     if nh == 2:
         assert torch.equal(chunk[32 + 2 * i:32 + 2 * i + 2], blocks[16 + i, j, 2:4])    # m
-    qs = blocks[16 + i, j, 2 * nh:]
+    qs = blocks[16 + i, j, 2 * nh + (4 if name == "Q5_0" else 0):]
     for c in range(len(qs) // 4):
         got = chunk[32 * nh + 64 * c + 4 * i:32 * nh + 64 * c + 4 * i + 4]
         want = qs[4 * c:4 * c + 4] ^ (0x80 if name == "Q8_0" else 0)
         assert torch.equal(got, want), c
+    if name == "Q5_0":  # fifth bits: byte i of part c = qh bits 4c..4c+3 | bits 16+4c..16+4c+3 << 4
+        qh = int.from_bytes(bytes(blocks[16 + i, j, 2:6].tolist()), "little")
+        for c in range(4):
+            want = (qh >> (4 * c)) & 15 | ((qh >> (16 + 4 * c)) & 15) << 4
+            assert int(chunk[32 + 256 + 16 * c + i]) == want, c
     want = ops.dequantize(raw, fmt, k).view(torch.int32)
     assert torch.equal(ops.dequantize(inter, xfmt, k).view(torch.int32), want)
     assert torch.equal(reference.dequantize(inter, xfmt, k).view(torch.int32), want)
@@ -690,7 +696,7 @@ def test_interleaved_without_vnni_gives_the_same_bits():
     code = ("import torch, sys; from turbospec import ops; from turbospec.ops import reference as R; "
             "sys.path[:0] = ['tests', 'tests/ops']; from test_linear import random_blocks, extreme_blocks; "
             "ok = True\n"
-            "for name, f in (('Q4_0', 2), ('Q4_1', 3), ('Q8_0', 8)):\n"
+            "for name, f in (('Q4_0', 2), ('Q4_1', 3), ('Q5_0', 6), ('Q8_0', 8)):\n"
             "    w = R.interleave_blocks(extreme_blocks(name, 32, 576, 1), f, 576)\n"
             "    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))\n"
             "    ok &= torch.equal(ops.linear(x, [w], [2000 + f], activations=8), R.linear_int8(x, [w], [2000 + f]))\n"
@@ -703,8 +709,8 @@ def test_interleaved_without_vnni_gives_the_same_bits():
 
 def test_interleaved_layout_bad_input():
     raw = random_blocks("Q4_1", 16, 64)
-    with pytest.raises(ValueError, match=r"interleave_blocks: format 6 has no interleaved layout; Q4_0 \(2\)"):
-        reference.interleave_blocks(random_blocks("Q5_0", 16, 64), 6, 64)
+    with pytest.raises(ValueError, match=r"interleave_blocks: format 12 has no interleaved layout; Q4_0 \(2\)"):
+        reference.interleave_blocks(random_blocks("Q4_K", 16, 256), 12, 256)
     with pytest.raises(ValueError, match=r"N a multiple of 16, got torch.uint8 \[12, 40\]"):
         reference.interleave_blocks(raw[:12], 3, 64)
     with pytest.raises(ValueError, match=r"deinterleave_blocks: format 3 is not an interleaved format"):

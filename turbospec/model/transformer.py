@@ -230,23 +230,26 @@ class Linear:
         """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest where they run
         their AVX-512 path: with exact activations grouped (``reference.group_blocks``: each row's
         scales side by side; Q4_1 decode 1.15-1.3x faster in bench/RESULTS.md run 19); with int8
-        activations on every path Q4_0 / Q4_1 / Q8_0 interleaved by 16 rows (``reference.interleave_blocks``: the
-        int8 kernels' 16-row tiles, 2-4x the older kernel's speed, bench/results/2026-11-29-int8-
-        interleaved.md; every segment of the linear must then take int8 activations and hold a
-        multiple of 16 rows), else GGUF's. The same values in every layout; grouped and GGUF order give
-        the same bits on every kernel path, the interleaved layout its own order (``reference.
-        linear_int8``), the same on every path too."""
+        activations on every path Q4_0 / Q4_1 / Q5_0 / Q8_0 segments of whole groups of 16 rows
+        interleaved (``reference.interleave_blocks``: the int8 kernels' 16-row tiles, 2-4x the older
+        kernel's speed, bench/results/2026-11-29-int8-interleaved.md; every segment of the linear
+        must take int8 activations), else GGUF's. The same values in every layout; grouped and GGUF
+        order give the same bits on every kernel path, the interleaved layout its own order
+        (``reference.linear_int8``), the same on every path too."""
         from ..ops import cpu_isa
         avx512 = self.kernel and cpu_isa() == "avx512"
         k = self.in_features
         plain = [reference.grouped_base(f) or reference.interleaved_base(f) or f for f in self.formats]
-        interleave = self.kernel and self.activations == 8 and k % 32 == 0 and all(
-            f in reference.INTERLEAVED and w.shape[0] % reference.INTERLEAVE_ROWS == 0
-            for f, w in zip(plain, self.weights))
+        # int8 activations: every segment takes them (GGUF blocks) or the call keeps exact ones
+        int8 = self.kernel and self.activations == 8 and k % 32 == 0 and all(map(reference.has_int8_kernel, plain))
         for i, f in enumerate(self.formats):
             base = plain[i]
-            want = reference.INTERLEAVED[base] if interleave else \
-                reference.GROUPED[base] if avx512 and self.activations == 0 and base in reference.GROUPED else base
+            if int8 and base in reference.INTERLEAVED and self.weights[i].shape[0] % reference.INTERLEAVE_ROWS == 0:
+                want = reference.INTERLEAVED[base]
+            elif avx512 and self.activations == 0 and base in reference.GROUPED:
+                want = reference.GROUPED[base]
+            else:
+                want = base
             if want == f:
                 continue
             old = w = self.weights[i]

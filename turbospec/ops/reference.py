@@ -574,7 +574,7 @@ WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q
                   1002: ("Q4_0G", 32, 18), 1003: ("Q4_1G", 32, 20), 1006: ("Q5_0G", 32, 22), 1008: ("Q8_0G", 32, 34),
                   # (2000 + the GGUF id): 16 rows' blocks interleaved, read with int8 activations only
                   # (``interleave_blocks``)
-                  2002: ("Q4_0X", 32, 18), 2003: ("Q4_1X", 32, 20), 2008: ("Q8_0X", 32, 34)}
+                  2002: ("Q4_0X", 32, 18), 2003: ("Q4_1X", 32, 20), 2006: ("Q5_0X", 32, 22), 2008: ("Q8_0X", 32, 34)}
 GROUP_BLOCKS = 16  # blocks per group of a grouped layout
 DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -642,7 +642,7 @@ def ungroup_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     return out
 
 
-INTERLEAVED = {2: 2002, 3: 2003, 8: 2008}  # GGUF format id -> its interleaved layout's id
+INTERLEAVED = {2: 2002, 3: 2003, 6: 2006, 8: 2008}  # GGUF format id -> its interleaved layout's id
 INTERLEAVE_ROWS = 16  # weight rows per group of an interleaved layout
 
 
@@ -653,7 +653,8 @@ def interleaved_base(fmt: int) -> int | None:
 
 def _interleave_check(raw: Tensor, fmt: int, k: int, what: str) -> None:
     if fmt not in INTERLEAVED:
-        raise ValueError(f"{what}: format {fmt!r} has no interleaved layout; Q4_0 (2), Q4_1 (3), Q8_0 (8) have")
+        raise ValueError(f"{what}: format {fmt!r} has no interleaved layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8) "
+                         f"have")
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(fmt, k) \
             or raw.shape[0] % INTERLEAVE_ROWS:
         raise ValueError(f"{what}: raw must be uint8 [N, {row_bytes(fmt, k)}] with N a multiple of "
@@ -661,41 +662,57 @@ def _interleave_check(raw: Tensor, fmt: int, k: int, what: str) -> None:
 
 
 def interleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
-    """GGUF blocks uint8 [N, row bytes] of Q4_0 / Q4_1 / Q8_0 (``fmt`` 2 / 3 / 8; N a multiple of 16)
-    -> the interleaved layout (format ``2000 + fmt``), the layout of the int8-activation kernels'
-    16-row tiles (an integer lane per weight row). Rows 16 g .. 16 g + 15 fill the bytes of those rows,
-    block after block; block j of the group holds the 16 rows' fp16 d (32 bytes), then (Q4_1) their
-    fp16 m (32 bytes), then the values in chunks of 64 bytes, 4 per row (byte 4 i + e of a chunk:
-    row i): Q4_0 / Q4_1 chunk c (0..3) holds GGUF's quant bytes 4 c .. 4 c + 3 of each row's block
-    (low nibbles: values 4 c + e, high nibbles: 16 + 4 c + e); Q8_0 chunk c (0..7) holds values
-    4 c + e, each stored + 128 as an unsigned byte."""
+    """GGUF blocks uint8 [N, row bytes] of Q4_0 / Q4_1 / Q5_0 / Q8_0 (``fmt`` 2 / 3 / 6 / 8; N a
+    multiple of 16) -> the interleaved layout (format ``2000 + fmt``), the layout of the
+    int8-activation kernels' 16-row tiles (an integer lane per weight row). Rows 16 g .. 16 g + 15
+    fill the bytes of those rows, block after block; block j of the group holds the 16 rows' fp16 d
+    (32 bytes), then (Q4_1) their fp16 m (32 bytes), then the values in chunks of 64 bytes, 4 per row
+    (byte 4 i + e of a chunk: row i): Q4_0 / Q4_1 / Q5_0 chunk c (0..3) holds GGUF's quant bytes
+    4 c .. 4 c + 3 of each row's block (low nibbles: values 4 c + e, high nibbles: 16 + 4 c + e); Q8_0
+    chunk c (0..7) holds values 4 c + e, each stored + 128 as an unsigned byte. Q5_0 then holds the
+    fifth bits, 16 bytes per chunk c (byte i: row i): bits 4 c .. 4 c + 3 of the row's qh in the low
+    nibble, bits 16 + 4 c .. 16 + 4 c + 3 in the high one."""
     _interleave_check(raw, fmt, k, "interleave_blocks")
     n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[fmt][2]
     b = raw.reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS, nb, nbytes).transpose(1, 2)  # [g, nb, 16, bytes]
     nh = 2 if fmt == 3 else 1
     heads = [b[..., 2 * h:2 * h + 2].reshape(*b.shape[:2], 32) for h in range(nh)]
-    qs = b[..., 2 * nh:]
+    qs = b[..., 2 * nh + (4 if fmt == 6 else 0):]
     if fmt == 8:
         qs = qs ^ 0x80
     chunks = qs.reshape(*b.shape[:3], -1, 4).transpose(2, 3).reshape(*b.shape[:2], -1)  # [g, nb, chunk, 16, 4]
-    return torch.cat(heads + [chunks], -1).reshape(n, -1).contiguous()
+    parts = heads + [chunks]
+    if fmt == 6:
+        qh = b[..., 2:6].clone(memory_format=torch.contiguous_format).view(torch.int32).long()  # [g, nb, 16, 1], little endian
+        c = torch.arange(4)
+        hb = ((qh >> (4 * c)) & 15) | (((qh >> (16 + 4 * c)) & 15) << 4)  # [g, nb, 16 rows, 4 chunks]
+        parts.append(hb.transpose(2, 3).reshape(*b.shape[:2], 64).to(torch.uint8))
+    return torch.cat(parts, -1).reshape(n, -1).contiguous()
 
 
 def deinterleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     """The inverse of ``interleave_blocks``: interleaved rows (``fmt`` 2002 / 2003 / 2008) -> GGUF blocks."""
     base = interleaved_base(fmt)
     if base is None:
-        raise ValueError(f"deinterleave_blocks: format {fmt!r} is not an interleaved format (2002, 2003, 2008)")
+        raise ValueError(f"deinterleave_blocks: format {fmt!r} is not an interleaved format (2002, 2003, 2006, "
+                         f"2008)")
     _interleave_check(raw, base, k, "deinterleave_blocks")
     n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[base][2]
     nh = 2 if base == 3 else 1
     b = raw.reshape(n // INTERLEAVE_ROWS, nb, INTERLEAVE_ROWS * nbytes)
     g = b.shape[0]
     heads = [b[..., 32 * h:32 * h + 32].reshape(g, nb, INTERLEAVE_ROWS, 2) for h in range(nh)]
-    qs = b[..., 32 * nh:].reshape(g, nb, -1, INTERLEAVE_ROWS, 4).transpose(2, 3).reshape(g, nb, INTERLEAVE_ROWS, -1)
+    end = b.shape[-1] - (64 if base == 6 else 0)
+    qs = b[..., 32 * nh:end].reshape(g, nb, -1, INTERLEAVE_ROWS, 4).transpose(2, 3).reshape(g, nb, INTERLEAVE_ROWS, -1)
     if base == 8:
         qs = qs ^ 0x80
-    blocks = torch.cat(heads + [qs], -1)  # [g, nb, 16, bytes]
+    parts = heads
+    if base == 6:
+        hb = b[..., end:].reshape(g, nb, 4, INTERLEAVE_ROWS).transpose(2, 3).long()  # [g, nb, 16 rows, 4 chunks]
+        c = torch.arange(4)
+        qh = (((hb & 15) << (4 * c)) | ((hb >> 4) << (16 + 4 * c))).sum(-1, keepdim=True)  # disjoint bits
+        parts = parts + [qh.to(torch.int32).view(torch.uint8)]
+    blocks = torch.cat(parts + [qs], -1)  # [g, nb, 16, bytes]
     return blocks.transpose(1, 2).reshape(n, -1).contiguous()
 
 
@@ -740,7 +757,7 @@ def dequantize(raw: Tensor, fmt: int, k: int) -> Tensor:
         elif name == "Q4_1":
             w = d * q + _f16(b[..., 2:4])[..., None]
         else:
-            qh = b[..., 2:6].contiguous().view(torch.int32).long()  # [n, nb, 1], little endian
+            qh = b[..., 2:6].clone(memory_format=torch.contiguous_format).view(torch.int32).long()  # [n, nb, 1], little endian
             hb = (qh >> torch.arange(32)) & 1
             w = d * ((q.long() | (hb << 4)) - 16).float()
     elif name == "Q8_0":
@@ -803,7 +820,7 @@ def block_parts(raw: Tensor, fmt: int, k: int) -> tuple[Tensor, Tensor, Tensor |
         if name == "Q4_0":
             q = q - 8
         elif name == "Q5_0":
-            qh = b[..., 2:6].contiguous().view(torch.int32).long()
+            qh = b[..., 2:6].clone(memory_format=torch.contiguous_format).view(torch.int32).long()
             q = (q | (((qh >> torch.arange(32)) & 1) << 4)) - 16
         elif name == "Q4_1":
             minw = _f16(b[..., 2:4]).reshape(n, -1)
