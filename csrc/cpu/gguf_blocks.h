@@ -137,11 +137,33 @@ constexpr int64_t kInterleaveRows = 16;
 // The GGUF format of an interleaved one, or -1.
 constexpr int64_t interleaved_base(int64_t f) {
   return (f == kInterleavedBase + 2 || f == kInterleavedBase + 3 || f == kInterleavedBase + 6 ||
-          f == kInterleavedBase + 8) ? f - kInterleavedBase : -1;
+          f == kInterleavedBase + 8 || f == kInterleavedBase + 12) ? f - kInterleavedBase : -1;
+}
+
+// Q4_KX (2012): per super-block of a group (16 x 144 bytes) the rows' fp16 d (32 bytes), fp16 dmin
+// (32), their 12 packed scale bytes as three parts of 64 (part t: bytes 4 t .. 4 t + 3 of each row,
+// row i at 4 i), then 32 chunks of 64 bytes (chunk 8 j + c: quant bytes 32 j + 4 c .. + 3 of each row).
+inline void deinterleave_q4k(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t ns) {
+  const int64_t row_bytes = ns * 144;
+  for (int64_t g = 0; g < rows / kInterleaveRows; ++g)
+    for (int64_t s = 0; s < ns; ++s) {
+      const uint8_t* blk = src + g * kInterleaveRows * row_bytes + s * kInterleaveRows * 144;
+      for (int64_t i = 0; i < kInterleaveRows; ++i) {
+        uint8_t* out = dst + (g * kInterleaveRows + i) * row_bytes + s * 144;
+        std::memcpy(out, blk + 2 * i, 2);
+        std::memcpy(out + 2, blk + 32 + 2 * i, 2);
+        for (int t = 0; t < 3; ++t) std::memcpy(out + 4 + 4 * t, blk + 64 + 64 * t + 4 * i, 4);
+        for (int c = 0; c < 32; ++c) std::memcpy(out + 16 + 4 * c, blk + 256 + 64 * c + 4 * i, 4);
+      }
+    }
 }
 
 // rows (a multiple of 16) interleaved rows of nb blocks of base format `base` (src) -> GGUF blocks (dst).
 inline void deinterleave_rows(const uint8_t* src, uint8_t* dst, int64_t rows, int64_t nb, int64_t base) {
+  if (base == 12) {
+    deinterleave_q4k(src, dst, rows, nb / 8);
+    return;
+  }
   const int64_t bytes = base == 2 ? 18 : base == 3 ? 20 : base == 6 ? 22 : 34, row_bytes = nb * bytes;
   const int nh = header_halves(base);
   const int64_t chunks = base == 8 ? 8 : 4;

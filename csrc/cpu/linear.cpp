@@ -89,6 +89,7 @@ constexpr FormatInfo info_of(int64_t f) {
     case kQ4_0X: return {32, 18, "Q4_0X"};
     case kQ4_1X: return {32, 20, "Q4_1X"};
     case kQ5_0X: return {32, 22, "Q5_0X"};
+    case kQ4_KX: return {256, 144, "Q4_KX"};
     case kQ8_0X: return {32, 34, "Q8_0X"};
     default: return {0, 0, nullptr};
   }
@@ -111,7 +112,7 @@ FormatInfo checked_info(int64_t f) {
   FormatInfo fi{};
   TORCH_CHECK(format_info(f, &fi), "linear: weight format ", f, " is not supported; supported (GGML type ids): ",
               "0 F32, 1 F16, 30 BF16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, ",
-              "1002 Q4_0G, 1003 Q4_1G, 1006 Q5_0G, 1008 Q8_0G, 2002 Q4_0X, 2003 Q4_1X, 2006 Q5_0X, 2008 Q8_0X");
+              "1002 Q4_0G, 1003 Q4_1G, 1006 Q5_0G, 1008 Q8_0G, 2002 Q4_0X, 2003 Q4_1X, 2006 Q5_0X, 2008 Q8_0X, 2012 Q4_KX");
   return fi;
 }
 

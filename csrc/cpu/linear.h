@@ -19,7 +19,7 @@ enum WeightFormat : int64_t {
   kQ4_0G = 1002, kQ4_1G = 1003, kQ5_0G = 1006, kQ8_0G = 1008,
   // turbospec's own: Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks of 16 rows interleaved (gguf_blocks.h,
   // reference.interleave_blocks), read with int8 activations only (linear_int8.cpp)
-  kQ4_0X = 2002, kQ4_1X = 2003, kQ5_0X = 2006, kQ8_0X = 2008,
+  kQ4_0X = 2002, kQ4_1X = 2003, kQ5_0X = 2006, kQ8_0X = 2008, kQ4_KX = 2012,
 };
 
 // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]); W_i is [N_i, K] float32 /

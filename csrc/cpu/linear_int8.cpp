@@ -1054,11 +1054,222 @@ bool has_vnni() {
 }
 #endif  // TS_X86
 
+
+// Q4_KX (activations per 256): per super-block and output the exact integers L = sum over the 8
+// sub-blocks of sc * (sum of u_w * q_x) and M = sum of mn * (sum of q_x over the sub-block), then
+// y = fma(d_w * d_x, L, y), y = fma(-(dmin_w * d_x), M, y) (reference._linear_int8_q4kx).
+inline void q4k_scale_min(const uint8_t* p, int i, int j, int* sc, int* mn) {  // p: the super-block's group part
+  const uint8_t* a = p + 64 + 4 * i;         // packed bytes 0..3 of row i
+  const uint8_t* b = p + 128 + 4 * i;        // 4..7
+  const uint8_t* c = p + 192 + 4 * i;        // 8..11
+  if (j < 4) {
+    *sc = a[j] & 63, *mn = b[j] & 63;
+  } else {
+    *sc = (c[j - 4] & 15) | ((a[j - 4] >> 6) << 4);
+    *mn = (c[j - 4] >> 4) | ((b[j - 4] >> 6) << 4);
+  }
+}
+
+void rows_q4kx_scalar(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r) {
+    float acc[kInterleaveRows] = {};
+    for (int64_t s = 0; s < K / 256; ++s) {
+      const uint8_t* p = g + s * kInterleaveRows * 144;
+      const int8_t* q = xr[r].q256 + 256 * s;
+      const int16_t* b16 = xr[r].bsum16 + 16 * s;
+      for (int i = 0; i < kInterleaveRows; ++i) {
+        int32_t L = 0, M = 0;
+        for (int sub = 0; sub < 8; ++sub) {
+          int sc, mn;
+          q4k_scale_min(p, i, sub, &sc, &mn);
+          const int j = sub >> 1, hi = sub & 1;
+          int32_t S = 0;
+          for (int c = 0; c < 8; ++c)
+            for (int e = 0; e < 4; ++e) {
+              const uint8_t u = p[256 + 64 * (8 * j + c) + 4 * i + e];
+              S += static_cast<int32_t>(hi ? u >> 4 : u & 15) * q[64 * j + 32 * hi + 4 * c + e];
+            }
+          L += sc * S;
+          M += mn * (b16[2 * sub] + b16[2 * sub + 1]);
+        }
+        const float dx = xr[r].d256[s];
+        acc[i] = std::fma(half_at(p + 2 * i) * dx, static_cast<float>(L), acc[i]);
+        acc[i] = std::fma(-(half_at(p + 32 + 2 * i) * dx), static_cast<float>(M), acc[i]);
+      }
+    }
+    for (int i = 0; i < kInterleaveRows; ++i) out[r * ldo + i] = acc[i];
+  }
+}
+
+#ifdef TS_X86
+// Sixteen rows' 6-bit scale (the packed bytes 0..3 in A, 8..11 in C) or min (4..7 in B, 8..11 in C)
+// of sub-block `sub`, one per lane (GGUF's get_scale_min_k4).
+TS_AVX512VNNI __attribute__((always_inline)) inline __m512i q4k_scales(__m512i A, __m512i C, int sub) {
+  const __m512i m6 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+  if (sub < 4) return _mm512_and_si512(_mm512_srli_epi32(A, 8 * sub), m6);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * (sub - 4)), m15),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * (sub - 4) + 6), m3), 4));
+}
+TS_AVX512VNNI __attribute__((always_inline)) inline __m512i q4k_mins(__m512i B, __m512i C, int sub) {
+  const __m512i m6 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+  if (sub < 4) return _mm512_and_si512(_mm512_srli_epi32(B, 8 * sub), m6);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * (sub - 4) + 4), m15),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * (sub - 4) + 6), m3), 4));
+}
+
+template <int NX, bool VNNI>
+TS_AVX512VNNI void tile_q4kx512(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const bool nta = prefetch_nta();
+  __m512 acc[NX];
+  for (int r = 0; r < NX; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* p = g + s * kInterleaveRows * 144;
+    for (int64_t off = 0; off < kInterleaveRows * 144; off += 64) prefetch_weights(p + 2 * kInterleaveRows * 144 + off, nta);
+    const __m512i A = _mm512_loadu_si512(p + 64), B = _mm512_loadu_si512(p + 128), C = _mm512_loadu_si512(p + 192);
+    __m512i L[NX];
+    for (int r = 0; r < NX; ++r) L[r] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {  // sub-blocks 2 j (low nibbles) and 2 j + 1 (high)
+      __m512i Slo[NX], Shi[NX];
+      for (int r = 0; r < NX; ++r) Slo[r] = Shi[r] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i raw = _mm512_loadu_si512(p + 256 + 64 * (8 * j + c));
+        const __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < NX; ++r) {
+          const int8_t* q = xr[r].q256 + 256 * s + 64 * j + 4 * c;
+          Slo[r] = dot4<VNNI>(Slo[r], lo, _mm512_set1_epi32(load_i32(q)));
+          Shi[r] = dot4<VNNI>(Shi[r], hi, _mm512_set1_epi32(load_i32(q + 32)));
+        }
+      }
+      // the 6-bit scales of sub-blocks 2 j, 2 j + 1 for the 16 rows (lanes)
+      const __m512i sc0 = q4k_scales(A, C, 2 * j), sc1 = q4k_scales(A, C, 2 * j + 1);
+      for (int r = 0; r < NX; ++r)
+        L[r] = _mm512_add_epi32(L[r], _mm512_add_epi32(_mm512_mullo_epi32(Slo[r], sc0), _mm512_mullo_epi32(Shi[r], sc1)));
+    }
+    // the mins, two 16-bit values per lane (sub-blocks 2 t, 2 t + 1), against the inputs' sums per 32
+    __m512i mnp[4];
+    for (int t = 0; t < 4; ++t)
+      mnp[t] = _mm512_or_si512(q4k_mins(B, C, 2 * t), _mm512_slli_epi32(q4k_mins(B, C, 2 * t + 1), 16));
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    for (int r = 0; r < NX; ++r) {
+      const int16_t* b16 = xr[r].bsum16 + 16 * s;
+      __m512i M = _mm512_setzero_si512();
+      for (int t = 0; t < 4; ++t) {
+        const int32_t b0 = b16[4 * t] + b16[4 * t + 1], b1 = b16[4 * t + 2] + b16[4 * t + 3];
+        M = _mm512_add_epi32(M, _mm512_madd_epi16(mnp[t], _mm512_set1_epi32((b0 & 0xFFFF) | (b1 << 16))));
+      }
+      const __m512 dx = _mm512_set1_ps(xr[r].d256[s]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(L[r]), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(_mm512_mul_ps(dmw, dx), _mm512_cvtepi32_ps(M), acc[r]);
+    }
+  }
+  for (int r = 0; r < NX; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+template <bool VNNI>
+void rows_q4kx512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) tile_q4kx512<4, VNNI>(g, xr + r, K, out + r * ldo, ldo);
+  switch (R - r) {
+    case 3: tile_q4kx512<3, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 2: tile_q4kx512<2, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 1: tile_q4kx512<1, VNNI>(g, xr + r, K, out + r * ldo, ldo); break;
+    default: break;
+  }
+}
+
+// The AVX2 form: the 16 rows as two halves of 8 (h), each a pass over the super-blocks.
+TS_AVX2 __attribute__((always_inline)) inline __m256i q4k_scales256(__m256i A, __m256i C, int sub) {
+  const __m256i m6 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
+  if (sub < 4) return _mm256_and_si256(_mm256_srli_epi32(A, 8 * sub), m6);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 8 * (sub - 4)), m15),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(A, 8 * (sub - 4) + 6), m3), 4));
+}
+TS_AVX2 __attribute__((always_inline)) inline __m256i q4k_mins256(__m256i B, __m256i C, int sub) {
+  const __m256i m6 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
+  if (sub < 4) return _mm256_and_si256(_mm256_srli_epi32(B, 8 * sub), m6);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 8 * (sub - 4) + 4), m15),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(B, 8 * (sub - 4) + 6), m3), 4));
+}
+
+template <int NX>
+TS_AVX2 void tile_q4kx256(const uint8_t* g, int h, const QRow* xr, int64_t K, float* out, int64_t ldo) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[NX];
+  for (int r = 0; r < NX; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < K / 256; ++s) {
+    const uint8_t* p = g + s * kInterleaveRows * 144;
+    const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 + 32 * h));
+    const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+    const __m256i C = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 192 + 32 * h));
+    __m256i L[NX];
+    for (int r = 0; r < NX; ++r) L[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      __m256i Slo[NX], Shi[NX];
+      for (int r = 0; r < NX; ++r) Slo[r] = Shi[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * (8 * j + c) + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        for (int r = 0; r < NX; ++r) {
+          const int8_t* q = xr[r].q256 + 256 * s + 64 * j + 4 * c;
+          Slo[r] = _mm256_add_epi32(Slo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(q))), ones));
+          Shi[r] = _mm256_add_epi32(Shi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(q + 32))), ones));
+        }
+      }
+      const __m256i sc0 = q4k_scales256(A, C, 2 * j), sc1 = q4k_scales256(A, C, 2 * j + 1);
+      for (int r = 0; r < NX; ++r)
+        L[r] = _mm256_add_epi32(L[r], _mm256_add_epi32(_mm256_mullo_epi32(Slo[r], sc0), _mm256_mullo_epi32(Shi[r], sc1)));
+    }
+    __m256i mnp[4];
+    for (int t = 0; t < 4; ++t)
+      mnp[t] = _mm256_or_si256(q4k_mins256(B, C, 2 * t), _mm256_slli_epi32(q4k_mins256(B, C, 2 * t + 1), 16));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+    const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
+    for (int r = 0; r < NX; ++r) {
+      const int16_t* b16 = xr[r].bsum16 + 16 * s;
+      __m256i M = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const int32_t b0 = b16[4 * t] + b16[4 * t + 1], b1 = b16[4 * t + 2] + b16[4 * t + 3];
+        M = _mm256_add_epi32(M, _mm256_madd_epi16(mnp[t], _mm256_set1_epi32((b0 & 0xFFFF) | (b1 << 16))));
+      }
+      const __m256 dx = _mm256_set1_ps(xr[r].d256[s]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(L[r]), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmw, dx), _mm256_cvtepi32_ps(M), acc[r]);
+    }
+  }
+  for (int r = 0; r < NX; ++r) _mm256_storeu_ps(out + r * ldo + 8 * h, acc[r]);
+}
+
+TS_AVX2 void rows_q4kx256(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  for (int h = 0; h < 2; ++h) {
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2) tile_q4kx256<2>(g, h, xr + r, K, out + r * ldo, ldo);
+    if (r < R) tile_q4kx256<1>(g, h, xr + r, K, out + r * ldo, ldo);
+  }
+}
+#endif  // TS_X86
+
 // One group of 16 interleaved rows (wr[0]: the group's first byte; nw == 16) against R input rows.
 template <int64_t F>
 void rows_x(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
             int64_t ldo, Isa isa) {
   (void)nw, (void)row_bytes;
+  if constexpr (F == kQ4_KX) {
+#ifdef TS_X86
+    if (isa == Isa::kAvx512) {
+      if (has_vnni()) rows_q4kx512<true>(wr[0], xr, R, K, out, ldo);
+      else rows_q4kx512<false>(wr[0], xr, R, K, out, ldo);
+      return;
+    }
+    if (isa == Isa::kAvx2) {
+      rows_q4kx256(wr[0], xr, R, K, out, ldo);
+      return;
+    }
+#endif
+    rows_q4kx_scalar(wr[0], xr, R, K, out, ldo);
+    return;
+  } else {
 #ifdef TS_X86
   if (isa == Isa::kAvx512) {
     if (has_vnni()) rows_x512<F, true>(wr[0], xr, R, K, out, ldo);
@@ -1071,6 +1282,7 @@ void rows_x(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow*
   }
 #endif
   rows_x_scalar<F>(wr[0], xr, R, K, out, ldo);
+  }
 }
 
 RowsFn rows_fn(int64_t f) {
@@ -1089,6 +1301,7 @@ RowsFn rows_fn(int64_t f) {
     case kQ4_0X: return &rows_x<kQ4_0X>;
     case kQ4_1X: return &rows_x<kQ4_1X>;
     case kQ5_0X: return &rows_x<kQ5_0X>;
+    case kQ4_KX: return &rows_x<kQ4_KX>;
     case kQ8_0X: return &rows_x<kQ8_0X>;
     default: return nullptr;
   }
@@ -1127,8 +1340,10 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
     items += (w.size(0) + per_item - 1) / per_item;
   }
   const int64_t nb = K / 32;
-  const bool need32 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return !is_k(f); });
-  const bool need256 = std::any_of(formats.begin(), formats.end(), [](int64_t f) { return is_k(f); });
+  // activations per 256: the K-quants and Q4_KX; per 32: the others
+  const auto per256 = [](int64_t f) { return is_k(f) || f == kQ4_KX; };
+  const bool need32 = std::any_of(formats.begin(), formats.end(), [&](int64_t f) { return !per256(f); });
+  const bool need256 = std::any_of(formats.begin(), formats.end(), per256);
   TORCH_CHECK(!need256 || K % 256 == 0, "linear: K-quant weights need K % 256 == 0, got K = ", K);
   if (R == 0 || N == 0) return;
   const size_t n32 = need32 ? static_cast<size_t>(R) : 0, n256 = need256 ? static_cast<size_t>(R) : 0;

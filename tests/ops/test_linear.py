@@ -696,9 +696,11 @@ def test_interleaved_without_vnni_gives_the_same_bits():
     code = ("import torch, sys; from turbospec import ops; from turbospec.ops import reference as R; "
             "sys.path[:0] = ['tests', 'tests/ops']; from test_linear import random_blocks, extreme_blocks; "
             "ok = True\n"
-            "for name, f in (('Q4_0', 2), ('Q4_1', 3), ('Q5_0', 6), ('Q8_0', 8)):\n"
-            "    w = R.interleave_blocks(extreme_blocks(name, 32, 576, 1), f, 576)\n"
-            "    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(2))\n"
+            "for name, f in (('Q4_0', 2), ('Q4_1', 3), ('Q5_0', 6), ('Q8_0', 8), ('Q4_K', 12)):\n"
+            "    k = 512 if name == 'Q4_K' else 576\n"
+            "    raw = random_blocks(name, 32, k, 1) if name == 'Q4_K' else extreme_blocks(name, 32, k, 1)\n"
+            "    w = R.interleave_blocks(raw, f, k)\n"
+            "    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))\n"
             "    ok &= torch.equal(ops.linear(x, [w], [2000 + f], activations=8), R.linear_int8(x, [w], [2000 + f]))\n"
             "print(ok)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -707,10 +709,65 @@ def test_interleaved_without_vnni_gives_the_same_bits():
     assert out.stdout.strip() == "True", out.stderr[-2000:]
 
 
+def q4k_extremes(n: int, k: int, seed: int) -> torch.Tensor:
+    """Q4_K super-blocks with random scale bytes (every 6-bit scale and min pattern) and every fourth
+    row's quants all 15, the next row's all 0."""
+    raw = random_blocks("Q4_K", n, k, seed=seed).reshape(n, k // 256, 144).clone()
+    raw[0::4, :, 16:] = 0xFF
+    raw[1::4, :, 16:] = 0x00
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("k", [256, 1536])
+def test_q4k_interleave_layout_and_round_trip(k):
+    """Q4_KX: per super-block of a 16-row group the rows' d, dmin, their packed scale bytes in
+    three parts of 4 bytes a row, then 32 chunks of 4 quant bytes a row; C++ dequantize == GGUF's."""
+    n = 32
+    raw = random_blocks("Q4_K", n, k, seed=k)
+    inter = reference.interleave_blocks(raw, 12, k)
+    assert inter.shape == raw.shape and torch.equal(reference.deinterleave_blocks(inter, 2012, k), raw)
+    blocks = raw.reshape(n, k // 256, 144)
+    g, s_, i = 1, k // 256 - 1, 7
+    part = inter.reshape(n // 16, k // 256, 16 * 144)[g, s_]
+    row = blocks[16 + i, s_]
+    assert torch.equal(part[2 * i:2 * i + 2], row[0:2]) and torch.equal(part[32 + 2 * i:34 + 2 * i], row[2:4])
+    for t in range(3):
+        assert torch.equal(part[64 + 64 * t + 4 * i:64 + 64 * t + 4 * i + 4], row[4 + 4 * t:8 + 4 * t])
+    for c in range(32):
+        assert torch.equal(part[256 + 64 * c + 4 * i:256 + 64 * c + 4 * i + 4], row[16 + 4 * c:20 + 4 * c])
+    want = ops.dequantize(raw, 12, k).view(torch.int32)
+    assert torch.equal(ops.dequantize(inter, 2012, k).view(torch.int32), want)
+    assert torch.equal(reference.dequantize(inter, 2012, k).view(torch.int32), want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_q4k_interleaved_int8_linear_matches_spec(isa, rows):
+    """Q4_KX with int8 activations == reference.linear_int8 (per super-block: exact integers L and M,
+    two fmas) on every path, beside a Q6_K segment in GGUF order, with a bias; close to exact."""
+    k = 512
+    inter = reference.interleave_blocks(q4k_extremes(32, k, seed=rows), 12, k)
+    other = random_blocks("Q6_K", 5, k, seed=rows + 1)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(37, generator=g)
+    got = ops.linear(x, [inter, other], [2012, 14], b, activations=8)
+    assert torch.equal(got, reference.linear_int8(x, [inter, other], [2012, 14], b))
+    exact = ops.linear(x, [reference.deinterleave_blocks(inter, 2012, k), other], [12, 14], b)
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_q4k_interleaved_rows_isas_and_threads_give_identical_bits():
+    k = 512
+    inter = reference.interleave_blocks(random_blocks("Q4_K", 48, k, seed=3), 12, k)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    y = rows_alone_on_every_path(lambda rows: ops.linear(rows, [inter], [2012], activations=8), x)
+    assert torch.equal(y, reference.linear_int8(x, [inter], [2012]))
+
+
 def test_interleaved_layout_bad_input():
     raw = random_blocks("Q4_1", 16, 64)
-    with pytest.raises(ValueError, match=r"interleave_blocks: format 12 has no interleaved layout; Q4_0 \(2\)"):
-        reference.interleave_blocks(random_blocks("Q4_K", 16, 256), 12, 256)
+    with pytest.raises(ValueError, match=r"interleave_blocks: format 14 has no interleaved layout; Q4_0 \(2\)"):
+        reference.interleave_blocks(random_blocks("Q6_K", 16, 256), 14, 256)
     with pytest.raises(ValueError, match=r"N a multiple of 16, got torch.uint8 \[12, 40\]"):
         reference.interleave_blocks(raw[:12], 3, 64)
     with pytest.raises(ValueError, match=r"deinterleave_blocks: format 3 is not an interleaved format"):

@@ -574,7 +574,8 @@ WEIGHT_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 30: ("BF16", 1, 2), 2: ("Q
                   1002: ("Q4_0G", 32, 18), 1003: ("Q4_1G", 32, 20), 1006: ("Q5_0G", 32, 22), 1008: ("Q8_0G", 32, 34),
                   # (2000 + the GGUF id): 16 rows' blocks interleaved, read with int8 activations only
                   # (``interleave_blocks``)
-                  2002: ("Q4_0X", 32, 18), 2003: ("Q4_1X", 32, 20), 2006: ("Q5_0X", 32, 22), 2008: ("Q8_0X", 32, 34)}
+                  2002: ("Q4_0X", 32, 18), 2003: ("Q4_1X", 32, 20), 2006: ("Q5_0X", 32, 22), 2008: ("Q8_0X", 32, 34),
+                  2012: ("Q4_KX", 256, 144)}
 GROUP_BLOCKS = 16  # blocks per group of a grouped layout
 DENSE_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
@@ -642,7 +643,7 @@ def ungroup_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     return out
 
 
-INTERLEAVED = {2: 2002, 3: 2003, 6: 2006, 8: 2008}  # GGUF format id -> its interleaved layout's id
+INTERLEAVED = {2: 2002, 3: 2003, 6: 2006, 8: 2008, 12: 2012}  # GGUF format id -> its interleaved layout's id
 INTERLEAVE_ROWS = 16  # weight rows per group of an interleaved layout
 
 
@@ -653,8 +654,8 @@ def interleaved_base(fmt: int) -> int | None:
 
 def _interleave_check(raw: Tensor, fmt: int, k: int, what: str) -> None:
     if fmt not in INTERLEAVED:
-        raise ValueError(f"{what}: format {fmt!r} has no interleaved layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8) "
-                         f"have")
+        raise ValueError(f"{what}: format {fmt!r} has no interleaved layout; Q4_0 (2), Q4_1 (3), Q5_0 (6), Q8_0 (8), "
+                         f"Q4_K (12) have")
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(fmt, k) \
             or raw.shape[0] % INTERLEAVE_ROWS:
         raise ValueError(f"{what}: raw must be uint8 [N, {row_bytes(fmt, k)}] with N a multiple of "
@@ -673,6 +674,8 @@ def interleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     fifth bits, 16 bytes per chunk c (byte i: row i): bits 4 c .. 4 c + 3 of the row's qh in the low
     nibble, bits 16 + 4 c .. 16 + 4 c + 3 in the high one."""
     _interleave_check(raw, fmt, k, "interleave_blocks")
+    if fmt == 12:
+        return _interleave_q4k(raw, k, True)
     n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[fmt][2]
     b = raw.reshape(n // INTERLEAVE_ROWS, INTERLEAVE_ROWS, nb, nbytes).transpose(1, 2)  # [g, nb, 16, bytes]
     nh = 2 if fmt == 3 else 1
@@ -690,6 +693,27 @@ def interleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     return torch.cat(parts, -1).reshape(n, -1).contiguous()
 
 
+def _interleave_q4k(raw: Tensor, k: int, forward: bool) -> Tensor:
+    """Q4_K super-blocks <-> Q4_KX: per super-block of a 16-row group (16 x 144 bytes) the rows' fp16
+    d (32 bytes), fp16 dmin (32), their 12 packed scale bytes as three parts of 64 (part t: bytes
+    4 t .. 4 t + 3 of each row, row i at 4 i), then 32 chunks of 64 bytes (chunk 8 j + c: the quant
+    bytes 32 j + 4 c .. 32 j + 4 c + 3 of each row: low nibbles sub-block 2 j, high 2 j + 1)."""
+    n, ns = raw.shape[0], k // 256
+    g = n // INTERLEAVE_ROWS
+    if forward:
+        b = raw.reshape(g, INTERLEAVE_ROWS, ns, 144).transpose(1, 2)  # [g, ns, 16, 144]
+        parts = [b[..., 0:2].reshape(g, ns, 32), b[..., 2:4].reshape(g, ns, 32),
+                 b[..., 4:16].reshape(g, ns, INTERLEAVE_ROWS, 3, 4).transpose(2, 3).reshape(g, ns, 192),
+                 b[..., 16:144].reshape(g, ns, INTERLEAVE_ROWS, 32, 4).transpose(2, 3).reshape(g, ns, 2048)]
+        return torch.cat(parts, -1).reshape(n, -1).contiguous()
+    b = raw.reshape(g, ns, INTERLEAVE_ROWS * 144)
+    d = b[..., 0:32].reshape(g, ns, INTERLEAVE_ROWS, 2)
+    dmin = b[..., 32:64].reshape(g, ns, INTERLEAVE_ROWS, 2)
+    sc = b[..., 64:256].reshape(g, ns, 3, INTERLEAVE_ROWS, 4).transpose(2, 3).reshape(g, ns, INTERLEAVE_ROWS, 12)
+    qs = b[..., 256:].reshape(g, ns, 32, INTERLEAVE_ROWS, 4).transpose(2, 3).reshape(g, ns, INTERLEAVE_ROWS, 128)
+    return torch.cat([d, dmin, sc, qs], -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
 def deinterleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
     """The inverse of ``interleave_blocks``: interleaved rows (``fmt`` 2002 / 2003 / 2008) -> GGUF blocks."""
     base = interleaved_base(fmt)
@@ -697,6 +721,8 @@ def deinterleave_blocks(raw: Tensor, fmt: int, k: int) -> Tensor:
         raise ValueError(f"deinterleave_blocks: format {fmt!r} is not an interleaved format (2002, 2003, 2006, "
                          f"2008)")
     _interleave_check(raw, base, k, "deinterleave_blocks")
+    if base == 12:
+        return _interleave_q4k(raw, k, False)
     n, nb, nbytes = raw.shape[0], k // 32, WEIGHT_FORMATS[base][2]
     nh = 2 if base == 3 else 1
     b = raw.reshape(n // INTERLEAVE_ROWS, nb, INTERLEAVE_ROWS * nbytes)
@@ -855,6 +881,27 @@ def _fma32(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return (acc.double() + a.double() * b.double()).float()
 
 
+def _linear_int8_q4kx(qx: Tensor, dx: Tensor, raw: Tensor, k: int) -> Tensor:
+    """One Q4_KX segment against activations quantized per 256 -> [R, n]: per super-block the exact
+    integers L = sum over sub-blocks of sc * (sum of u_w * q_x) and M = sum of mn * (sum of q_x) per
+    sub-block of 32, then y = fma(d_w * d_x, L, y), y = fma(-(dmin_w * d_x), M, y)."""
+    b = deinterleave_blocks(raw, 2012, k)
+    n, R, ns = b.shape[0], qx.shape[0], k // 256
+    b = b.reshape(n, ns, 144)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, ns]
+    sc, mn = (t.long() for t in _k4_scale_min(b[..., 4:16]))  # [n, ns, 8]
+    u = _k_unsigned(b, "Q4_K")  # [n, ns, 8, 32]
+    xs = qx.view(R, ns, 8, 32)
+    dots = torch.einsum("nsbk,rsbk->nrsb", u, xs)  # exact (int64) [n, R, ns, 8]
+    L = (dots * sc[:, None]).sum(-1)  # [n, R, ns]
+    M = (mn[:, None] * xs.sum(-1)[None]).sum(-1)
+    y = torch.zeros(n, R, dtype=torch.float32)
+    for s_ in range(ns):
+        y = _fma32(y, d[:, None, s_] * dx[None, :, s_], L[:, :, s_].float())
+        y = _fma32(y, -(dmin[:, None, s_] * dx[None, :, s_]), M[:, :, s_].float())
+    return y.T
+
+
 def _linear_int8_k(qx: Tensor, dx: Tensor, raw: Tensor, fmt: int, k: int) -> Tensor:
     """One K-quant segment (Q4_K, Q5_K, Q6_K) against activations quantized per 256 -> [n, R]."""
     n, R, ns = raw.shape[0], qx.shape[0], k // 256
@@ -902,9 +949,11 @@ def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tens
     weights, lanes j = 0..7 take the exact integer L_j = sum of q_w * q_x over weights 4j..4j+3 of
     the block and accumulate acc_j = fma(scale_w * d_x, L_j, acc_j) block by block (``block_parts``);
     Q4_1 adds m = fma(min_w, d_x * sum(q_x), m) block by block.
-    Their interleaved layouts (Q4_0X / Q4_1X / Q8_0X, ``interleave_blocks``): one accumulator, block
-    by block y = fma(d_w * d_x, S, y) with S the exact integer sum of q_w * q_x over the block, then
-    (Q4_1X) y = fma(min_w, d_x * sum(q_x), y); y (+ bias).
+    Their interleaved layouts (Q4_0X / Q4_1X / Q5_0X / Q8_0X, ``interleave_blocks``): one
+    accumulator, block by block y = fma(d_w * d_x, S, y) with S the exact integer sum of q_w * q_x
+    over the block, then (Q4_1X) y = fma(min_w, d_x * sum(q_x), y); y (+ bias). Q4_KX (activations
+    per 256): super-block by super-block y = fma(d_w * d_x, L, y), y = fma(-(dmin_w * d_x), M, y),
+    L and M exact integers (``_linear_int8_q4kx``).
     Q4_K / Q5_K / Q6_K (activations per 256, one super-block): lane j takes the exact integer
     L_j = sum over the 8 sub-blocks of (integer scale) * sum of u_w * q_x over weights 4j..4j+3 of the
     sub-block (u_w: the stored unsigned values; Q6_K: its scale of each 16), and per super-block
@@ -918,6 +967,11 @@ def linear_int8(x: Tensor, weights: list[Tensor], formats: list[int], bias: Tens
     outs = []
     for w, f in zip(weights, formats):
         f = int(f)
+        if f == 2012:  # Q4_KX: per super-block y = fma(d dx, L, y), y = fma(-(dmin dx), M, y)
+            if q256 is None:
+                q256 = quantize_activations(xr, 256)
+            outs.append(_linear_int8_q4kx(*q256, w, k))
+            continue
         if WEIGHT_FORMATS[f][1] == 256:
             if q256 is None:
                 q256 = quantize_activations(xr, 256)
