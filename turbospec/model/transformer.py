@@ -230,7 +230,7 @@ class Linear:
         """Q4_0 / Q4_1 / Q5_0 / Q8_0 segments in the layout the CPU kernels read fastest where they run
         their AVX-512 path: with exact activations grouped (``reference.group_blocks``: each row's
         scales side by side; Q4_1 decode 1.15-1.3x faster in bench/RESULTS.md run 19); with int8
-        activations on every path Q4_0 / Q4_1 / Q5_0 / Q8_0 segments of whole groups of 16 rows
+        activations on every path Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K segments of whole groups of 16 rows
         interleaved (``reference.interleave_blocks``: the int8 kernels' 16-row tiles, 2-4x the older
         kernel's speed, bench/results/2026-11-29-int8-interleaved.md; every segment of the linear
         must take int8 activations), else GGUF's. The same values in every layout; grouped and GGUF
