@@ -1102,19 +1102,14 @@ void rows_q4kx_scalar(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, fl
 }
 
 #ifdef TS_X86
-// Sixteen rows' 6-bit scale (the packed bytes 0..3 in A, 8..11 in C) or min (4..7 in B, 8..11 in C)
-// of sub-block `sub`, one per lane (GGUF's get_scale_min_k4).
-TS_AVX512VNNI __attribute__((always_inline)) inline __m512i q4k_scales(__m512i A, __m512i C, int sub) {
+// Sixteen rows' 6-bit scale or min of sub-block `sub`, one per lane (GGUF's get_scale_min_k4): X holds
+// the packed bytes 0..3 (scales: part A) or 4..7 (mins: part B), C bytes 8..11, whose low nibbles
+// are the scales' and high nibbles the mins' (c_shift 0 / 4).
+TS_AVX512VNNI __attribute__((always_inline)) inline __m512i q4k_six_bits(__m512i X, __m512i C, int sub, int c_shift) {
   const __m512i m6 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
-  if (sub < 4) return _mm512_and_si512(_mm512_srli_epi32(A, 8 * sub), m6);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * (sub - 4)), m15),
-                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(A, 8 * (sub - 4) + 6), m3), 4));
-}
-TS_AVX512VNNI __attribute__((always_inline)) inline __m512i q4k_mins(__m512i B, __m512i C, int sub) {
-  const __m512i m6 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
-  if (sub < 4) return _mm512_and_si512(_mm512_srli_epi32(B, 8 * sub), m6);
-  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * (sub - 4) + 4), m15),
-                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(B, 8 * (sub - 4) + 6), m3), 4));
+  if (sub < 4) return _mm512_and_si512(_mm512_srli_epi32(X, 8 * sub), m6);
+  return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(C, 8 * (sub - 4) + c_shift), m15),
+                         _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(X, 8 * (sub - 4) + 6), m3), 4));
 }
 
 template <int NX, bool VNNI>
@@ -1142,14 +1137,14 @@ TS_AVX512VNNI void tile_q4kx512(const uint8_t* g, const QRow* xr, int64_t K, flo
         }
       }
       // the 6-bit scales of sub-blocks 2 j, 2 j + 1 for the 16 rows (lanes)
-      const __m512i sc0 = q4k_scales(A, C, 2 * j), sc1 = q4k_scales(A, C, 2 * j + 1);
+      const __m512i sc0 = q4k_six_bits(A, C, 2 * j, 0), sc1 = q4k_six_bits(A, C, 2 * j + 1, 0);
       for (int r = 0; r < NX; ++r)
         L[r] = _mm512_add_epi32(L[r], _mm512_add_epi32(_mm512_mullo_epi32(Slo[r], sc0), _mm512_mullo_epi32(Shi[r], sc1)));
     }
     // the mins, two 16-bit values per lane (sub-blocks 2 t, 2 t + 1), against the inputs' sums per 32
     __m512i mnp[4];
     for (int t = 0; t < 4; ++t)
-      mnp[t] = _mm512_or_si512(q4k_mins(B, C, 2 * t), _mm512_slli_epi32(q4k_mins(B, C, 2 * t + 1), 16));
+      mnp[t] = _mm512_or_si512(q4k_six_bits(B, C, 2 * t, 4), _mm512_slli_epi32(q4k_six_bits(B, C, 2 * t + 1, 4), 16));
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     const __m512 dmw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
     for (int r = 0; r < NX; ++r) {
@@ -1180,17 +1175,11 @@ void rows_q4kx512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float*
 }
 
 // The AVX2 form: the 16 rows as two halves of 8 (h), each a pass over the super-blocks.
-TS_AVX2 __attribute__((always_inline)) inline __m256i q4k_scales256(__m256i A, __m256i C, int sub) {
+TS_AVX2 __attribute__((always_inline)) inline __m256i q4k_six_bits256(__m256i X, __m256i C, int sub, int c_shift) {
   const __m256i m6 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
-  if (sub < 4) return _mm256_and_si256(_mm256_srli_epi32(A, 8 * sub), m6);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 8 * (sub - 4)), m15),
-                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(A, 8 * (sub - 4) + 6), m3), 4));
-}
-TS_AVX2 __attribute__((always_inline)) inline __m256i q4k_mins256(__m256i B, __m256i C, int sub) {
-  const __m256i m6 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3);
-  if (sub < 4) return _mm256_and_si256(_mm256_srli_epi32(B, 8 * sub), m6);
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 8 * (sub - 4) + 4), m15),
-                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(B, 8 * (sub - 4) + 6), m3), 4));
+  if (sub < 4) return _mm256_and_si256(_mm256_srli_epi32(X, 8 * sub), m6);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(C, 8 * (sub - 4) + c_shift), m15),
+                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(X, 8 * (sub - 4) + 6), m3), 4));
 }
 
 template <int NX>
@@ -1217,13 +1206,13 @@ TS_AVX2 void tile_q4kx256(const uint8_t* g, int h, const QRow* xr, int64_t K, fl
           Shi[r] = _mm256_add_epi32(Shi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(q + 32))), ones));
         }
       }
-      const __m256i sc0 = q4k_scales256(A, C, 2 * j), sc1 = q4k_scales256(A, C, 2 * j + 1);
+      const __m256i sc0 = q4k_six_bits256(A, C, 2 * j, 0), sc1 = q4k_six_bits256(A, C, 2 * j + 1, 0);
       for (int r = 0; r < NX; ++r)
         L[r] = _mm256_add_epi32(L[r], _mm256_add_epi32(_mm256_mullo_epi32(Slo[r], sc0), _mm256_mullo_epi32(Shi[r], sc1)));
     }
     __m256i mnp[4];
     for (int t = 0; t < 4; ++t)
-      mnp[t] = _mm256_or_si256(q4k_mins256(B, C, 2 * t), _mm256_slli_epi32(q4k_mins256(B, C, 2 * t + 1), 16));
+      mnp[t] = _mm256_or_si256(q4k_six_bits256(B, C, 2 * t, 4), _mm256_slli_epi32(q4k_six_bits256(B, C, 2 * t + 1, 4), 16));
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
     const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
     for (int r = 0; r < NX; ++r) {
@@ -1255,34 +1244,22 @@ template <int64_t F>
 void rows_x(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow* xr, int64_t R, int64_t K, float* out,
             int64_t ldo, Isa isa) {
   (void)nw, (void)row_bytes;
-  if constexpr (F == kQ4_KX) {
-#ifdef TS_X86
-    if (isa == Isa::kAvx512) {
-      if (has_vnni()) rows_q4kx512<true>(wr[0], xr, R, K, out, ldo);
-      else rows_q4kx512<false>(wr[0], xr, R, K, out, ldo);
-      return;
-    }
-    if (isa == Isa::kAvx2) {
-      rows_q4kx256(wr[0], xr, R, K, out, ldo);
-      return;
-    }
-#endif
-    rows_q4kx_scalar(wr[0], xr, R, K, out, ldo);
-    return;
-  } else {
+  const uint8_t* g = wr[0];
 #ifdef TS_X86
   if (isa == Isa::kAvx512) {
-    if (has_vnni()) rows_x512<F, true>(wr[0], xr, R, K, out, ldo);
-    else rows_x512<F, false>(wr[0], xr, R, K, out, ldo);
+    const bool vnni = has_vnni();
+    if constexpr (F == kQ4_KX) vnni ? rows_q4kx512<true>(g, xr, R, K, out, ldo) : rows_q4kx512<false>(g, xr, R, K, out, ldo);
+    else vnni ? rows_x512<F, true>(g, xr, R, K, out, ldo) : rows_x512<F, false>(g, xr, R, K, out, ldo);
     return;
   }
   if (isa == Isa::kAvx2) {
-    rows_x256<F>(wr[0], xr, R, K, out, ldo);
+    if constexpr (F == kQ4_KX) rows_q4kx256(g, xr, R, K, out, ldo);
+    else rows_x256<F>(g, xr, R, K, out, ldo);
     return;
   }
 #endif
-  rows_x_scalar<F>(wr[0], xr, R, K, out, ldo);
-  }
+  if constexpr (F == kQ4_KX) rows_q4kx_scalar(g, xr, R, K, out, ldo);
+  else rows_x_scalar<F>(g, xr, R, K, out, ldo);
 }
 
 RowsFn rows_fn(int64_t f) {

@@ -140,6 +140,12 @@ def head_weights(mode: str | None, device) -> str:
     return mode
 
 
+# a quantized head's default activations: int8, as a draft model's on CPU (the shipped EAGLE-3 head, 4-node
+# proposals: 4.74 -> 3.66 ms, tau 1.598 either way; Spec-Bench tau at 16 nodes 1.90 either way;
+# bench/results/2026-11-29-int8-interleaved.md)
+HEAD_ACTIVATIONS = "int8"
+
+
 def head_activations(mode: str | None, weights: str) -> str:
     """The activations a head's quantized linears draft with (``draft_activations``): "exact", or
     "int8" (int8 activations and integer dot products, as a draft model's; speed and acceptance
@@ -152,12 +158,6 @@ def head_activations(mode: str | None, weights: str) -> str:
     if mode is None:
         return HEAD_ACTIVATIONS if weights != "dense" else "exact"
     return mode
-
-
-# a quantized head's default activations: int8, as a draft model's on CPU (the shipped EAGLE-3 head, 4-node
-# proposals: 4.74 -> 3.66 ms, tau 1.598 either way; Spec-Bench tau at 16 nodes 1.90 either way;
-# bench/results/2026-11-29-int8-interleaved.md)
-HEAD_ACTIVATIONS = "int8"
 
 
 def draft_linear(weight: Tensor, dtype: torch.dtype, weights: str = "dense", bias: Tensor | None = None,
