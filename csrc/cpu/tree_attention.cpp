@@ -164,6 +164,50 @@ struct Scratch {
   }
 };
 
+// One key tile's scores for rows [r0, r0 + rows) (Rp padded): widen the keys transposed into kt, S = Q K^T
+// in log2 units, then the soft-cap, the tree mask and the sliding window. A function, not a lambda:
+// a lambda's body is its own function and does not take the target ISA of the kernel it sits in
+// (GCC compiled it for the baseline ISA, emulating the vector types: the AVX2 path ran 3x slower
+// than the scalar one), while an always-inlined function does.
+template <typename T, typename V>
+TS_INLINE void tile_scores_into(const Args& a, const T* kb, const float* q, float* kt, const int64_t* mask,
+                                const int64_t* depth, int64_t L, int64_t r0, int64_t rows, int64_t Rp, int64_t p0,
+                                int64_t nk, float* s) {
+  const int64_t D = a.D, Dp = a.Dp, G = a.G;
+  const int64_t nkp = round_up(nk, kNr);
+  // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
+  for (int64_t t = 0; t < nk; ++t) {
+    const T* kr = kb + (p0 + t) * a.ks2;
+    for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
+  }
+  // S = Q K^T (log2 units), then the tree mask
+  std::fill(s, s + Rp * kTile, 0.f);
+  for (int64_t rb = 0; rb < Rp; rb += kMr)
+    for (int64_t c = 0; c < nkp; c += kNr) micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
+  if (a.softcap_log2 > 0.f) {  // Gemma 2: s = cap * tanh(s / cap), in log2 units
+    const float cap = a.softcap_log2, inv = 1.f / a.softcap_log2;
+    for (int64_t rr = 0; rr < rows; ++rr)
+      for (int64_t t = 0; t < nk; ++t) s[rr * kTile + t] = cap * std::tanh(s[rr * kTile + t] * inv);
+  }
+  if (p0 + nk > L)
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* srow = s + rr * kTile;
+      const uint64_t bits = static_cast<uint64_t>(mask[(r0 + rr) / G]);
+      for (int64_t t = std::max<int64_t>(0, L - p0); t < nk; ++t)
+        if (!((bits >> (p0 + t - L)) & 1)) srow[t] = kNegInf;
+    }
+  if (depth != nullptr)
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* srow = s + rr * kTile;
+      const int64_t lo = L + depth[(r0 + rr) / G] + 1 - a.window;  // the first position attended
+      if (p0 >= lo && p0 + nk <= L) continue;  // a prefix tile inside the window
+      for (int64_t t = 0; t < nk; ++t) {
+        const int64_t p = p0 + t, pos = p < L ? p : L + depth[p - L];
+        if (pos < lo) srow[t] = kNegInf;
+      }
+    }
+}
+
 // Rows [r0, r1) of kv head hk of batch row b. sc is sized for round_up(r1 - r0, kMr) rows.
 template <typename T, typename V>
 TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
@@ -203,45 +247,10 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   const bool keep_scores = static_cast<int64_t>(sc.s_all.size()) >= Rp * kTile * tiles;
   float* s_all = sc.s_all.data();
   auto tile_scores = [&](int64_t p0) { return keep_scores ? s_all + (p0 - start) / kTile * Rp * kTile : s_all; };
-  auto scores = [&](int64_t p0, int64_t nk, float* s) {
-    const int64_t nkp = round_up(nk, kNr);
-    // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
-    for (int64_t t = 0; t < nk; ++t) {
-      const T* kr = kb + (p0 + t) * a.ks2;
-      for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
-    }
-    // S = Q K^T (log2 units), then the tree mask
-    std::fill(s, s + Rp * kTile, 0.f);
-    for (int64_t rb = 0; rb < Rp; rb += kMr)
-      for (int64_t c = 0; c < nkp; c += kNr)
-        micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
-    if (a.softcap_log2 > 0.f) {  // Gemma 2: s = cap * tanh(s / cap), in log2 units
-      const float cap = a.softcap_log2, inv = 1.f / a.softcap_log2;
-      for (int64_t rr = 0; rr < rows; ++rr)
-        for (int64_t t = 0; t < nk; ++t) s[rr * kTile + t] = cap * std::tanh(s[rr * kTile + t] * inv);
-    }
-    if (p0 + nk > L)
-      for (int64_t rr = 0; rr < rows; ++rr) {
-        float* srow = s + rr * kTile;
-        const uint64_t bits = static_cast<uint64_t>(mask[(r0 + rr) / G]);
-        for (int64_t t = std::max<int64_t>(0, L - p0); t < nk; ++t)
-          if (!((bits >> (p0 + t - L)) & 1)) srow[t] = kNegInf;
-      }
-    if (depth != nullptr)
-      for (int64_t rr = 0; rr < rows; ++rr) {
-        float* srow = s + rr * kTile;
-        const int64_t lo = L + depth[(r0 + rr) / G] + 1 - a.window;  // the first position attended
-        if (p0 >= lo && p0 + nk <= L) continue;  // a prefix tile inside the window
-        for (int64_t t = 0; t < nk; ++t) {
-          const int64_t p = p0 + t, pos = p < L ? p : L + depth[p - L];
-          if (pos < lo) srow[t] = kNegInf;
-        }
-      }
-  };
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    scores(p0, nk, s);
+    tile_scores_into<T, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     for (int64_t rr = 0; rr < rows; ++rr) m[rr] = std::max(m[rr], row_max(s + rr * kTile, nk));
   }
   // float32 values with D a multiple of the micro-kernel width are read in place from the cache
@@ -250,7 +259,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    if (!keep_scores) scores(p0, nk, s);
+    if (!keep_scores) tile_scores_into<T, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     const float* vsrc = vt;
     int64_t ldv = Dp;
     if (v_in_place) {
