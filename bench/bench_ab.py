@@ -6,8 +6,9 @@ Each round runs every checkout once, in turn (A B A B ...), each in its own proc
 checkout's ``turbospec`` (its own built ``_C``): ``--model`` (default: SmolLM2-135M-Instruct, the
 GGUF's Q4_1 blocks as stored) decoding ``--tokens`` greedy tokens after a short chat prompt, plain
 (no drafts), at ``--threads`` threads, per ``--dtype`` (``--weights dense``: dequantized to it); a
-verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens. ``--activations int8`` (repeatable,
-with ``exact``): the GGUF's linears take int8 activations (``Engine(activations="int8")``).
+verify pass of ``--nodes`` tokens; a prefill pass of 256 tokens; with ``--long N`` a prefill of N
+tokens in one call and the verify pass after them. ``--activations int8`` (repeatable, with
+``exact``): the GGUF's linears take int8 activations (``Engine(activations="int8")``).
 Then speculative decoding through the whole step at fixed lengths (n-gram chains of 8, the shipped
 EAGLE-3 head's 16-node trees) on a rewrite prompt. Prints each checkout's medians and their
 ratios; writes JSON with --out. Only same-run ratios mean anything (machines and their load differ).
@@ -30,8 +31,9 @@ from turbospec import Engine
 dtype, tokens, threads, nodes, weights = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 acts = sys.argv[6] if len(sys.argv) > 6 else "exact"
 model = sys.argv[7] if len(sys.argv) > 7 else "default"
+long_n = int(sys.argv[8]) if len(sys.argv) > 8 else 0
 torch.set_num_threads(threads)
-eng = Engine(model, drafter="none", dtype=dtype, max_seq_len=512, weights=weights, activations=acts)
+eng = Engine(model, drafter="none", dtype=dtype, max_seq_len=max(512, long_n + nodes), weights=weights, activations=acts)
 prompt = "Explain in a few sentences why the sky is blue."
 eng.generate(prompt, max_new_tokens=8)  # warm-up
 g = eng.generate(prompt, max_new_tokens=tokens)
@@ -55,6 +57,21 @@ for _ in range(5):
     ptimes.append(time.perf_counter() - s)
 out = {"tok_s": g.stats["decode_tokens_per_s"], "tokens": len(g.token_ids),
        "verify_ms": sorted(times)[3] * 1e3, "prefill_tok_s": 256 / sorted(ptimes)[2], "ids": g.token_ids[:16]}
+if long_n:  # a long prompt: one prefill call of long_n tokens, then a verify pass of `nodes` after them
+    big = t.new_cache(long_n + nodes)
+    pre = torch.randint(0, t.cfg.vocab_size, (1, long_n))
+    ltimes, vtimes = [], []
+    for _ in range(3):
+        s = time.perf_counter()
+        t.forward(pre, torch.arange(long_n)[None], big, 0, logits="none")
+        ltimes.append(time.perf_counter() - s)
+    pos = torch.arange(long_n, long_n + nodes)[None]
+    for _ in range(5):
+        s = time.perf_counter()
+        t.forward(x, pos, big, long_n, logits="normed")
+        vtimes.append(time.perf_counter() - s)
+    out["long_prefill_tok_s"] = long_n / sorted(ltimes)[1]
+    out["long_verify_ms"] = sorted(vtimes)[2] * 1e3
 # speculative decoding through the whole step (drafts, tree verify, lazy LM head, compaction):
 # n-gram chains and the shipped EAGLE-3 head's 16-node trees, fixed lengths
 rewrite = "Repeat this list exactly, twice: apples, pears, plums, cherries, grapes, lemons, limes."
@@ -85,7 +102,7 @@ def run(tree: str, dtype: str, args) -> dict:
     """``dtype``: "float32" or "float32/int8" (the dtype and the activations)."""
     d, _, acts = dtype.partition("/")
     return run_in_tree(tree, CHILD, [d, args.tokens, args.threads, args.nodes, args.weights, acts or "exact",
-                                     args.model], args.threads)
+                                     args.model, args.long], args.threads)
 
 
 def main() -> None:
@@ -102,6 +119,9 @@ def main() -> None:
                    "another model's rows leave out the shipped EAGLE-3 head")
     p.add_argument("--activations", action="append", default=None, choices=["exact", "int8"],
                    help="exact (default) and / or int8 (the GGUF linears' int8 activations)")
+    p.add_argument("--long", type=int, default=0, metavar="N",
+                   help="also time a prefill of N prompt tokens in one call and the verify pass after them "
+                        "(attention over a long context; 0: skip)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
@@ -129,16 +149,21 @@ def main() -> None:
             pre = statistics.median(x["prefill_tok_s"] for x in runs)
             spec = {k: statistics.median(x[k + "_tok_s"] for x in runs) for k in ("ngram", "eagle3")
                     if k + "_tok_s" in runs[0]}
-            base = base or (tok, ver, spec, pre)
+            longs = {k: statistics.median(x[k] for x in runs) for k in ("long_prefill_tok_s", "long_verify_ms")
+                     if k in runs[0]}
+            base = base or (tok, ver, spec, pre, longs)
             summary[f"{d} {name}"] = {"tok_s": tok, "verify_ms": ver, "tok_s_ratio": tok / base[0],
                                       "verify_ratio": ver / base[1], "prefill_tok_s": pre,
                                       "prefill_ratio": pre / base[3],
+                                      **longs, **{k.replace("_tok_s", "").replace("_ms", "") + "_ratio": v / base[4][k]
+                                                  for k, v in longs.items()},
                                       **{f"{k}_tok_s": v for k, v in spec.items()},
                                       **{f"{k}_ratio": v / base[2][k] for k, v in spec.items()}}
             print(f"{d:9s} {name:10s} decode {tok:7.1f} tok/s ({tok / base[0]:.3f}x)  "
                   f"verify {args.nodes} nodes {ver:6.2f} ms ({ver / base[1]:.3f}x)  "
                   f"prefill 256 {pre:7.1f} tok/s ({pre / base[3]:.3f}x)  "
-                  + "  ".join(f"{k} {v:6.1f} tok/s ({v / base[2][k]:.3f}x)" for k, v in spec.items()))
+                  + "  ".join(f"{k} {v:6.1f} tok/s ({v / base[2][k]:.3f}x)" for k, v in spec.items())
+                  + "".join(f"  {k} {v:7.1f} ({v / base[4][k]:.3f}x)" for k, v in longs.items()))
         for key in ("ids", "ngram_ids", "eagle3_ids"):
             if key not in res[d][trees[0][0]][0]:
                 continue
