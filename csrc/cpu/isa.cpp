@@ -172,7 +172,12 @@ std::atomic<int>& bf16_dot_setting() {
 
 }  // namespace
 
-bool bf16_dot() { return cpu_isa() == Isa::kAvx512 && bf16_dot_setting().load(std::memory_order_relaxed) != 0; }
+bool bf16_dot() {
+  // the setting first: it validates $TURBOSPEC_BF16_DOT on every CPU (a bad value is an error on an
+  // AVX2-only machine too, not silently ignored there)
+  const bool on = bf16_dot_setting().load(std::memory_order_relaxed) != 0;
+  return cpu_isa() == Isa::kAvx512 && on;
+}
 
 int64_t set_cpu_bf16_dot(int64_t on) {
   TORCH_CHECK(on >= -2 && on <= 1, "cpu_bf16_dot: on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);

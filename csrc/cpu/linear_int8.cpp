@@ -972,8 +972,10 @@ void rows_x512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* ou
   }
 }
 
-// The AVX2 path of the same tiles: each 64-byte chunk as two registers of 8 weight rows; maddubs +
-// madd (exact, as above; Q8_0X in the signed form), the same per-block order.
+// The AVX2 path of the same tiles: each 64-byte chunk as two registers of 8 weight rows, one half
+// (8 rows) at a time; maddubs + madd (exact, as above; Q8_0X in the signed form), the same per-block
+// order. Q4: a block's eight maddubs per row are summed in int16 before the one madd (each is at most
+// 2 * 15 * 128 = 3,840 in size, eight 30,720 < 2^15: exact); Q5: in pairs (2 * 7,936).
 template <int64_t F, int NX>
 TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -984,20 +986,22 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
     const uint8_t* p = g + b * x_chunk(F);
     const uint8_t* v = p + x_header(F);
     for (int64_t off = 0; off < x_chunk(F); off += 64) prefetch_weights(p + 4 * x_chunk(F) + off, nta);
-    __m256i S[NX][2];
-    for (int r = 0; r < NX; ++r) S[r][0] = S[r][1] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
+      __m256i S[NX];
       if constexpr (F == kQ8_0X) {
+        for (int r = 0; r < NX; ++r) S[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h)),
                                              _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed values
           const __m256i a = _mm256_abs_epi8(w);
           for (int r = 0; r < NX; ++r) {
             const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)), w);
-            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+            S[r] = _mm256_add_epi32(S[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
           }
         }
       } else {
+        __m256i P[NX];  // int16 sums of maddubs (Q5_0X: of one chunk's pair)
+        for (int r = 0; r < NX; ++r) P[r] = S[r] = _mm256_setzero_si256();
         for (int c = 0; c < 4; ++c) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h));
           __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
@@ -1014,20 +1018,21 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
           for (int r = 0; r < NX; ++r) {
             const __m256i xl = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
             const __m256i xh = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c));
-            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones));
-            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones));
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+            if constexpr (F == kQ5_0X) S[r] = _mm256_add_epi32(S[r], _mm256_madd_epi16(pair, ones));
+            else P[r] = _mm256_add_epi16(P[r], pair);
           }
         }
+        if constexpr (F != kQ5_0X)
+          for (int r = 0; r < NX; ++r) S[r] = _mm256_madd_epi16(P[r], ones);
       }
-    }
-    for (int h = 0; h < 2; ++h) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
       __m256 mw = _mm256_setzero_ps();
       if constexpr (F == kQ4_1X) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
       for (int r = 0; r < NX; ++r) {
-        __m256i s = S[r][h];
-        if constexpr (F == kQ4_0X || F == kQ5_0X) s = _mm256_sub_epi32(s, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xr[r].d[b])), _mm256_cvtepi32_ps(s), acc[r][h]);
+        __m256i si = S[r];
+        if constexpr (F == kQ4_0X || F == kQ5_0X) si = _mm256_sub_epi32(si, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xr[r].d[b])), _mm256_cvtepi32_ps(si), acc[r][h]);
         if constexpr (F == kQ4_1X) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xr[r].s[b]), acc[r][h]);
       }
     }
@@ -1038,11 +1043,24 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
   }
 }
 
+// Input rows per AVX2 tile (the weights' nibbles are unpacked once for them; 16 ymm registers).
+#ifndef TS_X256_ROWS
+#define TS_X256_ROWS 4
+#endif
+
 template <int64_t F>
 TS_AVX2 void rows_x256(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
+  constexpr int kPass = TS_X256_ROWS;
   int64_t r = 0;
-  for (; r + 2 <= R; r += 2) tile_x256<F, 2>(g, xr + r, K, out + r * ldo, ldo);
-  if (r < R) tile_x256<F, 1>(g, xr + r, K, out + r * ldo, ldo);
+  for (; r + kPass <= R; r += kPass) tile_x256<F, kPass>(g, xr + r, K, out + r * ldo, ldo);
+  switch (R - r) {
+    case 5: tile_x256<F, 5>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 4: tile_x256<F, 4>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 3: tile_x256<F, 3>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 2: tile_x256<F, 2>(g, xr + r, K, out + r * ldo, ldo); break;
+    case 1: tile_x256<F, 1>(g, xr + r, K, out + r * ldo, ldo); break;
+    default: break;
+  }
 }
 
 bool has_vnni() {

@@ -31,6 +31,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define TS_ATTN_X86 1
+#include <immintrin.h>
 #endif
 #define TS_INLINE inline __attribute__((always_inline))
 #pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vector types only reach the AVX-512 path
@@ -164,6 +165,38 @@ struct Scratch {
   }
 };
 
+#ifdef TS_ATTN_X86
+// kt[d * ldt + t] = k[t * ldk + d] for t < nk, d < D (nk and D multiples of 8): a float key tile
+// transposed in 8 x 8 blocks in registers (unpack pairs, shuffle quads, swap 128-bit halves). Moves
+// values only: the bits are the scalar loop's. Not inlined: one call per tile, from the AVX2 and
+// AVX-512 kernels (an always-inlined target function cannot be inlined into the ISA-neutral
+// attend_rows that they instantiate).
+__attribute__((target("avx2,fma"), noinline)) void transpose_tile_avx2(const float* k, int64_t ldk, int64_t nk,
+                                                                      int64_t D, float* kt, int64_t ldt) {
+  for (int64_t t0 = 0; t0 < nk; t0 += 8)
+    for (int64_t d = 0; d < D; d += 8) {
+      const float* src = k + t0 * ldk + d;
+      float* dst = kt + d * ldt + t0;
+      __m256 r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ldk);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
+      }
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);      // a0 b0 c0 d0 | a4 b4 c4 d4
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);  // a1 b1 c1 d1 | a5 b5 c5 d5
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(dst + j * ldt, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+        _mm256_storeu_ps(dst + (j + 4) * ldt, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+      }
+    }
+}
+#endif
+
 // One key tile's scores for rows [r0, r0 + rows) (Rp padded): widen the keys transposed into kt, S = Q K^T
 // in log2 units, then the soft-cap, the tree mask and the sliding window. A function, not a lambda:
 // a lambda's body is its own function and does not take the target ISA of the kernel it sits in
@@ -176,7 +209,16 @@ TS_INLINE void tile_scores_into(const Args& a, const T* kb, const float* q, floa
   const int64_t D = a.D, Dp = a.Dp, G = a.G;
   const int64_t nkp = round_up(nk, kNr);
   // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
-  for (int64_t t = 0; t < nk; ++t) {
+  int64_t t0 = 0;
+#ifdef TS_ATTN_X86
+  if constexpr (std::is_same_v<T, float> && sizeof(V) >= 32) {  // AVX2 / AVX-512: 8 x 8 blocks in registers
+    if (D % 8 == 0) {
+      t0 = nk / 8 * 8;
+      if (t0 > 0) transpose_tile_avx2(kb + p0 * a.ks2, a.ks2, t0, D, kt, kTile);
+    }
+  }
+#endif
+  for (int64_t t = t0; t < nk; ++t) {
     const T* kr = kb + (p0 + t) * a.ks2;
     for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
   }
