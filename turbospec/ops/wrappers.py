@@ -80,8 +80,8 @@ _PREFETCH_NAMES = ("t0", "nta")
 
 def cpu_prefetch(hint: str | None = None) -> str:
     """The cache hint of the CPU kernels' weight-stream prefetches: "nta" (non-temporal: the default
-    on AMD, where it measured faster) or "t0" (the default elsewhere: on Intel the non-temporal hint
-    measured slower); $TURBOSPEC_PREFETCH overrides the default. With ``hint`` ("t0", "nta" or
+    on AMD CPUs with AVX-512, where it measured faster) or "t0" (the default elsewhere: on Intel and
+    on an AVX2-only Zen 3 the non-temporal hint measured slower); $TURBOSPEC_PREFETCH overrides the default. With ``hint`` ("t0", "nta" or
     "default") set it first. Speed only: every hint gives the same bits."""
     codes = {None: -2, "default": -1, **{name: i for i, name in enumerate(_PREFETCH_NAMES)}}
     if hint not in codes:
