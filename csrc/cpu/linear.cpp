@@ -17,7 +17,7 @@
 //   scalar   every format, std::fma lane by lane (the baseline ISA)
 //   avx2     fused: weights dequantized in registers; 4 weight rows x 1 input row, or (up to
 //            kFusedRows input rows: 16, Q4_K 64) 1 weight row x passes of 2-4 input rows (Q4_0 /
-//            Q4_1 / Q8_0 at 5-8 rows: one pass, half the lanes at a time); dense weights 2 x 3
+//            Q4_1 / Q8_0 at 4-16 rows: passes of up to 8, half the lanes at a time); dense weights 2 x 3
 //   panel    more than kFusedRows input rows and a block format: a block of weight rows is
 //            dequantized once to float32 (L1/L2), then the dense kernel runs over all input rows
 //   avx512   dense float32/bfloat16 weights (past 4 input rows and a long K, chunk by chunk of K),
@@ -705,7 +705,10 @@ TS_AVX2 void rows_split(const uint8_t* const* wr, int64_t nw, int64_t row_bytes,
     case 8: block_split_avx2<F, 8>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
     case 7: block_split_avx2<F, 7>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
     case 6: block_split_avx2<F, 6>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
-    default: block_split_avx2<F, 5>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    case 5: block_split_avx2<F, 5>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    case 4: block_split_avx2<F, 4>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    case 3: block_split_avx2<F, 3>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    default: block_split_avx2<F, 2>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
   }
 }
 
@@ -742,10 +745,13 @@ TS_AVX2 void rows_avx2(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, 
     }
   } else {
     if constexpr (kHasHalf<F>) {
-      // 5..8 rows: one split-lane pass (passes of 4 + 1..4 rows dequantize every weight twice);
-      // 9..16 rows stay in passes of <= 4, measured as fast as two split passes or faster
-      if (R >= 5 && R <= 8) {
-        rows_split<F>(wr, nw, row_bytes, xr, R, K, out, 0);
+      // 4..16 rows: split-lane passes of up to 8 rows (one pass dequantizes every weight once for
+      // all its rows). On an AVX2-only Zen 3 (bench/results/2026-11-29-avx2-split-passes.md)
+      // they took 0.61-0.83x the time of passes of <= 4 rows at 4, 9, 12 and 16 rows; 2-3 rows were
+      // no faster; past 16 rows the float32 panel is as fast (17-64 rows: 0.91-1.15x).
+      if (R >= 4) {
+        const int64_t passes = (R + 7) / 8, per = (R + passes - 1) / passes;  // balanced: 12 rows = 6 + 6
+        for (int64_t r = 0; r < R; r += per) rows_split<F>(wr, nw, row_bytes, xr, std::min(per, R - r), K, out, r);
         return;
       }
     }

@@ -498,6 +498,33 @@ def test_steps_without_a_proposal_keep_the_head_in_sync(cyc, monkeypatch):
         assert g.stats["verify_steps"] < N_NEW  # some proposals were accepted
 
 
+def test_a_proposal_after_a_plain_stretch_feeds_a_window(cyc, monkeypatch):
+    """After steps without a proposal, EAGLE heads feed only the last CATCH_UP_WINDOW committed
+    pairs (the slots skip the positions between); drafting every step they feed all. Either way the
+    output is the plain engine's, and drafts after the window are still accepted."""
+    from turbospec.drafters import budget
+    from turbospec.drafters.eagle import EagleDrafter
+    _, target, ref, vocab = cyc
+    monkeypatch.setattr(EagleDrafter, "CATCH_UP_WINDOW", 3)
+    for method in ("eagle", "eagle3"):
+        calls = {"n": 0}
+
+        def stretch(self):  # draft, then 8 plain steps, then draft again
+            calls["n"] += 1
+            return 0 if 2 <= calls["n"] <= 9 else self.max_draft
+        monkeypatch.setattr(budget.DraftBudget, "choose", stretch)
+        eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=8)
+        g = eng.generate(PROMPT, N_NEW)
+        assert g.token_ids == ref
+        dr = eng.drafter
+        assert dr._cached - dr._fill >= 8 + 1 - 3  # the stretch's pairs but the window's were skipped
+        assert g.stats["draft_accepted"] > 0
+        monkeypatch.setattr(budget.DraftBudget, "choose", lambda self: self.max_draft)
+        eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=8)
+        assert eng.generate(PROMPT, N_NEW).token_ids == ref
+        assert eng.drafter._fill == eng.drafter._cached  # drafting every step: every pair fed
+
+
 def test_shipped_head_loads_and_drafts_exactly(smollm2):
     """The EAGLE-3 head in the package fits the default model, records its provenance, is what
     --drafter eagle uses on the default model, and drafts exactly; 'auto' picks it only when its

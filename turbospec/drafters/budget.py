@@ -36,6 +36,19 @@ last one took PROBE_SHARE^-1 times that, so a useless drafter costs at most PROB
 decode time. Plain steps since the last probe are counted across the generations of one engine
 (``carry_over``).
 
+What the model predicts is checked against what drafting delivers: the steps taken in drafting
+mode (their tokens and their verify + draft seconds, decayed by REAL_DECAY per step, ~33 steps) are
+set against plain steps' (or, before any, the measured plain verify). Once drafting has REAL_MIN
+steps' weight of evidence and they emitted fewer tokens per second than plain steps, speculation
+goes off whatever the estimates say, and the probe back-off is not reset. Medians and the prior
+misjudge a drafter whose cost is a heavy-tailed fixed cost per proposal rather than a per-token one
+(an EAGLE head's tree: its catch-up after plain steps, its root forward and draft LM head): on an
+AVX2 Zen 3 the shipped EAGLE-3 head's proposals had a median of 2.5 ms and a mean of 6.0 ms, its
+first token was estimated at 0.47 accepted against 0.33 seen, and the model drafted ~45 % of the
+steps at 0.92-0.94x plain speed (bench/results/2026-11-29-avx2-split-passes.md). A probe clears
+the drafting evidence: the model decides again from the probe's acceptance, and REAL_MIN steps of
+drafting give the next verdict.
+
 A draft model reads the prompt in the prefill (``Drafter.prepare``) only when that is expected to
 pay over the generation: ``reading_pays`` weighs the seconds drafting is expected to save over
 ``max_new_tokens`` against the prompt's length times the last measured read time per token. A
@@ -82,6 +95,9 @@ class DraftBudget:
     PRIOR_WEIGHT = 2.0  # pseudo-steps of the prior acceptance at every depth
     SWITCH_OFF_MARGIN = 0.05  # while drafting, a plain step must look this much better to switch off
     SLOW_DECAY = 0.97  # ... on acceptance counts decayed this slowly (~30 steps)
+    REAL_DECAY = 0.97  # what drafting and plain steps delivered: (tokens, seconds) decayed per step
+    REAL_MIN = 4.0  # the weight of drafting steps before they may overrule the estimates
+    REAL_Z = 1.0  # ... by more than this many standard errors of their mean tokens per step
 
     def __init__(self, max_draft: int, adaptive: bool = True, prior_accept: float = 0.6,
                  decay: float = 0.9, timed: bool = True):
@@ -111,6 +127,12 @@ class DraftBudget:
         # acceptance is not passed on (``carry_over`` passes on what this generation started from)
         self.windowed = False
         self._carried: tuple[list[float], list[float]] | None = None  # (arrived, went_on) passed on to us
+        # realized (weight, tokens, tokens squared, seconds) of steps in drafting mode and of plain steps (decayed)
+        self.real_draft = [0.0, 0.0, 0.0, 0.0]  # (weight, tokens, tokens squared, seconds)
+        self.real_plain = [0.0, 0.0, 0.0, 0.0]
+        self._mode: int | None = None  # the length ``choose`` returned for the step being recorded
+        self._trial = False  # since the last probe, until drafting's realized verdict
+        self._carried_real: tuple[list[float], list[float]] | None = None  # (real_draft, real_plain) passed on to us
 
     def _chain(self, k: int, slow: bool = False) -> list[float]:
         """[a(1), ..., a(k)]. a(d)'s prior is a(d - 1) (a(1)'s: ``prior_accept``): a depth seldom
@@ -155,6 +177,12 @@ class DraftBudget:
         self._probe_interval = last._probe_interval
         self._off_steps, self._probe_extra = last._off_steps, last._probe_extra
         self.read_time = last.read_time
+        # what drafting delivered passes on whole (a drafter found slower than plain stays off until
+        # its next probe; halved, each generation would start with a trial of REAL_MIN steps), but
+        # as the acceptance: not that of a windowed generation
+        real = last._carried_real if last.windowed and last._carried_real else (last.real_draft, last.real_plain)
+        self._carried_real = real
+        self.real_draft, self.real_plain = list(real[0]), list(real[1])
         self._cost = None
 
     @staticmethod
@@ -234,6 +262,31 @@ class DraftBudget:
             self.read_time = seconds / tokens
 
     def choose(self) -> int:
+        k = self._choose()
+        self._mode = k
+        return k
+
+    def realized_verdict(self) -> bool | None:
+        """Did the last steps in drafting mode deliver at least the tokens per second of plain
+        steps? None until they weigh REAL_MIN steps (and for untimed budgets)."""
+        w, tokens, squares, seconds = self.real_draft
+        if not self.timed or w < self.REAL_MIN or seconds <= 0.0:
+            return None
+        pw, ptokens, _, pseconds = self.real_plain
+        if pw >= 2.0 and pseconds > 0.0:
+            plain_rate = ptokens / pseconds
+        else:
+            plain = self.verify_time.get(1)
+            if not plain:
+                return None
+            plain_rate = 1.0 / self._median(plain)
+        # tokens per step vary (0..k accepted): slower only by more than REAL_Z standard errors of
+        # the mean tokens per step, so that a drafter a few per cent ahead is not switched off by chance
+        mean = tokens / w
+        stderr = math.sqrt(max(squares / w - mean * mean, 0.0) / w)
+        return (mean + self.REAL_Z * stderr) / (seconds / w) >= plain_rate
+
+    def _choose(self) -> int:
         if not self.adaptive or self.max_draft == 0:
             return self.max_draft
         if self._confirm:
@@ -249,7 +302,13 @@ class DraftBudget:
             if slow[k] * (1.0 + self.SWITCH_OFF_MARGIN) >= rates[0]:
                 best_k = k
         if best_k > 0:
-            self._off_steps, self._probe_interval = 0, 4
+            verdict = self.realized_verdict()
+            if verdict is False:  # drafting delivered less than plain steps: off, whatever the estimates say
+                best_k = 0
+        if best_k > 0:
+            self._off_steps = 0
+            if verdict:  # a back-off is reset only by drafting that delivered
+                self._probe_interval = 4
             self._drafting_steps += 1
             if self.timed and self._drafting_steps % self.EXPLORE_EVERY == 0:
                 # keep the neighbours' verify times fresh (one stale sample must not pin the choice),
@@ -266,6 +325,8 @@ class DraftBudget:
             k = max(range(1, min(2, self.max_draft) + 1), key=lambda k: rates[k])  # cheap: 1 or 2
             # the acceptance that switched speculation off is stale now: the probe's steps decide
             self._scale_counts(self.PROBE_DISCOUNT)
+            self.real_draft = [0.0, 0.0, 0.0, 0.0]  # the probe's acceptance decides; then REAL_MIN steps' verdict
+            self._trial = True
             self._probe_steps, self._probe_extra = 1, 0.0
             if self.timed:
                 self._confirm = k
@@ -300,17 +361,37 @@ class DraftBudget:
                     self.draft_time.append(draft_seconds / proposed)
                 del self.draft_time[:-self.DRAFT_SAMPLES]
             self._cost = None
+        mode = self._mode if self._mode is not None else proposed
+        if self.timed:
+            # the step's mode: the length ``choose`` picked (a batch's rows: what they drafted); the
+            # first step of a probe (its catch-up is the probe's cost, charged by probe_wait) is not kept
+            if mode == 0:
+                self._realize(self.real_plain, 1, verify_seconds + draft_seconds)
+            elif not self._probing:
+                self._realize(self.real_draft, 1 + accepted, verify_seconds + draft_seconds)
+        self._mode = None
         self._probing = False
-        if self._probe_steps:  # what the probe's steps took beyond plain steps emitting as much
-            self._probe_steps -= 1
+        # What the probe's steps, and the drafting after it until the realized verdict, took beyond
+        # plain steps emitting as much: the next probe waits for PROBE_SHARE of it (probe_wait).
+        trial = self._trial and mode > 0
+        if self._probe_steps or trial:
+            self._probe_steps = max(self._probe_steps - 1, 0)
             plain = self.verify_time.get(1)
             if self.timed and plain:
                 self._probe_extra += verify_seconds + draft_seconds - (1 + accepted) * self._median(plain)
+        if self._trial and self.realized_verdict() is not None:
+            self._trial = False
         for i in range(min(proposed, accepted + 1)):  # the depths this step reached
             self.arrived[i] = self.decay * self.arrived[i] + 1.0
             self.went_on[i] = self.decay * self.went_on[i] + (1.0 if accepted > i else 0.0)
             self.arrived_slow[i] = self.SLOW_DECAY * self.arrived_slow[i] + 1.0
             self.went_on_slow[i] = self.SLOW_DECAY * self.went_on_slow[i] + (1.0 if accepted > i else 0.0)
+
+
+    def _realize(self, real: list[float], tokens: int, seconds: float) -> None:
+        d = self.REAL_DECAY
+        for i, v in enumerate((1.0, tokens, tokens * tokens, seconds)):
+            real[i] = d * real[i] + v
 
 
 class DepthBudget:

@@ -38,10 +38,15 @@ def budget_top_k(max_tokens: int) -> int:
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic-tree drafting with an EAGLE-1/2 or EAGLE-3 head.
 
-    The head keeps its own KV cache: positions [0, _cached) hold the pairs of committed tokens,
-    computed from the target's true features; a proposal first feeds the pairs the last verify step
-    committed, then grows the tree in the slots after them (overwritten next step: that is the
-    rollback). Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
+    The head keeps its own KV cache: slots [0, _fill) hold the pairs of committed tokens (of
+    positions up to _cached), computed from the target's true features; a proposal first feeds the
+    pairs the last verify step committed, then grows the tree in the slots after them (overwritten
+    next step: that is the rollback). A proposal after steps without one (the draft budget had
+    speculation off) feeds only the last CATCH_UP_WINDOW of the pairs queued since: the head's
+    attention then skips the positions between (the features carry their context), and a probe
+    costs a window's head forward, not one of every token committed while off (~0.11 ms a token
+    on an AVX2 Zen 3: a probe after 200 plain steps cost ~20 ms, more than a plain step's 7-9 ms).
+    Drafts are proposals, so the output is unchanged; a head drafting every step sees every pair. Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
     ``top_k`` children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens``
     nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft). ``top_k=None``
     (the default) follows each step's node budget (``budget_top_k``).
@@ -53,6 +58,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    CATCH_UP_WINDOW = 32  # pairs fed at most by a proposal after steps without one
 
     def __init__(self, target, head: EagleHead, max_seq_len: int, depth: int = 6, top_k: int | None = None,
                  draft_vocab: Tensor | None = None, draft_dtype: torch.dtype | None = None,
@@ -92,7 +98,8 @@ class EagleDrafter(Drafter):
                 self.lm = DraftLMHead(target.lm_head_weight, draft_vocab, dtype, self.weights, self.activations)
                 self.vocab_ids = draft_vocab
                 self.logits = self.lm
-        self._cached = 0
+        self._cached = 0  # committed positions [0, _cached) were fed to the head (or skipped)
+        self._fill = 0  # KV slots holding them
         self._feats: list[Tensor] = []  # features of the positions not fed to the head yet, in chunks
         # greedy steps: the number of expansion rounds from measured acceptance by depth and timings
         self.depth_budget = DepthBudget(depth) if adaptive_depth else None
@@ -101,7 +108,8 @@ class EagleDrafter(Drafter):
         self._steps_since = 0              # steps observed since then
 
     def begin(self, prompt_ids: list[int], features: Tensor | None = None) -> None:
-        self._cached = 0
+        self._cached = self._fill = self._steps_since = 0
+        self._t_end = None
         self._feats = [] if features is None else [features]
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
@@ -130,6 +138,7 @@ class EagleDrafter(Drafter):
         t_start = time.perf_counter()
         if self.depth_budget is not None and self._t_end is not None and self._steps_since == 1:
             self.depth_budget.record(0, 0, None, t_start - self._t_end)  # one step's verify + the rest
+        idle = self._steps_since > 1  # a step without a proposal since the last one (or the start)
         self._steps_since = 0
         self._t_end = None
         root_pos = len(tokens) - 1
@@ -140,16 +149,18 @@ class EagleDrafter(Drafter):
             raise RuntimeError(f"EagleDrafter: expected features for {m} new positions, got "
                                f"{None if feats is None else tuple(feats.shape)}")
         dev = self.device
-        emb = self.target.embedding(torch.tensor(tokens[self._cached + 1: root_pos + 1], device=dev)).to(self.dtype)[None]
-        pos = torch.arange(self._cached, root_pos, device=dev)[None]
-        out = yield from self.head.forward_steps(feats.to(self.dtype)[None], emb, pos, self.kv, self._cached)
-        self._cached = root_pos
+        skip = m - self.CATCH_UP_WINDOW if idle and m > self.CATCH_UP_WINDOW else 0
+        first = self._cached + skip
+        emb = self.target.embedding(torch.tensor(tokens[first + 1: root_pos + 1], device=dev)).to(self.dtype)[None]
+        pos = torch.arange(first, root_pos, device=dev)[None]
+        out = yield from self.head.forward_steps(feats[skip:].to(self.dtype)[None], emb, pos, self.kv, self._fill)
+        self._cached, self._fill = root_pos, self._fill + m - skip
         if max_tokens <= 0:
             return None
         vocab = self.target.cfg.vocab_size
         # Tree growth. Fed nodes get KV slots after the committed pairs.
         nodes: list[Node] = []
-        slot_of: dict[int, int] = {}          # node -> KV slot (relative to _cached)
+        slot_of: dict[int, int] = {}          # node -> KV slot (relative to _fill)
         hidden: dict[int, Tensor] = {-1: out[0, -1]}
         logits: dict[int, Tensor] = {-1: (yield Rows(self.logits, out[0, -1:]))[0]}
         frontier = [-1]
@@ -190,17 +201,17 @@ class EagleDrafter(Drafter):
             start = len(slot_of)
             for j, i in enumerate(expand):
                 slot_of[i] = start + j
-            mask = torch.zeros(n_new, self._cached + start + n_new, dtype=torch.bool)
-            mask[:, : self._cached] = True
+            mask = torch.zeros(n_new, self._fill + start + n_new, dtype=torch.bool)
+            mask[:, : self._fill] = True
             for j, i in enumerate(expand):
                 a = i
                 while a >= 0:
-                    mask[j, self._cached + slot_of[a]] = True
+                    mask[j, self._fill + slot_of[a]] = True
                     a = nodes[a].parent
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
             e_in = self.target.embedding(torch.tensor([nodes[i].token for i in expand], device=dev)).to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
-            o = yield from self.head.forward_steps(h_in, e_in, p_in, self.kv, self._cached + start, mask.to(dev)[None],
+            o = yield from self.head.forward_steps(h_in, e_in, p_in, self.kv, self._fill + start, mask.to(dev)[None],
                                                    fused=True)
             lg = yield Rows(self.logits, o[0])
             for j, i in enumerate(expand):
