@@ -593,6 +593,16 @@ def test_budget_realized_verdict_needs_evidence_and_is_cleared_by_a_probe():
     for _ in range(20):
         untimed.record(2, 0, 3, 10.0, 10.0)
     assert untimed.realized_verdict() is None
+    # steps in drafting mode whose drafter proposed nothing (an n-gram lookup without a match, a bit
+    # slower than a plain step) are no evidence: they must not switch a lookup drafter off
+    lookup = DraftBudget(4)
+    for _ in range(10):
+        lookup.record(0, 0, 1, 1.0, 0.0)
+    for _ in range(30):
+        k = lookup.choose()
+        assert k > 0
+        lookup.record(0, 0, 1, 1.0, 0.01)
+    assert lookup.real_draft[0] == 0.0 and lookup.realized_verdict() is None
 
 
 def test_budget_follows_phases_of_acceptance():

@@ -506,7 +506,9 @@ def test_a_proposal_after_a_plain_stretch_feeds_a_window(cyc, monkeypatch):
     from turbospec.drafters.eagle import EagleDrafter
     _, target, ref, vocab = cyc
     monkeypatch.setattr(EagleDrafter, "CATCH_UP_WINDOW", 3)
+    real = EagleDrafter.propose_steps
     for method in ("eagle", "eagle3"):
+        monkeypatch.setattr(EagleDrafter, "propose_steps", real)
         calls = {"n": 0}
 
         def stretch(self):  # draft, then 8 plain steps, then draft again
@@ -523,6 +525,23 @@ def test_a_proposal_after_a_plain_stretch_feeds_a_window(cyc, monkeypatch):
         eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=8)
         assert eng.generate(PROMPT, N_NEW).token_ids == ref
         assert eng.drafter._fill == eng.drafter._cached  # drafting every step: every pair fed
+        # a generation that starts with plain steps: its first proposal feeds a window of the
+        # prompt and those steps too
+        calls["n"] = 0
+
+        def late(self):
+            calls["n"] += 1
+            return 0 if calls["n"] <= 5 else self.max_draft
+        monkeypatch.setattr(budget.DraftBudget, "choose", late)
+        eng = engine(target, method, make_head(method, target, vocab=vocab), vocab, num_draft=8)
+        seen = []
+
+        def spy(self, tokens, *a, **kw):
+            seen.append((self._cached, self._fill))
+            return (yield from real(self, tokens, *a, **kw))
+        monkeypatch.setattr(EagleDrafter, "propose_steps", spy)
+        assert eng.generate(PROMPT, N_NEW).token_ids == ref
+        assert seen[0] == (0, 0) and seen[1] == (len(PROMPT) - 1 + 5, 3)  # fed: the last 3 of 24 pairs
 
 
 def test_shipped_head_loads_and_drafts_exactly(smollm2):

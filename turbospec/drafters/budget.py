@@ -36,9 +36,10 @@ last one took PROBE_SHARE^-1 times that, so a useless drafter costs at most PROB
 decode time. Plain steps since the last probe are counted across the generations of one engine
 (``carry_over``).
 
-What the model predicts is checked against what drafting delivers: the steps taken in drafting
-mode (their tokens and their verify + draft seconds, decayed by REAL_DECAY per step, ~33 steps) are
-set against plain steps' (or, before any, the measured plain verify). Once drafting has REAL_MIN
+What the model predicts is checked against what drafting delivers: the steps that proposed in
+drafting mode (their tokens and their verify + draft seconds, decayed by REAL_DECAY per step, ~33
+steps; a lookup that found nothing is no evidence) are set against plain steps' (or, before any,
+the measured plain verify). Once drafting has REAL_MIN
 steps' weight of evidence and they emitted fewer tokens per second than plain steps, speculation
 goes off whatever the estimates say, and the probe back-off is not reset. Medians and the prior
 misjudge a drafter whose cost is a heavy-tailed fixed cost per proposal rather than a per-token one
@@ -127,8 +128,9 @@ class DraftBudget:
         # acceptance is not passed on (``carry_over`` passes on what this generation started from)
         self.windowed = False
         self._carried: tuple[list[float], list[float]] | None = None  # (arrived, went_on) passed on to us
-        # realized (weight, tokens, tokens squared, seconds) of steps in drafting mode and of plain steps (decayed)
-        self.real_draft = [0.0, 0.0, 0.0, 0.0]  # (weight, tokens, tokens squared, seconds)
+        # what steps that proposed in drafting mode, and plain steps, delivered: decayed (weight,
+        # tokens, tokens squared, seconds)
+        self.real_draft = [0.0, 0.0, 0.0, 0.0]
         self.real_plain = [0.0, 0.0, 0.0, 0.0]
         self._mode: int | None = None  # the length ``choose`` returned for the step being recorded
         self._trial = False  # since the last probe, until drafting's realized verdict
@@ -301,6 +303,7 @@ class DraftBudget:
             k = max(range(1, self.max_draft + 1), key=lambda k: slow[k])
             if slow[k] * (1.0 + self.SWITCH_OFF_MARGIN) >= rates[0]:
                 best_k = k
+        verdict = None
         if best_k > 0:
             verdict = self.realized_verdict()
             if verdict is False:  # drafting delivered less than plain steps: off, whatever the estimates say
@@ -363,11 +366,13 @@ class DraftBudget:
             self._cost = None
         mode = self._mode if self._mode is not None else proposed
         if self.timed:
-            # the step's mode: the length ``choose`` picked (a batch's rows: what they drafted); the
-            # first step of a probe (its catch-up is the probe's cost, charged by probe_wait) is not kept
+            # the step's mode: the length ``choose`` picked (a batch's rows: what they drafted). Kept
+            # as drafting: steps that proposed, but the first step of a probe (its catch-up is the
+            # probe's cost, charged by probe_wait); a step whose drafter found nothing to propose (an
+            # n-gram lookup without a match) is no evidence either way
             if mode == 0:
                 self._realize(self.real_plain, 1, verify_seconds + draft_seconds)
-            elif not self._probing:
+            elif proposed > 0 and not self._probing:
                 self._realize(self.real_draft, 1 + accepted, verify_seconds + draft_seconds)
         self._mode = None
         self._probing = False
@@ -386,7 +391,6 @@ class DraftBudget:
             self.went_on[i] = self.decay * self.went_on[i] + (1.0 if accepted > i else 0.0)
             self.arrived_slow[i] = self.SLOW_DECAY * self.arrived_slow[i] + 1.0
             self.went_on_slow[i] = self.SLOW_DECAY * self.went_on_slow[i] + (1.0 if accepted > i else 0.0)
-
 
     def _realize(self, real: list[float], tokens: int, seconds: float) -> None:
         d = self.REAL_DECAY

@@ -41,15 +41,18 @@ class EagleDrafter(Drafter):
     The head keeps its own KV cache: slots [0, _fill) hold the pairs of committed tokens (of
     positions up to _cached), computed from the target's true features; a proposal first feeds the
     pairs the last verify step committed, then grows the tree in the slots after them (overwritten
-    next step: that is the rollback). A proposal after steps without one (the draft budget had
-    speculation off) feeds only the last CATCH_UP_WINDOW of the pairs queued since: the head's
+    next step: that is the rollback). A proposal after steps without one that committed about a
+    token each (the draft budget had speculation off; not a hybrid's suffix-only steps, which
+    commit many) feeds only the last CATCH_UP_WINDOW of the pairs queued since: the head's
     attention then skips the positions between (the features carry their context), and a probe
     costs a window's head forward, not one of every token committed while off (~0.11 ms a token
     on an AVX2 Zen 3: a probe after 200 plain steps cost ~20 ms, more than a plain step's 7-9 ms).
-    Drafts are proposals, so the output is unchanged; a head drafting every step sees every pair. Each round expands the ``top_k`` best nodes by cumulative draft log-probability,
-    ``top_k`` children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens``
-    nodes (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft). ``top_k=None``
-    (the default) follows each step's node budget (``budget_top_k``).
+    Drafts are proposals, so the output is unchanged; a head drafting every step sees every pair.
+
+    Each round expands the ``top_k`` best nodes by cumulative draft log-probability, ``top_k``
+    children each, for up to ``depth`` rounds; greedy then keeps the best ``max_tokens`` nodes
+    (EAGLE-2's re-ranking), sampling keeps every drawn child (see tree_draft). ``top_k=None`` (the
+    default) follows each step's node budget (``budget_top_k``).
 
     ``share``: another EagleDrafter over the same head and options (a batch's other slots) whose
     prepared head copy and LM head this one uses too: one copy of the weights, and in a batch one
@@ -100,6 +103,7 @@ class EagleDrafter(Drafter):
                 self.logits = self.lm
         self._cached = 0  # committed positions [0, _cached) were fed to the head (or skipped)
         self._fill = 0  # KV slots holding them
+        self._prompt_queued = 0  # pairs of the prompt queued at ``begin``, not fed yet
         self._feats: list[Tensor] = []  # features of the positions not fed to the head yet, in chunks
         # greedy steps: the number of expansion rounds from measured acceptance by depth and timings
         self.depth_budget = DepthBudget(depth) if adaptive_depth else None
@@ -111,6 +115,7 @@ class EagleDrafter(Drafter):
         self._cached = self._fill = self._steps_since = 0
         self._t_end = None
         self._feats = [] if features is None else [features]
+        self._prompt_queued = 0 if features is None else features.shape[0]
 
     def observe(self, tokens: list[int], num_accepted: int, features: Tensor | None = None) -> None:
         # Steps without a proposal (the budget chose plain decoding) still commit tokens: their
@@ -138,7 +143,9 @@ class EagleDrafter(Drafter):
         t_start = time.perf_counter()
         if self.depth_budget is not None and self._t_end is not None and self._steps_since == 1:
             self.depth_budget.record(0, 0, None, t_start - self._t_end)  # one step's verify + the rest
-        idle = self._steps_since > 1  # a step without a proposal since the last one (or the start)
+        # steps without a proposal since the last one (or the start) that committed ~1 token each:
+        # speculation was off (a hybrid whose suffix tree drafted alone commits many a step: all fed)
+        idle_steps = self._steps_since - 1
         self._steps_since = 0
         self._t_end = None
         root_pos = len(tokens) - 1
@@ -149,7 +156,8 @@ class EagleDrafter(Drafter):
             raise RuntimeError(f"EagleDrafter: expected features for {m} new positions, got "
                                f"{None if feats is None else tuple(feats.shape)}")
         dev = self.device
-        skip = m - self.CATCH_UP_WINDOW if idle and m > self.CATCH_UP_WINDOW else 0
+        committed, self._prompt_queued = m - self._prompt_queued, 0  # pairs of the steps since (the prompt's aside)
+        skip = m - self.CATCH_UP_WINDOW if m > self.CATCH_UP_WINDOW and 0 < committed <= 2 * idle_steps + 1 else 0
         first = self._cached + skip
         emb = self.target.embedding(torch.tensor(tokens[first + 1: root_pos + 1], device=dev)).to(self.dtype)[None]
         pos = torch.arange(first, root_pos, device=dev)[None]
