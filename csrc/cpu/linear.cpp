@@ -657,7 +657,7 @@ TS_AVX2 void rows_nx(const uint8_t* const* wr, int64_t row_bytes, const float* c
   }
 }
 
-// nw (1..4) weight rows x NX (2..8) input rows of Q4_0 / Q4_1 / Q8_0, each weight dequantized once
+// nw (1..4) weight rows x NX (4..8) input rows of Q4_0 / Q4_1 / Q8_0, each weight dequantized once
 // for all NX rows (passes of <= 4 rows dequantize it once per pass). NX accumulators fit the
 // registers only for 8 of the 16 lanes, so each chunk of a weight row runs twice, the low 8 lanes then
 // the high 8, the other accumulators waiting on the stack; the chunk of x stays in L1 for all nw weight
@@ -706,9 +706,7 @@ TS_AVX2 void rows_split(const uint8_t* const* wr, int64_t nw, int64_t row_bytes,
     case 7: block_split_avx2<F, 7>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
     case 6: block_split_avx2<F, 6>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
     case 5: block_split_avx2<F, 5>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
-    case 4: block_split_avx2<F, 4>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
-    case 3: block_split_avx2<F, 3>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
-    default: block_split_avx2<F, 2>(wr, nw, row_bytes, xr + r0, K, out, r0); break;
+    default: block_split_avx2<F, 4>(wr, nw, row_bytes, xr + r0, K, out, r0); break;  // balanced passes: >= 4 rows
   }
 }
 

@@ -39,9 +39,9 @@ decode time. Plain steps since the last probe are counted across the generations
 What the model predicts is checked against what drafting delivers: the steps that proposed in
 drafting mode (their tokens and their verify + draft seconds, decayed by REAL_DECAY per step, ~33
 steps; a lookup that found nothing is no evidence) are set against plain steps' (or, before any,
-the measured plain verify). Once drafting has REAL_MIN
-steps' weight of evidence and they emitted fewer tokens per second than plain steps, speculation
-goes off whatever the estimates say, and the probe back-off is not reset. Medians and the prior
+the measured plain verify). Once drafting has REAL_MIN steps' weight of evidence and they emitted
+fewer tokens per second than plain steps, speculation goes off whatever the estimates say, and the
+probe back-off is not reset. Medians and the prior
 misjudge a drafter whose cost is a heavy-tailed fixed cost per proposal rather than a per-token one
 (an EAGLE head's tree: its catch-up after plain steps, its root forward and draft LM head): on an
 AVX2 Zen 3 the shipped EAGLE-3 head's proposals had a median of 2.5 ms and a mean of 6.0 ms, its
