@@ -972,10 +972,16 @@ void rows_x512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* ou
   }
 }
 
-// The AVX2 path of the same tiles: each 64-byte chunk as two registers of 8 weight rows, one half
-// (8 rows) at a time; maddubs + madd (exact, as above; Q8_0X in the signed form), the same per-block
-// order. Q4: a block's eight maddubs per row are summed in int16 before the one madd (each is at most
-// 2 * 15 * 128 = 3,840 in size, eight 30,720 < 2^15: exact); Q5: in pairs (2 * 7,936).
+// An accumulator the compiler must take as it is at this point: integer adds associate, and GCC
+// otherwise rebalances a tile's per-row sums into trees that hold every product of a block live at
+// once (AVX2: 16 registers), spilling them to the stack; 0.4-0.5x the tile's speed (perf annotate).
+TS_AVX2 __attribute__((always_inline)) inline void keep_order(__m256i& v) { asm("" : "+x"(v)); }
+
+// The AVX2 path of the same tiles: each 64-byte chunk as two registers of 8 weight rows (the halves h);
+// maddubs + madd (exact, as above; Q8_0X in the signed form), the same per-block order. An input
+// row's broadcast feeds both halves. Q4: a block's eight maddubs per row and half are summed in
+// int16 before the one madd (each is at most 2 * 15 * 128 = 3,840 in size, eight 30,720 < 2^15:
+// exact); Q5: in pairs (2 * 7,936).
 template <int64_t F, int NX>
 TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -986,25 +992,32 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
     const uint8_t* p = g + b * x_chunk(F);
     const uint8_t* v = p + x_header(F);
     for (int64_t off = 0; off < x_chunk(F); off += 64) prefetch_weights(p + 4 * x_chunk(F) + off, nta);
-    for (int h = 0; h < 2; ++h) {
-      __m256i S[NX];
-      if constexpr (F == kQ8_0X) {
-        for (int r = 0; r < NX; ++r) S[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h)),
-                                             _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed values
-          const __m256i a = _mm256_abs_epi8(w);
-          for (int r = 0; r < NX; ++r) {
-            const __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)), w);
-            S[r] = _mm256_add_epi32(S[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+    __m256i S[NX][2];
+    if constexpr (F == kQ8_0X) {
+      for (int r = 0; r < NX; ++r) S[r][0] = S[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        __m256i w[2], a[2];
+        for (int h = 0; h < 2; ++h) {
+          w[h] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h)),
+                                  _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed values
+          a[h] = _mm256_abs_epi8(w[h]);
+        }
+        for (int r = 0; r < NX; ++r) {
+          const __m256i xb = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
+          for (int h = 0; h < 2; ++h) {
+            S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(xb, w[h])), ones));
+            keep_order(S[r][h]);
           }
         }
-      } else {
-        __m256i P[NX];  // int16 sums of maddubs (Q5_0X: of one chunk's pair)
-        for (int r = 0; r < NX; ++r) P[r] = S[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
+      }
+    } else {
+      __m256i P[NX][2];  // int16 sums of maddubs (Q5_0X: of one chunk's pair)
+      for (int r = 0; r < NX; ++r) P[r][0] = P[r][1] = S[r][0] = S[r][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 64 * c + 32 * h));
-          __m256i lo = _mm256_and_si256(raw, m4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+          lo[h] = _mm256_and_si256(raw, m4), hi[h] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
           if constexpr (F == kQ5_0X) {  // as in tile_x512, rows 8 h .. 8 h + 7
             const __m256i hb = _mm256_shuffle_epi8(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c + 8 * h))),
@@ -1012,25 +1025,35 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
                                  0x00000000));
             const __m256i b5 = _mm256_set1_epi8(0x10);
             const __m256i pl = _mm256_set1_epi32(0x08040201), ph = _mm256_set1_epi32(static_cast<int>(0x80402010u));
-            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, pl), pl), b5));
-            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, ph), ph), b5));
-          }
-          for (int r = 0; r < NX; ++r) {
-            const __m256i xl = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
-            const __m256i xh = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c));
-            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
-            if constexpr (F == kQ5_0X) S[r] = _mm256_add_epi32(S[r], _mm256_madd_epi16(pair, ones));
-            else P[r] = _mm256_add_epi16(P[r], pair);
+            lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, pl), pl), b5));
+            hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hb, ph), ph), b5));
           }
         }
-        if constexpr (F != kQ5_0X)
-          for (int r = 0; r < NX; ++r) S[r] = _mm256_madd_epi16(P[r], ones);
+        for (int r = 0; r < NX; ++r) {
+          const __m256i xl = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c));
+          const __m256i xh = _mm256_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c));
+          for (int h = 0; h < 2; ++h) {
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh));
+            if constexpr (F == kQ5_0X) {
+              S[r][h] = _mm256_add_epi32(S[r][h], _mm256_madd_epi16(pair, ones));
+              keep_order(S[r][h]);
+            } else {
+              P[r][h] = _mm256_add_epi16(P[r][h], pair);
+              keep_order(P[r][h]);
+            }
+          }
+        }
       }
+      if constexpr (F != kQ5_0X)
+        for (int r = 0; r < NX; ++r)
+          for (int h = 0; h < 2; ++h) S[r][h] = _mm256_madd_epi16(P[r][h], ones);
+    }
+    for (int h = 0; h < 2; ++h) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
       __m256 mw = _mm256_setzero_ps();
       if constexpr (F == kQ4_1X) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
       for (int r = 0; r < NX; ++r) {
-        __m256i si = S[r];
+        __m256i si = S[r][h];
         if constexpr (F == kQ4_0X || F == kQ5_0X) si = _mm256_sub_epi32(si, _mm256_set1_epi32(x_offset(F) * xr[r].bsum[b]));
         acc[r][h] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(xr[r].d[b])), _mm256_cvtepi32_ps(si), acc[r][h]);
         if constexpr (F == kQ4_1X) acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xr[r].s[b]), acc[r][h]);
@@ -1222,6 +1245,7 @@ TS_AVX2 void tile_q4kx256(const uint8_t* g, int h, const QRow* xr, int64_t K, fl
           const int8_t* q = xr[r].q256 + 256 * s + 64 * j + 4 * c;
           Slo[r] = _mm256_add_epi32(Slo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(q))), ones));
           Shi[r] = _mm256_add_epi32(Shi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(q + 32))), ones));
+          keep_order(Slo[r]), keep_order(Shi[r]);
         }
       }
       const __m256i sc0 = q4k_six_bits256(A, C, 2 * j, 0), sc1 = q4k_six_bits256(A, C, 2 * j + 1, 0);

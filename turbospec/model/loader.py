@@ -70,8 +70,7 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     st = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = _cache_root() / f"{path.stem}-{key}-meta"
-    link = out / GGUF_LINK
-    if (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, path):
+    if _converted(out, path):
         return str(out)
     meta, tensors = read_gguf(str(path))  # a corrupt or truncated file is named here, not in the conversion
     cfg = gguf_hf_config(meta, tensors)
@@ -86,13 +85,18 @@ def resolve_model_dir(source: str | os.PathLike) -> str:
     if unsupported_reason(meta) is not None:
         _converted_tokenizer(path).save_pretrained(str(tmp))
     os.symlink(path.resolve(), tmp / GGUF_LINK)
-    if out.exists():  # another process converted it meanwhile, or a stale entry: keep one
+    if out.exists() and not _converted(out, path):  # a stale or broken entry
         shutil.rmtree(out, ignore_errors=True)
     try:
-        os.replace(tmp, out)
-    except OSError:  # another process put its copy there first
+        os.replace(tmp, out)  # fails when out is a directory already: another process's finished copy
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
+
+
+def _converted(out: Path, gguf: Path) -> bool:
+    link = out / GGUF_LINK
+    return (out / "config.json").is_file() and link.is_file() and os.path.samefile(link, gguf)
 
 
 GGUF_LINK = "model.gguf"  # in a converted GGUF's directory: a link to the GGUF (the weights)
