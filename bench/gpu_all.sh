@@ -62,8 +62,9 @@ pack() {  # PACK=FILE: every log and report so far, in one file
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" TURBOSPEC_CUDA=1
 stage build python setup.py build_ext --inplace
 python -c 'import turbospec.ops as o; print("kernels:", o.kernels_available())' | tee -a "$OUT/machine.txt"
-# CUDA cases of every test file (the CPU cases ran in CI); the emulator is not needed here.
-stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest ${TEST_PATHS:-tests} -q -rs -p no:cacheprovider \
+# CUDA cases of every test file (the CPU cases ran in CI); the emulator is not needed here. In this
+# process (-n 0): the CUDA tests share one GPU.
+stage test env TURBOSPEC_SKIP_CUDA_EMU=1 python -m pytest ${TEST_PATHS:-tests} -q -n 0 -rs -p no:cacheprovider \
   -k "cuda and not refuses_without_cuda" --durations 15 ${TEST_ARGS:-}
 stage memcheck bash bench/memcheck.sh
 stage profile python bench/profile_step.py ${PROFILE_ARGS:-}

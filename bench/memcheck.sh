@@ -32,7 +32,7 @@ for tool in ${TOOLS:-memcheck racecheck}; do
   # PYTORCH_NO_CUDA_MEMORY_CACHING: every allocation is its own cudaMalloc, so an out-of-bounds
   # access is not hidden inside a larger cached block.
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SAN" --tool "$tool" --error-exitcode 99 --print-limit 20 \
-    python -m pytest tests/ops/test_ops.py tests/ops/test_tree_attention.py tests/ops/test_layer_ops.py -q -x -k "$SEL" ${PYTEST_ARGS:-} >> "$LOG" 2>&1
+    python -m pytest tests/ops/test_ops.py tests/ops/test_tree_attention.py tests/ops/test_layer_ops.py -q -n 0 -x -k "$SEL" ${PYTEST_ARGS:-} >> "$LOG" 2>&1
   rc=$?
   tail -n 3 "$LOG"
   if [ "$rc" -ne 0 ]; then echo "== $tool: FAILED (exit $rc; see $LOG)"; STATUS=1; else echo "== $tool: clean"; fi

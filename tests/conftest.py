@@ -31,6 +31,13 @@ with warnings.catch_warnings():
 
 from helpers import N_NEW, PROMPT, hf_greedy, make_tiny_model  # noqa: E402
 
+MAX_WORKERS = 4  # pytest.ini's "-n auto": one worker per core, at most this many (each loads the models)
+
+
+def pytest_xdist_auto_num_workers(config):
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n, MAX_WORKERS))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:

@@ -6,7 +6,7 @@
 // depend on timing (fixed reduction trees, no floating-point atomics).
 //
 // The kernels only use the CUDA features below, so that tests/ops/cuda_emu can also run them on the CPU
-// (TURBOSPEC_EMULATE: one std::thread per CUDA thread) to check their logic without a GPU.
+// (TURBOSPEC_EMULATE: one fiber per CUDA thread) to check their logic without a GPU.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // Host glue shared by the CUDA entry points: the device guard, the launch on the current stream,
 // and the block size. Under TURBOSPEC_EMULATE (tests/ops/cuda_emu) the same entry points run their
-// kernels on the CPU, one std::thread per CUDA thread.
+// kernels on the CPU, one fiber per CUDA thread.
 #pragma once
 
 #ifdef TURBOSPEC_EMULATE

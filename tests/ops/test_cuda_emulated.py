@@ -1,5 +1,5 @@
 """The CUDA kernels' logic, run on the CPU: csrc/cuda/*.cu compiled against tests/ops/cuda_emu/emu.h
-(one std::thread per CUDA thread, real barriers, emulated warp shuffles) and compared with
+(one fiber per CUDA thread, real barriers, emulated warp shuffles) and compared with
 ``turbospec.reference`` like the kernels in test_ops.py.
 
 This is what runs the CUDA code paths (radix top-k / top-p selection, block scans, the chunked KV

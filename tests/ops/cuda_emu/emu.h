@@ -1,23 +1,30 @@
 // A tiny CUDA emulator for checking the logic of csrc/cuda/*.cu on a machine without a GPU.
 //
-// Each CUDA thread of a block is a std::thread; __syncthreads is a std::barrier over the block and
-// a warp shuffle is an exchange through a per-warp slot array between two per-warp barriers, so a
-// shuffle or a sync reached by only part of a warp or block deadlocks here instead of silently
-// working. __shared__ variables become function statics, shared by the threads of the block that
-// runs; blocks run one after another. Only the features turbospec's kernels use are provided.
-// It proves nothing about performance, occupancy or the memory model of a real GPU.
+// Each CUDA thread of a block is a fiber (ucontext) on the launching OS thread, run in turn by a
+// scheduler until it reaches a barrier or returns: __syncthreads is a barrier over the block and a
+// warp shuffle an exchange through a per-warp slot array between two per-warp barriers, so a shuffle
+// or a sync reached by only part of a warp or block can never complete. When no fiber can move on,
+// the launch stops with "emu: deadlock" (the process aborts: a test fails instead of hanging).
+// __shared__ variables become function statics, shared by the threads of the block that runs; blocks
+// run one after another. Only the features turbospec's kernels use are provided. It proves nothing
+// about performance, occupancy or the memory model of a real GPU. (Fibers, not OS threads: a barrier
+// is a few context switches in user space, where 32-96 OS threads per block on a 2-core machine made
+// the emulated tests a quarter of the suite's time.)
 #pragma once
 
 #include <c10/util/Half.h>
+#include <sys/mman.h>
+#include <ucontext.h>
 
 #include <algorithm>
-#include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
-#include <thread>
+#include <stdexcept>
 #include <vector>
 
 struct dim3 {
@@ -45,27 +52,64 @@ struct alignas(16) Slot {
   unsigned char bytes[16];
 };
 
+// A barrier over `expected` fibers; an exited fiber drops out of it (arrive_and_drop).
+struct Barrier {
+  int expected = 0, arrived = 0;
+  uint64_t generation = 0;
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  bool done = false;
+};
+
 struct BlockState {
-  std::unique_ptr<std::barrier<>> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  Barrier block;
+  std::vector<Barrier> warps;
   std::vector<Slot> slots;
-  std::atomic<int> vote{0};
+  int vote = 0;
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  unsigned current = 0;
+  uint64_t progress = 0;  // barriers completed and fibers finished: what the deadlock check watches
 };
 
 inline BlockState* g_state = nullptr;
 inline dim3 g_block_dim, g_grid_dim;
-inline thread_local dim3 t_thread, t_block;
+inline dim3 t_thread, t_block;  // the running fiber's (set by the scheduler at each switch)
 
 inline float half_bits_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
-inline void syncthreads() { g_state->block->arrive_and_wait(); }
+inline void yield() { swapcontext(&g_state->fibers[g_state->current].ctx, &g_state->scheduler); }
+
+inline void release(Barrier& b) {
+  b.arrived = 0;
+  ++b.generation;
+  ++g_state->progress;
+}
+
+inline void arrive_and_wait(Barrier& b) {
+  const uint64_t gen = b.generation;
+  if (++b.arrived == b.expected) {
+    release(b);
+    return;
+  }
+  while (b.generation == gen) yield();
+}
+
+inline void arrive_and_drop(Barrier& b) {
+  --b.expected;
+  if (b.arrived > 0 && b.arrived == b.expected) release(b);
+}
+
+inline void syncthreads() { arrive_and_wait(g_state->block); }
 
 inline int syncthreads_or(int pred) {
-  if (pred) g_state->vote.store(1);
+  if (pred) g_state->vote = 1;
   syncthreads();
-  const int r = g_state->vote.load();
+  const int r = g_state->vote;
   syncthreads();
-  if (t_thread.x == 0) g_state->vote.store(0);
+  if (t_thread.x == 0) g_state->vote = 0;
   syncthreads();
   return r;
 }
@@ -76,12 +120,38 @@ T exchange(T v, Src src) {
   static_assert(sizeof(T) <= sizeof(Slot));
   const unsigned lane = t_thread.x % 32, warp = t_thread.x / 32;
   std::memcpy(g_state->slots[t_thread.x].bytes, &v, sizeof(T));
-  g_state->warps[warp]->arrive_and_wait();
+  arrive_and_wait(g_state->warps[warp]);
   const int s = src(static_cast<int>(lane));
   T r = v;
   if (s >= 0 && s < 32) std::memcpy(&r, g_state->slots[warp * 32 + s].bytes, sizeof(T));
-  g_state->warps[warp]->arrive_and_wait();
+  arrive_and_wait(g_state->warps[warp]);
   return r;
+}
+
+// Fiber stacks (1 MiB each, a guard page below), allocated once per block size and reused.
+inline char* fiber_stack(unsigned t) {
+  static std::vector<char*> stacks;
+  constexpr size_t kSize = 1 << 20, kGuard = 4096;
+  while (stacks.size() <= t) {
+    void* m = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::runtime_error("emu: cannot map a fiber stack");
+    mprotect(m, kGuard, PROT_NONE);
+    stacks.push_back(static_cast<char*>(m));
+  }
+  return stacks[t];
+}
+
+inline std::function<void()>* g_body = nullptr;  // the kernel call of the block that runs
+
+inline void fiber_main() {
+  (*g_body)();
+  // An exited thread no longer holds back the barriers of the others.
+  BlockState& st = *g_state;
+  arrive_and_drop(st.warps[t_thread.x / 32]);
+  arrive_and_drop(st.block);
+  st.fibers[st.current].done = true;
+  ++st.progress;
+  // returning switches to uc_link: the scheduler
 }
 
 template <typename Kernel, typename... Args>
@@ -90,27 +160,46 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
   if (n == 0 || n % 32 != 0 || block.y != 1 || block.z != 1) throw std::runtime_error("emu: block must be 32k x 1 x 1");
   g_block_dim = block;
   g_grid_dim = grid;
+  std::function<void()> body = [&] { kernel(args...); };
   for (unsigned by = 0; by < grid.y; ++by) {
     for (unsigned bx = 0; bx < grid.x; ++bx) {
       BlockState st;
-      st.block = std::make_unique<std::barrier<>>(n);
-      for (unsigned w = 0; w < n / 32; ++w) st.warps.push_back(std::make_unique<std::barrier<>>(32));
+      st.block.expected = static_cast<int>(n);
+      st.warps.resize(n / 32);
+      for (Barrier& w : st.warps) w.expected = 32;
       st.slots.resize(n);
+      st.fibers.resize(n);
       g_state = &st;
-      std::vector<std::thread> threads;
-      threads.reserve(n);
+      g_body = &body;
+      t_block = dim3(bx, by);
       for (unsigned t = 0; t < n; ++t) {
-        threads.emplace_back([&, t] {
-          t_thread = dim3(t);
-          t_block = dim3(bx, by);
-          kernel(args...);
-          // An exited thread no longer holds back the barriers of the others.
-          st.warps[t / 32]->arrive_and_drop();
-          st.block->arrive_and_drop();
-        });
+        Fiber& f = st.fibers[t];
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = fiber_stack(t) + 4096;
+        f.ctx.uc_stack.ss_size = (1 << 20) - 4096;
+        f.ctx.uc_link = &st.scheduler;
+        makecontext(&f.ctx, fiber_main, 0);
       }
-      for (auto& th : threads) th.join();
+      // Round robin until every fiber has returned; a whole round in which nothing completed while
+      // fibers remain is a deadlock.
+      unsigned left = n;
+      while (left > 0) {
+        const uint64_t before = st.progress;
+        for (unsigned t = 0; t < n; ++t) {
+          if (st.fibers[t].done) continue;
+          st.current = t;
+          t_thread = dim3(t);
+          swapcontext(&st.scheduler, &st.fibers[t].ctx);
+          if (st.fibers[t].done) --left;
+        }
+        if (left > 0 && st.progress == before) {
+          std::fprintf(stderr, "emu: deadlock: %u of %u threads of block (%u, %u) wait at a barrier that cannot complete\n",
+                       left, n, bx, by);
+          std::abort();
+        }
+      }
       g_state = nullptr;
+      g_body = nullptr;
     }
   }
 }
@@ -130,7 +219,7 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
 
 inline void __syncthreads() { emu::syncthreads(); }
 // A barrier over the calling thread's warp (all 32 lanes must reach it).
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::g_state->warps[emu::t_thread.x / 32]->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::arrive_and_wait(emu::g_state->warps[emu::t_thread.x / 32]); }
 inline int __syncthreads_or(int pred) { return emu::syncthreads_or(pred); }
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int mask) {
