@@ -1375,29 +1375,18 @@ void linear_int8_f32(const float* xp, int64_t R, int64_t K, at::TensorList weigh
   q.resize(n32 * K), q256.resize(n256 * K), d.resize(n32 * nb), s.resize(n32 * nb), d256.resize(n256 * (K / 256));
   lsum.resize(n32 * nb * 8), bsum.resize(n32 * nb), bsum16.resize(n256 * (K / 16)), xr.resize(static_cast<size_t>(R));
   const Isa isa = cpu_isa();
-  // Each row quantized on its own (the same bytes on any thread); shared among the threads from 16
-  // rows: alone, the rows of a prefill pass left the other threads waiting (~2 % of a 64-row pass).
-  int8_t *qp = q.data(), *q256p = q256.data();
-  float *dp = d.data(), *sp = s.data(), *d256p = d256.data();
-  int32_t *lsump = lsum.data(), *bsump = bsum.data();
-  int16_t* bsum16p = bsum16.data();
-  QRow* xrp = xr.data();
-  const auto quantize_rows = [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      QRow& row = xrp[r];
-      row = {};
-      if (need32) {
-        quantize_row(xp + r * K, K, qp + r * K, dp + r * nb, sp + r * nb, lsump + r * nb * 8, bsump + r * nb, isa);
-        row.q = qp + r * K, row.d = dp + r * nb, row.s = sp + r * nb, row.lsum = lsump + r * nb * 8, row.bsum = bsump + r * nb;
-      }
-      if (need256) {
-        quantize_row_256(xp + r * K, K, q256p + r * K, d256p + r * (K / 256), bsum16p + r * (K / 16), isa);
-        row.q256 = q256p + r * K, row.d256 = d256p + r * (K / 256), row.bsum16 = bsum16p + r * (K / 16);
-      }
+  for (int64_t r = 0; r < R; ++r) {
+    QRow& row = xr[r];
+    row = {};
+    if (need32) {
+      quantize_row(xp + r * K, K, &q[r * K], &d[r * nb], &s[r * nb], &lsum[r * nb * 8], &bsum[r * nb], isa);
+      row.q = &q[r * K], row.d = &d[r * nb], row.s = &s[r * nb], row.lsum = &lsum[r * nb * 8], row.bsum = &bsum[r * nb];
     }
-  };
-  if (R >= 16) at::parallel_for(0, R, 8, quantize_rows);
-  else quantize_rows(0, R);
+    if (need256) {
+      quantize_row_256(xp + r * K, K, &q256[r * K], &d256[r * (K / 256)], &bsum16[r * (K / 16)], isa);
+      row.q256 = &q256[r * K], row.d256 = &d256[r * (K / 256)], row.bsum16 = &bsum16[r * (K / 16)];
+    }
+  }
   const int64_t grain = std::max<int64_t>(1, items / (4 * std::max(1, at::get_num_threads())));
   const QRow* rows_q = xr.data();  // (the buffers are this thread's: pass pointers to the workers)
   at::parallel_for(0, items, grain, [&](int64_t a, int64_t b) {
