@@ -469,6 +469,27 @@ def test_default_model_loads(smollm2_dir, smollm2):
     assert loader.resolve_model_dir(turbospec.default_model_path()) == smollm2_dir
 
 
+def test_resolve_keeps_another_process_finished_entry(smollm2_dir, tmp_path, monkeypatch):
+    """Two processes converting the same GGUF at once (test workers do): the one that finds the other's
+    finished entry when it goes to rename its own keeps that entry, removes its own copy, and returns
+    the same directory (before, it removed the finished entry under the other's feet)."""
+    path = turbospec.default_model_path()
+    monkeypatch.setenv("TURBOSPEC_CACHE", str(tmp_path))
+    first = loader.resolve_model_dir(path)
+    cfg = os.path.join(first, "config.json")
+    inode = os.stat(cfg).st_ino
+    real, calls = loader._converted, []
+
+    def missed_once(out, gguf):  # the entry appears between this process's check and its rename
+        calls.append(out)
+        return False if len(calls) == 1 else real(out, gguf)
+
+    monkeypatch.setattr(loader, "_converted", missed_once)
+    assert loader.resolve_model_dir(path) == first
+    assert len(calls) == 2 and os.stat(cfg).st_ino == inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(first)]  # no copy left over
+
+
 @pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                                   "olmoe"])
