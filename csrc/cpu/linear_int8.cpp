@@ -1066,19 +1066,15 @@ TS_AVX2 void tile_x256(const uint8_t* g, const QRow* xr, int64_t K, float* out, 
   }
 }
 
-// Input rows per AVX2 tile (the weights' nibbles are unpacked once for them; 16 ymm registers).
-#ifndef TS_X256_ROWS
-#define TS_X256_ROWS 4
-#endif
+// Input rows per AVX2 tile: the weights' nibbles are unpacked once for them (16 ymm registers; 3 and
+// 5 measured slower on a Zen 3, bench/results/2026-11-30-avx2-int8-tiles-ci.md).
+constexpr int kX256Rows = 4;
 
 template <int64_t F>
 TS_AVX2 void rows_x256(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* out, int64_t ldo) {
-  constexpr int kPass = TS_X256_ROWS;
   int64_t r = 0;
-  for (; r + kPass <= R; r += kPass) tile_x256<F, kPass>(g, xr + r, K, out + r * ldo, ldo);
+  for (; r + kX256Rows <= R; r += kX256Rows) tile_x256<F, kX256Rows>(g, xr + r, K, out + r * ldo, ldo);
   switch (R - r) {
-    case 5: tile_x256<F, 5>(g, xr + r, K, out + r * ldo, ldo); break;
-    case 4: tile_x256<F, 4>(g, xr + r, K, out + r * ldo, ldo); break;
     case 3: tile_x256<F, 3>(g, xr + r, K, out + r * ldo, ldo); break;
     case 2: tile_x256<F, 2>(g, xr + r, K, out + r * ldo, ldo); break;
     case 1: tile_x256<F, 1>(g, xr + r, K, out + r * ldo, ldo); break;

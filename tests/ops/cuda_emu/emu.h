@@ -23,7 +23,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -129,16 +128,18 @@ T exchange(T v, Src src) {
 }
 
 // Fiber stacks (1 MiB each, a guard page below), allocated once per block size and reused.
+constexpr size_t kStackSize = 1 << 20, kStackGuard = 4096;
+
+// Fiber t's usable stack: above its guard page.
 inline char* fiber_stack(unsigned t) {
   static std::vector<char*> stacks;
-  constexpr size_t kSize = 1 << 20, kGuard = 4096;
   while (stacks.size() <= t) {
-    void* m = mmap(nullptr, kSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* m = mmap(nullptr, kStackSize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) throw std::runtime_error("emu: cannot map a fiber stack");
-    mprotect(m, kGuard, PROT_NONE);
+    mprotect(m, kStackGuard, PROT_NONE);
     stacks.push_back(static_cast<char*>(m));
   }
-  return stacks[t];
+  return stacks[t] + kStackGuard;
 }
 
 inline std::function<void()>* g_body = nullptr;  // the kernel call of the block that runs
@@ -175,8 +176,8 @@ void launch(Kernel kernel, dim3 grid, dim3 block, const Args&... args) {
       for (unsigned t = 0; t < n; ++t) {
         Fiber& f = st.fibers[t];
         getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = fiber_stack(t) + 4096;
-        f.ctx.uc_stack.ss_size = (1 << 20) - 4096;
+        f.ctx.uc_stack.ss_sp = fiber_stack(t);
+        f.ctx.uc_stack.ss_size = kStackSize - kStackGuard;
         f.ctx.uc_link = &st.scheduler;
         makecontext(&f.ctx, fiber_main, 0);
       }
