@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     from turbospec import ops
     from turbospec.ops import reference
 
-from helpers import assert_close, gen, make_inputs, random_parents
+from helpers import assert_close, gen, make_inputs, on_every_isa, random_parents
 
 DEVICES = ["cpu", "cuda"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -90,6 +90,26 @@ def test_cpu_scores_kept_or_recomputed_give_the_same_bits():
         for i in (0, 17, 63):
             alone, alone_lse = run_op(dev, q[:, i:i + 1], k, v, cache_len + i, torch.tensor([[1]]), 0.25)
             assert torch.equal(alone, out[:, i:i + 1]) and torch.equal(alone_lse, lse[:, :, i:i + 1]), (dtype, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["n1", "tree_gqa4", "n64_gqa4", "d80"])
+def test_cpu_every_isa_gives_the_same_bits(dtype, case):
+    """The scalar, AVX2 and AVX-512 paths (each the CPU has) give the same bits: the exponentials'
+    vector code and its scalar tail (key tiles of odd lengths) compute what the scalar one does, with
+    rows attending nothing (a tree-only pass with an empty mask row) among them."""
+    need_op("cpu")
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    q, k, v, lens, packed = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, dtype, seed=11)
+    packed = packed.clone()
+    packed[0, -1] = 0  # the last query of row 0 attends no new key: nothing at all without the prefix
+    for include_prefix in (True, False):
+        runs = on_every_isa(lambda: run_op(torch.device("cpu"), q * 4, k, v, lens, packed, 1 / math.sqrt(d),
+                                           include_prefix))
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), (case, include_prefix)
+        assert_close(runs[0][0], runs[0][1], *reference.tree_attention(q * 4, k, v, lens, packed, 1 / math.sqrt(d),
+                                                                      include_prefix), dtype, case)
 
 
 @pytest.mark.parametrize("d", [1, 5, 20])
