@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -493,9 +494,27 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   int64_t max_keys = 0;
   for (int64_t b = 0; b < d.B; ++b) max_keys = std::max(max_keys, (include_prefix ? len[b] : 0) + d.n);
   const int64_t tiles = (max_keys + kTile - 1) / kTile;
-  at::parallel_for(0, units * chunks, 1, [&](int64_t begin, int64_t end) {
+  // The items go to the threads as they free up, longest first (work ~ keys x rows): batch rows of
+  // different lengths split into equal counts left one thread waiting on the other. Each item is
+  // computed alone, so the assignment does not change the bits.
+  const int64_t items = units * chunks;
+  thread_local std::vector<int64_t> order, work;  // the calling thread's, kept between calls
+  order.resize(items);
+  work.resize(items);
+  for (int64_t it = 0; it < items; ++it) {
+    const int64_t b = it / (d.Hkv * chunks), c = it % chunks;
+    const int64_t rows = std::min(R, (c + 1) * chunk_rows) - c * chunk_rows;
+    order[it] = it;
+    work[it] = ((include_prefix ? len[b] : 0) + d.n + kTile) * round_up(rows, kMr);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return work[x] > work[y]; });
+  const int64_t* sorted = order.data();  // the workers' own thread_local `order` would be empty
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, items), 1, [&](int64_t, int64_t) {
     thread_local Scratch sc;
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < items;
+         i = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t it = sorted[i];
       const int64_t b = it / (d.Hkv * chunks), hk = (it / chunks) % d.Hkv, c = it % chunks;
       const int64_t r0 = c * chunk_rows, r1 = std::min(R, r0 + chunk_rows);
       sc.reset(round_up(r1 - r0, kMr), a.Dp, tiles);

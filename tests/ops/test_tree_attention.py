@@ -156,6 +156,24 @@ def test_cpu_row_split_gives_the_bits_of_one_thread():
         assert torch.equal(alone, results[0][0][:, i:i + 1]) and torch.equal(alone_lse, results[0][1][:, :, i:i + 1])
 
 
+def test_cpu_items_handed_out_longest_first_give_the_bits_of_one_thread():
+    """Batch rows of very different lengths: the CPU kernel hands its (row, kv head) items to threads
+    as they free up, longest first. Every thread count gives the bits of one thread."""
+    dev = need_op("cpu")
+    inputs = make_inputs(7, 3, 6, 3, 700, 32, [650, 3, 0, 400, 97, 64, 200], "random", seed=9)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3, 4):
+            torch.set_num_threads(t)
+            results.append(run_op(dev, *inputs, 0.17))
+    finally:
+        torch.set_num_threads(threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    assert_close(*results[0], *reference.tree_attention(*inputs, 0.17), torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_strided_inputs_and_given_out(device):
     """q a transposed view, caches narrowed views of larger buffers; out and lse are written in place."""
