@@ -298,16 +298,22 @@ inline AttnDims check_tree_attention_args(const at::Tensor& q, const at::Tensor&
   check_kernel_device(op, "q", q, type);
   TORCH_CHECK(q.stride(3) == 1 || D == 1, op, ": q must be contiguous in its last dim (D), got strides ",
               shape_str(q.strides()));
-  const std::string dt = dtype_name(q.scalar_type());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == q.scalar_type() && k_cache.size(0) == B &&
+  // The caches hold q's dtype; on CPU, float32 queries also read float16 or bfloat16 caches.
+  const bool cache16 = type == c10::DeviceType::CPU && q.scalar_type() == c10::kFloat &&
+                       (k_cache.scalar_type() == c10::kHalf || k_cache.scalar_type() == c10::kBFloat16);
+  const c10::ScalarType kv_dtype = cache16 ? k_cache.scalar_type() : q.scalar_type();
+  const std::string dt = type == c10::DeviceType::CPU && q.scalar_type() == c10::kFloat
+                             ? std::string("float32, float16 or bfloat16 (float32 q)")
+                             : dtype_name(q.scalar_type()) + " (q's dtype)";
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == kv_dtype && k_cache.size(0) == B &&
                   k_cache.size(3) == D,
               op, ": k_cache must be ", dt, " [B, Hkv, S, D] with B = ", B, " and D = ", D,
-              " (the dtype and sizes of q), got ", describe(k_cache));
+              " (the sizes of q), got ", describe(k_cache));
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(2);
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, op, ": the query heads Hq = ", Hq,
               " must be a multiple of the kv heads Hkv = ", Hkv, " (GQA), got q ", describe(q), " and k_cache ",
               describe(k_cache));
-  check_tensor(op, "v_cache", v_cache, {q.scalar_type()}, {{"B", B}, {"Hkv", Hkv}, {"S", S}, {"D", D}});
+  check_tensor(op, "v_cache", v_cache, {kv_dtype}, {{"B", B}, {"Hkv", Hkv}, {"S", S}, {"D", D}});
   check_tensor(op, "cache_len", cache_len, {c10::kLong}, {{"B", B}});
   check_tensor(op, "tree_mask_packed", tree_mask_packed, {c10::kLong}, {{"B", B}, {"n", n}});
   check_tensor(op, "out", out, {q.scalar_type()}, {{"B", B}, {"n", n}, {"Hq", Hq}, {"D", D}});

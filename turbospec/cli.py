@@ -20,6 +20,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="exact", choices=["exact", "int8"],
                    help="exact: the dequantized model's result; int8: GGUF-quantized linears take int8 "
                         "activations (llama.cpp's arithmetic; faster on CPU, not exact vs the float model)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the target's K/V cache (auto: float32 on CPU, --dtype elsewhere); float16 / bfloat16 "
+                        "(CPU) halve what attention reads per token, rounding K/V: not exact vs the float32 model, "
+                        "speculation still equals plain decoding")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target, its KV cache and the verify step)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA: run the verify forward eagerly instead of replaying CUDA graphs")
@@ -56,7 +60,7 @@ def _engine(args, **extra):
     if args.threads:
         torch.set_num_threads(args.threads)
     return turbospec.Engine(args.model, drafter=args.drafter, num_draft=args.num_draft, dtype=args.dtype,
-                            weights=args.weights, activations=args.activations,
+                            weights=args.weights, activations=args.activations, kv_cache_dtype=args.kv_cache_dtype,
                             draft_model=args.draft_model, max_seq_len=args.max_seq_len,
                             adaptive=not args.no_adaptive, head=args.head, device=args.device,
                             cuda_graphs=False if args.no_cuda_graphs else None,

@@ -72,10 +72,30 @@ bool all_dtype(at::TensorList ts, c10::ScalarType dtype) {
   return std::all_of(ts.begin(), ts.end(), [&](const at::Tensor& t) { return t.scalar_type() == dtype; });
 }
 
-// float32 caches whose head dimension is contiguous (the raw loops write K/V rows with stride 1).
+// float32, float16 or bfloat16 caches (all of one dtype) whose head dimension is contiguous (the raw
+// loops write K/V rows with stride 1).
 bool raw_caches(at::TensorList ts) {
-  return all_dtype(ts, at::kFloat) &&
+  return !ts.empty() &&
+         (all_dtype(ts, at::kFloat) || all_dtype(ts, at::kHalf) || all_dtype(ts, at::kBFloat16)) &&
          std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.dim() == 4 && t.stride(3) == 1; });
+}
+
+// src[0, d) into a cache row at element offset off: float32 as is, float16 / bfloat16 rounded to
+// nearest even (what the Python layers' copy into the cache does).
+void store_cache_row(const at::Tensor& cache, int64_t off, const float* src, int64_t d) {
+  switch (cache.scalar_type()) {
+    case at::kHalf: {
+      c10::Half* dst = static_cast<c10::Half*>(cache.data_ptr()) + off;
+      for (int64_t e = 0; e < d; ++e) dst[e] = c10::Half(src[e]);
+      break;
+    }
+    case at::kBFloat16: {
+      c10::BFloat16* dst = static_cast<c10::BFloat16*>(cache.data_ptr()) + off;
+      for (int64_t e = 0; e < d; ++e) dst[e] = c10::BFloat16(src[e]);
+      break;
+    }
+    default: std::copy(src, src + d, static_cast<float*>(cache.data_ptr()) + off);
+  }
 }
 
 // A value rounded to the model's dtype T, kept as float32 (T = float: the value itself).
@@ -178,6 +198,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   const int64_t local_off = cd == 5 ? cos_in.numel() / 2 : 0;  // where the second table starts
   at::Tensor h = at::empty({R, hid}, fopts), qkv = at::empty({R, nqkv}, fopts), y = at::empty({R, hid}, fopts);
   at::Tensor q = at::empty({B, n, H, d}, fopts), attn = at::empty({B, n, H, d}, fopts);
+  std::vector<float> krow(d);  // a rotated key row before it is stored in the cache's dtype
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
@@ -297,8 +318,6 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& kc = k_cache[l];
     const at::Tensor& vc = v_cache[l];
-    float* kp = kc.data_ptr<float>();
-    float* vp = vc.data_ptr<float>();
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
     sublayer_input(l, 0);
@@ -319,7 +338,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
       }
     }
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
-    // T); k and v into the cache
+    // T); k and v into the cache (in its dtype)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t b = r / n, i = r % n;
       const int64_t off = (local_off != 0 && !windows.empty() && windows[l] > 0 ? local_off : 0) + b * cos_b + i * d;
@@ -328,16 +347,16 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
       const float* src = qkvp + r * nqkv;
       for (int64_t hh = 0; hh < H + Hkv; ++hh) {
         const float* xs = src + hh * d;
-        float* dst = hh < H ? qp + (r * H + hh) * d : kp + b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2;
+        float* dst = hh < H ? qp + (r * H + hh) * d : krow.data();
         for (int64_t e = 0; e < d; ++e) {
           const float a = rnd<T>(xs[e] * c[e]);
           const float rot = rnd<T>(xs[e < half ? e + half : e - half] * sn[e]);
           dst[e] = rnd<T>(a + rot);
         }
+        if (hh >= H) store_cache_row(kc, b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2, dst, d);
       }
       for (int64_t hv = 0; hv < Hkv; ++hv)
-        std::copy(src + (H + Hkv + hv) * d, src + (H + Hkv + hv + 1) * d,
-                  vp + b * vs0 + hv * vs1 + (lp[b] + i) * vs2);
+        store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
                        windows.empty() ? 0 : windows[l], softcap);
@@ -438,7 +457,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
   const auto dtype = x_in.scalar_type();
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
-  // The raw loop: float32 / bfloat16 / float16 models (every input of the model's dtype), float32 caches.
+  // The raw loop: float32 / bfloat16 / float16 models (every input of the model's dtype), float32,
+  // float16 or bfloat16 caches.
   const at::Tensor rope[] = {cos, sin_signed};
   if (is_float_dtype(dtype) && all_dtype(rope, dtype) && all_dtype(norms, dtype) && all_dtype(biases, dtype) &&
       all_dtype(qk_norms, dtype) &&
@@ -498,7 +518,9 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
         vc[b].narrow(1, lp[b], n).copy_(v_new[b]);
       }
     }
-    at::Tensor q = qk.narrow(2, 0, num_heads).to(kc.scalar_type());
+    // float32 queries over a 16-bit cache (the kernel widens the cache), else q in the cache's dtype
+    const bool cache16 = kc.scalar_type() == at::kHalf || kc.scalar_type() == at::kBFloat16;
+    at::Tensor q = qk.narrow(2, 0, num_heads).to(cache16 ? at::kFloat : kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
                        windows.empty() ? 0 : windows[l], softcap);

@@ -193,19 +193,33 @@ struct Scratch {
 };
 
 #ifdef TS_ATTN_X86
-// kt[d * ldt + t] = k[t * ldk + d] for t < nk, d < D (nk and D multiples of 8): a float key tile
-// transposed in 8 x 8 blocks in registers (unpack pairs, shuffle quads, swap 128-bit halves). Moves
+// kt[d * ldt + t] = k[t * ldk + d] for t < nk, d < D (nk and D multiples of 8): a key tile widened
+// to float32 and transposed in 8 x 8 blocks in registers (unpack pairs, shuffle quads, swap 128-bit halves). Moves
 // values only: the bits are the scalar loop's. Not inlined: one call per tile, from the AVX2 and
 // AVX-512 kernels (an always-inlined target function cannot be inlined into the ISA-neutral
 // attend_rows that they instantiate).
-__attribute__((target("avx2,fma"), noinline)) void transpose_tile_avx2(const float* k, int64_t ldk, int64_t nk,
-                                                                      int64_t D, float* kt, int64_t ldt) {
+// 8 consecutive cache elements widened to float32 (exactly: float16 and bfloat16 values are floats).
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline __m256 load8_avx2(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<KV, c10::Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+}
+
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"), noinline)) void transpose_tile_avx2(const KV* k, int64_t ldk, int64_t nk,
+                                                                           int64_t D, float* kt, int64_t ldt) {
   for (int64_t t0 = 0; t0 < nk; t0 += 8)
     for (int64_t d = 0; d < D; d += 8) {
-      const float* src = k + t0 * ldk + d;
+      const KV* src = k + t0 * ldk + d;
       float* dst = kt + d * ldt + t0;
       __m256 r[8], t[8], u[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ldk);
+      for (int i = 0; i < 8; ++i) r[i] = load8_avx2(src + i * ldk);
       for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      // a0 b0 a1 b1 | a4 b4 a5 b5
         t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  // a2 b2 a3 b3 | a6 b6 a7 b7
@@ -222,6 +236,14 @@ __attribute__((target("avx2,fma"), noinline)) void transpose_tile_avx2(const flo
       }
     }
 }
+
+// vt[t * ldv + d] = v[t * lds + d] for t < nk, d < D (D a multiple of 8): a 16-bit value tile widened.
+template <typename KV>
+__attribute__((target("avx2,fma,f16c"), noinline)) void widen_tile_avx2(const KV* v, int64_t lds, int64_t nk,
+                                                                       int64_t D, float* vt, int64_t ldv) {
+  for (int64_t t = 0; t < nk; ++t)
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vt + t * ldv + d, load8_avx2(v + t * lds + d));
+}
 #endif
 
 // One key tile's scores for rows [r0, r0 + rows) (Rp padded): widen the keys transposed into kt, S = Q K^T
@@ -229,8 +251,8 @@ __attribute__((target("avx2,fma"), noinline)) void transpose_tile_avx2(const flo
 // a lambda's body is its own function and does not take the target ISA of the kernel it sits in
 // (GCC compiled it for the baseline ISA, emulating the vector types: the AVX2 path ran 3x slower
 // than the scalar one), while an always-inlined function does.
-template <typename T, typename V>
-TS_INLINE void tile_scores_into(const Args& a, const T* kb, const float* q, float* kt, const int64_t* mask,
+template <typename KV, typename V>
+TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, float* kt, const int64_t* mask,
                                 const int64_t* depth, int64_t L, int64_t r0, int64_t rows, int64_t Rp, int64_t p0,
                                 int64_t nk, float* s) {
   const int64_t D = a.D, Dp = a.Dp, G = a.G;
@@ -238,7 +260,7 @@ TS_INLINE void tile_scores_into(const Args& a, const T* kb, const float* q, floa
   // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
   int64_t t0 = 0;
 #ifdef TS_ATTN_X86
-  if constexpr (std::is_same_v<T, float> && sizeof(V) >= 32) {  // AVX2 / AVX-512: 8 x 8 blocks in registers
+  if constexpr (sizeof(V) >= 32) {  // AVX2 / AVX-512: 8 x 8 blocks in registers
     if (D % 8 == 0) {
       t0 = nk / 8 * 8;
       if (t0 > 0) transpose_tile_avx2(kb + p0 * a.ks2, a.ks2, t0, D, kt, kTile);
@@ -246,7 +268,7 @@ TS_INLINE void tile_scores_into(const Args& a, const T* kb, const float* q, floa
   }
 #endif
   for (int64_t t = t0; t < nk; ++t) {
-    const T* kr = kb + (p0 + t) * a.ks2;
+    const KV* kr = kb + (p0 + t) * a.ks2;
     for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
   }
   // S = Q K^T (log2 units), then the tree mask
@@ -290,8 +312,9 @@ TS_INLINE void prefetch_rows(const T* base, int64_t ld, int64_t p0, int64_t p1, 
   }
 }
 
-// Rows [r0, r1) of kv head hk of batch row b. sc is sized for round_up(r1 - r0, kMr) rows.
-template <typename T, typename V>
+// Rows [r0, r1) of kv head hk of batch row b. sc is sized for round_up(r1 - r0, kMr) rows. q and out
+// are T, the caches KV (T, or 16-bit caches behind float32 queries).
+template <typename T, typename KV, typename V>
 TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
   const int64_t rows = r1 - r0, Rp = round_up(rows, kMr), D = a.D, Dp = a.Dp, G = a.G, n = a.n;
   float *q = sc.q.data(), *o = sc.o.data(), *kt = sc.kt.data(), *vt = sc.v.data();
@@ -314,8 +337,8 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     for (int64_t rr = 0; rr < rows; ++rr) lo = std::min(lo, L + depth[(r0 + rr) / G] + 1 - a.window);
     start = std::max(start, std::min(lo, L));
   }
-  const T* kb = static_cast<const T*>(a.k) + b * a.ks0 + hk * a.ks1;
-  const T* vb = static_cast<const T*>(a.v) + b * a.vs0 + hk * a.vs1;
+  const KV* kb = static_cast<const KV*>(a.k) + b * a.ks0 + hk * a.ks1;
+  const KV* vb = static_cast<const KV*>(a.v) + b * a.vs0 + hk * a.vs1;
   const int64_t* mask = a.mask + b * n;
   // Two passes over the key tiles, so that a row's result depends only on the sequence of keys it
   // attends, not on where they sit or on the tiling: pass 1 finds the row's maximum score (exact,
@@ -332,25 +355,32 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    tile_scores_into<T, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
+    tile_scores_into<KV, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     for (int64_t rr = 0; rr < rows; ++rr) m[rr] = std::max(m[rr], row_max(s + rr * kTile, nk));
   }
   // float32 values with D a multiple of the micro-kernel width are read in place from the cache
-  constexpr bool kF32 = std::is_same_v<T, float>;
+  constexpr bool kF32 = std::is_same_v<KV, float>;
   const bool v_in_place = kF32 && Dp == D;
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    if (!keep_scores) tile_scores_into<T, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
+    if (!keep_scores) tile_scores_into<KV, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     const float* vsrc = vt;
     int64_t ldv = Dp;
     if (v_in_place) {
       vsrc = reinterpret_cast<const float*>(vb + p0 * a.vs2);
       ldv = a.vs2;
     } else {
+      int64_t d0 = 0;
+#ifdef TS_ATTN_X86
+      if constexpr (sizeof(V) >= 32) {
+        d0 = D / 8 * 8;
+        if (d0 > 0) widen_tile_avx2(vb + p0 * a.vs2, a.vs2, nk, d0, vt, Dp);
+      }
+#endif
       for (int64_t t = 0; t < nk; ++t) {
-        const T* vr = vb + (p0 + t) * a.vs2;
-        for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
+        const KV* vr = vb + (p0 + t) * a.vs2;
+        for (int64_t d = d0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
       }
     }
     for (int64_t rr = 0; rr < rows; ++rr) {
@@ -385,35 +415,35 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
 
 using AttendFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, Scratch&);
 
-template <typename T>
+template <typename T, typename KV>
 void attend_base(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
-  attend_rows<T, VecF4>(a, b, hk, r0, r1, sc);
+  attend_rows<T, KV, VecF4>(a, b, hk, r0, r1, sc);
 }
 
 #ifdef TS_ATTN_X86
-template <typename T>
-__attribute__((target("avx2,fma"))) void attend_avx2(const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1,
-                                                     Scratch& sc) {
-  attend_rows<T, VecF8>(a, b, hk, r0, r1, sc);
+template <typename T, typename KV>
+__attribute__((target("avx2,fma,f16c"))) void attend_avx2(const Args& a, int64_t b, int64_t hk, int64_t r0,
+                                                          int64_t r1, Scratch& sc) {
+  attend_rows<T, KV, VecF8>(a, b, hk, r0, r1, sc);
 }
 
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void attend_avx512(
+template <typename T, typename KV>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))) void attend_avx512(
     const Args& a, int64_t b, int64_t hk, int64_t r0, int64_t r1, Scratch& sc) {
-  attend_rows<T, VecF16>(a, b, hk, r0, r1, sc);
+  attend_rows<T, KV, VecF16>(a, b, hk, r0, r1, sc);
 }
 #endif
 
-template <typename T>
+template <typename T, typename KV = T>
 AttendFn pick_attend() {
 #ifdef TS_ATTN_X86
   switch (cpu_isa()) {  // csrc/cpu/isa.h: every path gives the same bits
-    case Isa::kAvx512: return &attend_avx512<T>;
-    case Isa::kAvx2: return &attend_avx2<T>;
+    case Isa::kAvx512: return &attend_avx512<T, KV>;
+    case Isa::kAvx2: return &attend_avx2<T, KV>;
     default: break;
   }
 #endif
-  return &attend_base<T>;
+  return &attend_base<T, KV>;
 }
 
 }  // namespace
@@ -473,7 +503,11 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   }
   AttendFn fn = nullptr;
   switch (q.scalar_type()) {
-    case c10::kFloat: fn = pick_attend<float>(); break;
+    case c10::kFloat:  // float32 queries over float32, float16 or bfloat16 caches
+      fn = kc.scalar_type() == c10::kHalf       ? pick_attend<float, c10::Half>()
+           : kc.scalar_type() == c10::kBFloat16 ? pick_attend<float, c10::BFloat16>()
+                                                : pick_attend<float>();
+      break;
     case c10::kBFloat16: fn = pick_attend<c10::BFloat16>(); break;
     default: fn = pick_attend<c10::Half>(); break;
   }

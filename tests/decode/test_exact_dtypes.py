@@ -25,19 +25,22 @@ REPEAT_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7]
 RANDOM_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19]
 N_NEW = 48
 
-#: (weights, dtype, activations): dense 16-bit weights, and GGUF blocks under 16-bit / int8 activations
-CONFIGS = [("auto", torch.bfloat16, "exact"), ("auto", torch.float16, "exact"), ("q4_0", torch.bfloat16, "exact"),
-           ("q8_0", torch.float16, "exact"), ("q4_0", torch.float32, "int8")]
-CONFIG_IDS = ["bf16", "fp16", "q4_0-bf16", "q8_0-fp16", "q4_0-int8"]
+#: (weights, dtype, activations, K/V cache dtype): dense 16-bit weights, GGUF blocks under 16-bit / int8
+#: activations, and 16-bit K/V caches under float32 and int8 activations
+CONFIGS = [("auto", torch.bfloat16, "exact", "auto"), ("auto", torch.float16, "exact", "auto"),
+           ("q4_0", torch.bfloat16, "exact", "auto"), ("q8_0", torch.float16, "exact", "auto"),
+           ("q4_0", torch.float32, "int8", "auto"), ("auto", torch.float32, "exact", "bfloat16"),
+           ("q4_0", torch.float32, "int8", "float16")]
+CONFIG_IDS = ["bf16", "fp16", "q4_0-bf16", "q8_0-fp16", "q4_0-int8", "fp32-bf16kv", "q4_0-int8-fp16kv"]
 
 
-def _target(weights, dtype, activations, cyclic: bool, kind: str = "llama"):
+def _target(weights, dtype, activations, kv, cyclic: bool, kind: str = "llama"):
     hf = make_tiny_model(kind, seed=1, num_hidden_layers=3)
     if cyclic:  # attention outputs zeroed: the greedy continuation cycles, so lookup drafts are accepted
         with torch.no_grad():
             for layer in hf.model.layers:
                 layer.self_attn.o_proj.weight.zero_()
-    return loader.load_model(hf, dtype=dtype, weights=weights, activations=activations)
+    return loader.load_model(hf, dtype=dtype, weights=weights, activations=activations).set_kv_cache_dtype(kv)
 
 
 def _check_same(plain, spec: Engine, prompt, need_accepted: bool, what: str):
@@ -52,13 +55,13 @@ def _check_same(plain, spec: Engine, prompt, need_accepted: bool, what: str):
     return b
 
 
-@pytest.mark.parametrize("weights,dtype,activations", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("weights,dtype,activations,kv", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_ngram_and_draft_model_equal_plain(weights, dtype, activations, kind):
-    cyc = _target(weights, dtype, activations, cyclic=True, kind=kind)
+def test_ngram_and_draft_model_equal_plain(weights, dtype, activations, kv, kind):
+    cyc = _target(weights, dtype, activations, kv, cyclic=True, kind=kind)
     plain = Engine(cyc, drafter="none")
     _check_same(plain, Engine(cyc, drafter="ngram", num_draft=6, adaptive=False), REPEAT_PROMPT, True, "ngram")
-    rnd = _target(weights, dtype, activations, cyclic=False, kind=kind)
+    rnd = _target(weights, dtype, activations, kv, cyclic=False, kind=kind)
     plain = Engine(rnd, drafter="none")
     draft = layer_skip_draft(rnd, 2)  # 2 of 3 layers: close enough to be accepted often
     _check_same(plain, Engine(rnd, drafter="draft_model", draft_model=draft, num_draft=4, adaptive=False),
@@ -67,11 +70,12 @@ def test_ngram_and_draft_model_equal_plain(weights, dtype, activations, kind):
                 False, "ngram (random target)")
 
 
-@pytest.mark.parametrize("weights,dtype,activations", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("weights,dtype,activations,kv", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
-def test_head_trees_equal_plain(weights, dtype, activations, method):
+def test_head_trees_equal_plain(weights, dtype, activations, kv, method):
     """Trees of up to 16 nodes (many branches): the target rows of every node come from one pass."""
-    target = _target(weights, dtype, activations, cyclic=False)
+    target = _target(weights, dtype, activations, kv, cyclic=False)
+    assert target.new_cache(2).k[0].dtype == (torch.float32 if kv == "auto" else getattr(torch, kv))
     head = make_head(method, target, seed=3)
     tree = {"depth": 4, "top_k": 4} if method != "medusa" else {"num_nodes": 16}
     spec = Engine(target, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree, num_draft=16,

@@ -490,15 +490,16 @@ def test_resolve_keeps_another_process_finished_entry(smollm2_dir, tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(first)]  # no copy left over
 
 
-@pytest.mark.parametrize("cache_dtype", [None, "model"], ids=["float32-cache", "model-dtype-cache"])
+@pytest.mark.parametrize("cache_dtype", [None, "model", "float16", "bfloat16"],
+                         ids=["float32-cache", "model-dtype-cache", "float16-cache", "bfloat16-cache"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                                   "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
     rounds: prefill, a tree-masked verify and a decode step give identical logits and identical caches.
-    The float32 caches a CPU model makes run the raw-buffer loop (every dtype); a cache in a 16-bit
-    model's own dtype runs the ATen loop."""
+    Every cache runs the raw-buffer loop: float32 (what a CPU model makes by default), a 16-bit
+    model's own dtype, and float16 / bfloat16 caches (``set_kv_cache_dtype``) under any model."""
     from turbospec.ops import has_op
     if not has_op("llama_layers"):
         pytest.skip("turbospec._C with llama_layers is not built")
@@ -507,6 +508,9 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     hf = make_tiny_model(kind)
     model = turbospec.load_model(hf, dtype=dtype)
     assert model._flat is not None
+    if cache_dtype in ("float16", "bfloat16"):
+        model.set_kv_cache_dtype(cache_dtype)
+        assert model.new_cache(4).k[0].dtype == getattr(torch, cache_dtype)
     if cache_dtype == "model":
         new_cache = model.new_cache
 
@@ -537,14 +541,15 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                                   "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype):
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype, kv):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs
     the C++ layer loop with per-row cache lengths on CPU: logits, features and every cache slot are
     identical to the Python loop (its specification), and each row's K/V lands at its own slots."""
     from turbospec.ops import has_op
     if not has_op("llama_layers"):
         pytest.skip("turbospec._C with llama_layers is not built")
-    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype)
+    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype).set_kv_cache_dtype(kv)
     g = torch.Generator().manual_seed(5)
     lens = torch.tensor([7, 0, 23])
     n = 4

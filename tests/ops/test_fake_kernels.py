@@ -268,10 +268,14 @@ BAD = [
      r"tree_attention: q must have a head dim D in \[1, 256\], got D = 257"),
     ("tree_attention-q-strided", "tree_attention", {"q": strided(torch.zeros(2, 5, 4, 16))},
      r"tree_attention: q must be contiguous in its last dim \(D\)"),
-    ("tree_attention-k_cache-dtype", "tree_attention", {"k_cache": torch.zeros(2, 2, 30, 16, dtype=torch.bfloat16)},
-     r"tree_attention: k_cache must be float32 \[B, Hkv, S, D\] with B = 2 and D = 16 .*got bfloat16"),
+    ("tree_attention-k_cache-dtype", "tree_attention", {"k_cache": torch.zeros(2, 2, 30, 16, dtype=torch.float64)},
+     r"tree_attention: k_cache must be float32, float16 or bfloat16 \(float32 q\) \[B, Hkv, S, D\] with B = 2 and "
+     r"D = 16 .*got float64"),
+    ("tree_attention-v_cache-dtype", "tree_attention", {"k_cache": torch.zeros(2, 2, 30, 16, dtype=torch.float16)},
+     r"tree_attention: v_cache must be float16 \[B, Hkv, S, D\] = \[2, 2, 30, 16\], got float32"),
     ("tree_attention-k_cache-head-dim", "tree_attention", {"k_cache": torch.zeros(2, 2, 30, 8)},
-     r"tree_attention: k_cache must be float32 \[B, Hkv, S, D\] with B = 2 and D = 16 .*got float32 \[2, 2, 30, 8\]"),
+     r"tree_attention: k_cache must be float32, float16 or bfloat16 \(float32 q\) \[B, Hkv, S, D\] with B = 2 and "
+     r"D = 16 .*got float32 \[2, 2, 30, 8\]"),
     ("tree_attention-gqa", "tree_attention",
      {"k_cache": torch.zeros(2, 3, 30, 16), "v_cache": torch.zeros(2, 3, 30, 16)},
      r"tree_attention: the query heads Hq = 4 must be a multiple of the kv heads Hkv = 3"),

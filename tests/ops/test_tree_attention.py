@@ -112,6 +112,24 @@ def test_cpu_every_isa_gives_the_same_bits(dtype, case):
                                                                       include_prefix), dtype, case)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_float32_queries_over_16bit_caches(cache_dtype, case):
+    """float32 q over a 16-bit cache (a float32 model with a float16 / bfloat16 K/V cache): the values
+    widened exactly, so the result is the bits of float32 q over the same values in a float32 cache,
+    on every ISA path."""
+    dev = need_op("cpu")
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    q, k, v, lens, packed = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, torch.float32, seed=13)
+    k16, v16 = k.to(cache_dtype), v.to(cache_dtype)
+    for include_prefix in (True, False):
+        runs = on_every_isa(lambda: run_op(dev, q, k16, v16, lens, packed, 1 / math.sqrt(d), include_prefix))
+        wide = run_op(dev, q, k16.float(), v16.float(), lens, packed, 1 / math.sqrt(d), include_prefix)
+        for out, lse in runs:
+            assert out.dtype == torch.float32
+            assert torch.equal(out, wide[0]) and torch.equal(lse, wide[1]), (case, include_prefix)
+
+
 @pytest.mark.parametrize("d", [1, 5, 20])
 def test_cpu_odd_head_dims(d):
     """The CPU kernel takes any D <= 256 (the CUDA kernel needs a multiple of 8)."""
@@ -411,10 +429,15 @@ def test_bad_arguments_raise():
         (dict(q=q.double()),
          "tree_attention: q must be float32, bfloat16 or float16 [B, n, Hq, D], got float64 [2, 3, 4, 8]"),
         (dict(q=q[0]), "tree_attention: q must be float32, bfloat16 or float16 [B, n, Hq, D], got float32 [3, 4, 8]"),
-        (dict(k_cache=k.bfloat16()), "tree_attention: k_cache must be float32 [B, Hkv, S, D] with B = 2 and D = 8"),
-        (dict(k_cache=k[..., :4]), "tree_attention: k_cache must be float32 [B, Hkv, S, D] with B = 2 and D = 8"),
+        (dict(k_cache=k.double()), "tree_attention: k_cache must be float32, float16 or bfloat16 (float32 q) "
+                                   "[B, Hkv, S, D] with B = 2 and D = 8 (the sizes of q), got float64"),
+        (dict(q=q.half(), k_cache=k.float()), "tree_attention: k_cache must be float16 (q's dtype) [B, Hkv, S, D]"),
+        (dict(k_cache=k[..., :4]), "tree_attention: k_cache must be float32, float16 or bfloat16 (float32 q) "
+                                   "[B, Hkv, S, D] with B = 2 and D = 8"),
         (dict(v_cache=v[:, :, :9]), "tree_attention: v_cache must be float32 [B, Hkv, S, D] = [2, 2, 10, 8], "
                                     "got float32 [2, 2, 9, 8]"),
+        (dict(k_cache=k.half()), "tree_attention: v_cache must be float16 [B, Hkv, S, D] = [2, 2, 10, 8], "
+                                 "got float32"),
         (dict(k_cache=k[:, :1].expand(2, 3, 10, 8), v_cache=v[:, :1].expand(2, 3, 10, 8)),
          "tree_attention: the query heads Hq = 4 must be a multiple of the kv heads Hkv = 3 (GQA)"),
         (dict(cache_len=cache_len.int()), "tree_attention: cache_len must be int64 [B] = [2], got int32 [2]"),

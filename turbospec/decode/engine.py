@@ -18,7 +18,7 @@ from ..drafters.base import Drafter
 from ..drafters.factory import DRAFTERS, DraftSettings, auto_drafter, drafter_builder
 from ..model.loader import default_model_path, load_model, load_tokenizer, parse_dtype
 from ..model.quant import weight_mode
-from ..model.transformer import Transformer
+from ..model.transformer import KV_CACHE_DTYPES, Transformer
 from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams, TokenLogprob, check_logprobs
 from . import loop, text
@@ -77,10 +77,17 @@ class Engine:
             storage (a GGUF's quantized blocks run as stored through turbospec's quantized kernels,
             activations in ``dtype``; output identical to the model dequantized to float32),
             "dense" dequantizes to ``dtype``, "q8_0" / "q4_0" quantize the linear layers on load.
-        activations: "exact" (default) or "int8": the linears with GGUF-quantized weights quantize
+        activations: "exact" or "int8" (None, the default: a Transformer passed in keeps its own
+            setting, a model loaded here is "exact"): the linears with GGUF-quantized weights quantize
             their inputs to int8 per 32 values and use integer dot products, as llama.cpp does (CPU;
             faster; the output is no longer the dequantized model's, but speculative output still
-            equals plain decoding in this mode). Set on the target passed in.
+            equals plain decoding in this mode). Set on the target passed in when given.
+        kv_cache_dtype: the target's K/V cache (None, the default: a Transformer passed in keeps its
+            own ``set_kv_cache_dtype``, a model loaded here "auto"): "auto" (float32 on CPU, ``dtype`` elsewhere),
+            "float32", "float16" or "bfloat16" (CPU): a 16-bit cache halves the bytes attention reads
+            per cached token (a decode step over many long requests waits on them); K/V are rounded
+            to it, so the output is no longer the float32 model's, but speculative output still
+            equals plain decoding with the same cache. Set on the target passed in when given.
         draft_activations: the same for a separate draft model and for a head's quantized linears
             (it changes acceptance and speed, never the output). Default: "int8" on CPU (a
             GGUF-quantized draft twice as fast as with exact activations; a Q4_0 EAGLE-3 head's
@@ -107,12 +114,15 @@ class Engine:
                  dtype="float32", max_seq_len: int = 2048, draft_model=None, adaptive: bool = True,
                  draft_tokenizer=None, head=None, tree: dict | None = None, draft_dtype=None,
                  device=None, cuda_graphs: bool | None = None, static_shapes: bool | None = None,
-                 weights: str = "auto", activations: str = "exact", max_batch: int = 8,
-                 draft_activations: str | None = None, prefix_cache: int = 512, draft_weights: str | None = None):
+                 weights: str = "auto", activations: str | None = None, max_batch: int = 8,
+                 draft_activations: str | None = None, prefix_cache: int = 512, draft_weights: str | None = None,
+                 kv_cache_dtype: str | None = None):
         dtype = parse_dtype(dtype)
         if not is_int(max_batch) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.max_batch = max_batch
+        if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:  # before a model loads
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
         self.weights = weight_mode(weights)
         device = self._device(target, device)
         if cuda_graphs and device.type != "cuda":
@@ -134,7 +144,13 @@ class Engine:
             target = default_model_path()
         self.target = target if isinstance(target, Transformer) else load_model(target, dtype, device=device,
                                                                                 weights=weights)
-        self.target.set_activations(activations)
+        # None keeps a passed-in target's own settings (before, the defaults silently reset a model
+        # loaded with int8 activations to exact ones)
+        if activations is not None or not isinstance(target, Transformer):
+            self.target.set_activations(activations or "exact")
+        if kv_cache_dtype is not None or not isinstance(target, Transformer):
+            self.target.set_kv_cache_dtype(kv_cache_dtype or "auto")
+        activations = self.target.activations
         self.activations = activations
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)

@@ -178,6 +178,15 @@ def _moe_fields(cfg, mt: str) -> dict:
 
 
 ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of turbospec::linear
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def attn_query(q: Tensor, kc: Tensor) -> Tensor:
+    """q as tree_attention takes it over cache ``kc``: float32 over a 16-bit CPU cache (the CPU kernel
+    widens the cache's values), else in the cache's dtype."""
+    if kc.device.type == "cpu" and kc.dtype in (torch.float16, torch.bfloat16):
+        return q.float()
+    return q.to(kc.dtype)
 
 
 LOGITS_MODES = ("all", "last", "none", "normed")
@@ -383,6 +392,7 @@ class Transformer:
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
         self.activations = "exact"
+        self.kv_cache_dtype = "auto"  # set_kv_cache_dtype
         # the experts' dispatch (mixtures of experts): "index" (the rows routed to each expert, read on
         # the host; the C++ layer loop's on CPU), "masked" (fixed shapes, no host read: the Python loop),
         # "auto": index on CPU, masked elsewhere (see _experts_masked)
@@ -440,6 +450,22 @@ class Transformer:
         self.flatten_layers()
         return self
 
+    def set_kv_cache_dtype(self, mode: str) -> "Transformer":
+        """The dtype of the K/V caches ``new_cache`` makes: "auto" (default: float32 on CPU, where
+        16-bit models keep their bf16-rounded K/V in float32; the model's dtype elsewhere), "float32",
+        "float16" or "bfloat16". A 16-bit cache halves the bytes attention reads per token (what a
+        decode step of many long requests waits on); a float32 model's K/V are then rounded to it
+        (to nearest even), so its output is no longer the float32 model's, but speculative output
+        still equals plain decoding with the same cache dtype. Off CPU only "auto" or the model's
+        dtype."""
+        if mode not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {mode!r}")
+        if mode != "auto" and self.device.type != "cpu" and KV_CACHE_DTYPES[mode] != self.dtype:
+            raise ValueError(f"kv_cache_dtype={mode!r} runs on CPU only: on {self.device} the cache holds the "
+                             f"model's dtype ({str(self.dtype).removeprefix('torch.')}; kv_cache_dtype='auto')")
+        self.kv_cache_dtype = mode
+        return self
+
     def first_layers(self, num_layers: int) -> "Transformer":
         """A model of this one's first ``num_layers`` layers, final norm and LM head, sharing its weights
         (a layer-skip self-speculative draft); its rotary table is its own."""
@@ -456,9 +482,9 @@ class Transformer:
         return m
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
-        # On CPU, 16-bit models keep K/V in float32: the CPU's bf16 batched matmuls are about twice as
-        # slow as fp32 ones at these sizes, and the stored values are the same bf16-rounded numbers.
-        dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+        # "auto": on CPU, 16-bit models keep K/V in float32 (the stored values are the same bf16-rounded
+        # numbers); set_kv_cache_dtype picks a 16-bit cache.
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or (torch.float32 if self.device.type == "cpu" else self.dtype)
         return KVCache(self.cfg.num_layers, batch_size, self.cfg.num_kv_heads, max_seq_len,
                        self.cfg.head_dim, dtype, self.device)
 
@@ -579,7 +605,7 @@ class Transformer:
             kc, vc = cache.k[li], cache.v[li]
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
-            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, lens, mask, self.scale, window=self.windows[li],
+            out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, lens, mask, self.scale, window=self.windows[li],
                                         softcap=self.cfg.attn_softcap or 0.0)
             return out
 
@@ -821,7 +847,7 @@ class Transformer:
             for b in range(bsz):
                 kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
                 vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
-            out, _ = ops.tree_attention(q.to(kc.dtype), kc, vc, cache_len, tree_mask_packed, self.scale,
+            out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, cache_len, tree_mask_packed, self.scale,
                                         window=self.windows[li], softcap=self.cfg.attn_softcap or 0.0)
             return out
 

@@ -1142,7 +1142,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
 
     Args:
         q: [B, n, Hq, D] float (n <= 64), the new tokens' queries.
-        k_cache, v_cache: [B, Hkv, S, D], q's dtype, one layer's cache; Hq % Hkv == 0 and query head h
+        k_cache, v_cache: [B, Hkv, S, D], q's dtype (on CPU, float32 q also over float16 or bfloat16
+            caches), one layer's cache; Hq % Hkv == 0 and query head h
             reads kv head ``h // (Hq // Hkv)`` (GQA). Positions ``[0, cache_len[b])`` are the
             committed prefix; the new token j sits at ``cache_len[b] + j``; ``cache_len[b] + n <= S``.
         cache_len: int64 [B].

@@ -608,19 +608,22 @@ def _check_tree_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
     torch._check(d >= 1 and d <= _MAX_HEAD_DIM,
                  lambda: f"{op}: q must have a head dim D in [1, {_MAX_HEAD_DIM}], got D = {d} ({_describe(q)})")
     _check_last_dim(op, "q", q)
-    dt = _dtype_name(q.dtype)
+    # the caches hold q's dtype; on CPU float32 queries also read float16 / bfloat16 caches
+    cpu_f32 = q.device.type == "cpu" and q.dtype == torch.float32
+    kv_dtype = k_cache.dtype if cpu_f32 and k_cache.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    dt = "float32, float16 or bfloat16 (float32 q)" if cpu_f32 else f"{_dtype_name(q.dtype)} (q's dtype)"
 
     def k_msg() -> str:
-        return (f"{op}: k_cache must be {dt} [B, Hkv, S, D] with B = {bsz} and D = {d} (the dtype and sizes of q), "
+        return (f"{op}: k_cache must be {dt} [B, Hkv, S, D] with B = {bsz} and D = {d} (the sizes of q), "
                 f"got {_describe(k_cache)}")
-    torch._check(k_cache.dim() == 4 and k_cache.dtype == q.dtype, k_msg)
+    torch._check(k_cache.dim() == 4 and k_cache.dtype == kv_dtype, k_msg)
     torch._check(k_cache.shape[0] == bsz, k_msg)
     torch._check(k_cache.shape[3] == d, k_msg)
     hkv, seq = k_cache.shape[1], k_cache.shape[2]
     torch._check(hkv >= 1 and hq % hkv == 0,
                  lambda: f"{op}: the query heads Hq = {hq} must be a multiple of the kv heads Hkv = {hkv} (GQA), "
                          f"got q {_describe(q)} and k_cache {_describe(k_cache)}")
-    _check_tensor(op, "v_cache", v_cache, (q.dtype,), (("B", bsz), ("Hkv", hkv), ("S", seq), ("D", d)))
+    _check_tensor(op, "v_cache", v_cache, (kv_dtype,), (("B", bsz), ("Hkv", hkv), ("S", seq), ("D", d)))
     _check_tensor(op, "cache_len", cache_len, (torch.int64,), (("B", bsz),))
     _check_tensor(op, "tree_mask_packed", tree_mask_packed, (torch.int64,), (("B", bsz), ("n", n)))
     _check_tensor(op, "out", out, (q.dtype,), (("B", bsz), ("n", n), ("Hq", hq), ("D", d)))
