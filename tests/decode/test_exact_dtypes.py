@@ -75,7 +75,7 @@ def test_ngram_and_draft_model_equal_plain(weights, dtype, activations, kv, kind
 def test_head_trees_equal_plain(weights, dtype, activations, kv, method):
     """Trees of up to 16 nodes (many branches): the target rows of every node come from one pass."""
     target = _target(weights, dtype, activations, kv, cyclic=False)
-    assert target.new_cache(2).k[0].dtype == (torch.float32 if kv == "auto" else getattr(torch, kv))
+    assert target.new_cache(2).k[0].dtype == (dtype if kv == "auto" else getattr(torch, kv))
     head = make_head(method, target, seed=3)
     tree = {"depth": 4, "top_k": 4} if method != "medusa" else {"num_nodes": 16}
     spec = Engine(target, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree, num_draft=16,

@@ -106,3 +106,31 @@ def test_engine_keeps_a_passed_targets_settings_unless_told():
     assert eng.target_step.cache.k[0].dtype == torch.bfloat16
     Engine(target, drafter="none", activations="exact", kv_cache_dtype="auto")
     assert target.activations == "exact" and target.kv_cache_dtype == "auto"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_a_16bit_models_own_cache_gives_the_bits_of_a_float32_one(kind, dtype):
+    """"auto" caches a 16-bit model's K/V in its own dtype: the values are already rounded to it and
+    the kernel widens them under float32 queries, so logits (prefill and a tree verify), the C++ and
+    Python layer loops, and speculative decoding give the bits of a float32 cache."""
+    from helpers import make_tiny_model
+    target = turbospec.load_model(make_tiny_model(kind, seed=2), dtype=dtype)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    tree = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+    runs = {}
+    for kv in ("float32", "auto"):
+        target.set_kv_cache_dtype(kv)
+        for cpp in (True, False):
+            target.use_cpp_layers = cpp
+            cache = target.new_cache(64)
+            a = target.forward(ids[:, :30], torch.arange(30)[None], cache, 0)
+            b = target.forward(ids[:, 30:34], torch.tensor([[30, 31, 31, 32]]), cache, 30, tree)
+            runs[kv, cpp] = (a, b, cache.k[0].dtype)
+        g = Engine(target, drafter="ngram", num_draft=6, adaptive=False, max_seq_len=128).generate(PROMPT, N_NEW)
+        runs[kv] = g.token_ids
+    target.use_cpp_layers = True
+    assert runs["auto", True][2] == dtype and runs["float32", True][2] == torch.float32
+    for key in (("auto", True), ("auto", False), ("float32", False)):
+        assert torch.equal(runs[key][0], runs["float32", True][0]) and torch.equal(runs[key][1], runs["float32", True][1])
+    assert runs["auto"] == runs["float32"]

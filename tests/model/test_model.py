@@ -443,8 +443,9 @@ def test_bf16_load_close_to_fp32(tiny):
     hf, fp32 = tiny
     bf16 = turbospec.load_model(hf, dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16
-    # On CPU the KV cache of a 16-bit model is float32 (faster CPU attention; same stored values).
-    assert all(t.dtype == torch.float32 for t in bf16.new_cache(8).tensors())
+    # A 16-bit model's KV cache holds its own dtype (tests/decode/test_kv_cache_dtype.py: the bits of a
+    # float32 cache on CPU)
+    assert all(t.dtype == torch.bfloat16 for t in bf16.new_cache(8).tensors())
     ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
     a = full_forward(fp32, ids)
     b = full_forward(bf16, ids)
@@ -498,8 +499,8 @@ def test_resolve_keeps_another_process_finished_entry(smollm2_dir, tmp_path, mon
 def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     """turbospec::llama_layers (C++) computes what Transformer.layers_python computes, rounding where it
     rounds: prefill, a tree-masked verify and a decode step give identical logits and identical caches.
-    Every cache runs the raw-buffer loop: float32 (what a CPU model makes by default), a 16-bit
-    model's own dtype, and float16 / bfloat16 caches (``set_kv_cache_dtype``) under any model."""
+    Every cache runs the raw-buffer loop: float32, the model's own dtype (the default), and float16 /
+    bfloat16 caches (``set_kv_cache_dtype``) under any model."""
     from turbospec.ops import has_op
     if not has_op("llama_layers"):
         pytest.skip("turbospec._C with llama_layers is not built")
@@ -508,17 +509,9 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
     hf = make_tiny_model(kind)
     model = turbospec.load_model(hf, dtype=dtype)
     assert model._flat is not None
-    if cache_dtype in ("float16", "bfloat16"):
-        model.set_kv_cache_dtype(cache_dtype)
-        assert model.new_cache(4).k[0].dtype == getattr(torch, cache_dtype)
-    if cache_dtype == "model":
-        new_cache = model.new_cache
-
-        def model_dtype_cache(length: int, batch_size: int = 1):
-            c = new_cache(length, batch_size)
-            c.k, c.v = [t.to(dtype) for t in c.k], [t.to(dtype) for t in c.v]
-            return c
-        model.new_cache = model_dtype_cache
+    model.set_kv_cache_dtype({None: "float32", "model": "auto"}.get(cache_dtype, cache_dtype))
+    assert model.new_cache(4).k[0].dtype == (torch.float32 if cache_dtype is None else
+                                             dtype if cache_dtype == "model" else getattr(torch, cache_dtype))
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                           [1, 0, 1, 0, 1]]], dtype=torch.bool)

@@ -451,13 +451,13 @@ class Transformer:
         return self
 
     def set_kv_cache_dtype(self, mode: str) -> "Transformer":
-        """The dtype of the K/V caches ``new_cache`` makes: "auto" (default: float32 on CPU, where
-        16-bit models keep their bf16-rounded K/V in float32; the model's dtype elsewhere), "float32",
-        "float16" or "bfloat16". A 16-bit cache halves the bytes attention reads per token (what a
-        decode step of many long requests waits on); a float32 model's K/V are then rounded to it
-        (to nearest even), so its output is no longer the float32 model's, but speculative output
-        still equals plain decoding with the same cache dtype. Off CPU only "auto" or the model's
-        dtype."""
+        """The dtype of the K/V caches ``new_cache`` makes: "auto" (default: the model's dtype; a
+        16-bit model's K/V values are already rounded to it, so on CPU its cache gives the bits a
+        float32 cache gives, in half the bytes), "float32", "float16" or "bfloat16". A 16-bit cache
+        halves the bytes attention reads per token (what a decode step of many long requests waits
+        on); a float32 model's K/V are then rounded to it (to nearest even), so its output is no
+        longer the float32 model's, but speculative output still equals plain decoding with the same
+        cache dtype. Off CPU only "auto" or the model's dtype."""
         if mode not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {mode!r}")
         if mode != "auto" and self.device.type != "cpu" and KV_CACHE_DTYPES[mode] != self.dtype:
@@ -482,9 +482,9 @@ class Transformer:
         return m
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
-        # "auto": on CPU, 16-bit models keep K/V in float32 (the stored values are the same bf16-rounded
-        # numbers); set_kv_cache_dtype picks a 16-bit cache.
-        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or (torch.float32 if self.device.type == "cpu" else self.dtype)
+        # "auto": the model's dtype (on CPU the attention kernel widens a 16-bit cache under float32
+        # queries: the bits of a float32 cache holding the same rounded values)
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
         return KVCache(self.cfg.num_layers, batch_size, self.cfg.num_kv_heads, max_seq_len,
                        self.cfg.head_dim, dtype, self.device)
 
@@ -637,9 +637,11 @@ class Transformer:
                 sc = torch.einsum("bnhd,bhkd->bhnk", q.float(), keys) * self.scale
                 sc = (torch.tanh(sc / self.cfg.attn_softcap) * self.cfg.attn_softcap).masked_fill(~m, float("-inf"))
                 out = torch.einsum("bhnk,bhkd->bhnd", torch.softmax(sc, dim=-1), vals).to(kc.dtype)
-            else:
-                out = F.scaled_dot_product_attention(q.transpose(1, 2).to(kc.dtype), kc[:, :, :total],
-                                                     vc[:, :, :total], attn_mask=m, scale=self.scale, enable_gqa=True)
+            else:  # float32 math over a 16-bit CPU cache, as the verify kernel does
+                q_ = attn_query(q, kc)
+                out = F.scaled_dot_product_attention(q_.transpose(1, 2), kc[:, :, :total].to(q_.dtype),
+                                                     vc[:, :, :total].to(q_.dtype), attn_mask=m, scale=self.scale,
+                                                     enable_gqa=True)
             return out.transpose(1, 2)
 
         return self._decoder(x, cos, sin, attend, capture)
