@@ -81,13 +81,43 @@ def bench_tree_attention(dev: str, iters: int, g: torch.Generator) -> list[tuple
     return rows
 
 
+def bench_batch_attention(iters: int) -> list[tuple[str, float, float]]:
+    """CPU: one layer's tree_attention in a serving decode step: 16 rows at prefixes of 100-1,400
+    cached tokens (seeded), n = 1 / 2 / 4 / 17 new tokens each, SmolLM2-135M's heads; float16 and
+    bfloat16 caches against the float32 cache (the "reference" column here is the float32 cache)."""
+    g = torch.Generator().manual_seed(0)
+    bsz, hq, hkv, d, seq = 16, 9, 3, 64, 1536
+    lens = torch.randint(100, 1400, (bsz,), generator=g)
+    k = torch.randn(bsz, hkv, seq, d, generator=g)
+    v = torch.randn(bsz, hkv, seq, d, generator=g)
+    rows = []
+    for n in (1, 2, 4, 17):
+        q = torch.randn(bsz, n, hq, d, generator=g)
+        packed = ops.build_tree(chain_parents(n).expand(bsz, n).contiguous())[1]
+        out = torch.empty_like(q)
+        times = {}
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            kc, vc = k.to(dt), v.to(dt)
+            times[dt] = timeit(lambda: ops.tree_attention(q, kc, vc, lens, packed, d ** -0.5, out=out), "cpu", iters)
+        label = f"tree_attention B={bsz} prefixes 100-1,400 Hq={hq} Hkv={hkv} D={d} n={n}"
+        rows.append((f"{label} (float32 cache)", times[torch.float32], times[torch.float32]))
+        for dt in (torch.float16, torch.bfloat16):
+            rows.append((f"{label} ({str(dt).removeprefix('torch.')} cache vs float32)", times[dt], times[torch.float32]))
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--only", choices=["batch-attention"], default=None,
+                   help="batch-attention: only the serving decode step's attention rows (CPU)")
     args = p.parse_args()
     dev = args.device
-    print(f"kernels: {ops.kernels_available()}  device: {dev}  torch {torch.__version__}")
+    print(f"kernels: {ops.kernels_available()}  device: {dev}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}")
+    if args.only == "batch-attention":
+        return report(bench_batch_attention(args.iters))
     rows = []
     g = torch.Generator().manual_seed(0)
     for vocab in (49152, 128256):
@@ -114,9 +144,15 @@ def main() -> int:
                  else None, dev, args.iters)
     rows.append(("compact_kv 60 tensors [1,3,2048,64], 3 accepted", kern, ref))
     rows += bench_tree_attention(dev, args.iters, g)
+    if dev == "cpu":
+        rows += bench_batch_attention(args.iters)
+    return report(rows)
+
+
+def report(rows: list[tuple[str, float, float]]) -> int:
     print(f"\n| op | kernel µs | reference µs | speedup |\n|---|---|---|---|")
     for name, k, r in rows:
-        print(f"| {name} | {k * 1e6:.1f} | {r * 1e6:.1f} | {r / k:.1f}× |")
+        print(f"| {name} | {k * 1e6:.1f} | {r * 1e6:.1f} | {r / k:.2f}× |")
     return 0
 
 
