@@ -94,37 +94,16 @@ TS_INLINE void micro_4x16(const float* __restrict A, int64_t lda, const float* _
 }
 
 // 2^x for x <= 0 (-inf -> 0; below -127 -> 0): x = k + f with k integer, |f| <= 1/2, and 2^f by its
-// degree-7 Taylor polynomial (error < 1e-8). Branch-free, so that loops over it vectorise.
-TS_INLINE float exp2_neg(float x) {
-  x = x < -127.0f ? -127.0f : x;
-  const float k = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer (1.5 * 2^23 trick)
-  const float f = x - k;
-  float p = 1.525273380405984e-05f;
-  p = p * f + 1.5403530393381606e-04f;
-  p = p * f + 1.3333558146428443e-03f;
-  p = p * f + 9.618129107628477e-03f;
-  p = p * f + 5.550410866482158e-02f;
-  p = p * f + 2.402265069591007e-01f;
-  p = p * f + 6.931471805599453e-01f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k; k = -127 gives +0
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return p * two_k;
-}
-
-// exp2_neg on every lane of a vector: the same operations in the same order, so each lane's bits are
-// the scalar function's (GCC left the scalar loop over a row unvectorised: a quarter of a decode
-// step's attention time went to it).
-template <typename V>
-TS_INLINE V exp2_neg_vec(V x) {
-  constexpr int W = sizeof(V) / sizeof(float);
-  typedef int32_t VecI __attribute__((vector_size(sizeof(V))));
-  const V lo = V{} - 127.0f;
+// degree-7 Taylor polynomial (error < 1e-8). T is float or a vector of floats (GCC vector type): the
+// same operations in the same order on every lane, so each lane's bits are the scalar function's
+// (the row loop over the scalar function stayed unvectorised: a quarter of a decode step's attention).
+template <typename T>
+TS_INLINE T exp2_neg(T x) {
+  const T lo = T{} - 127.0f;
   x = x < lo ? lo : x;
-  const V k = (x + 12582912.0f) - 12582912.0f;
-  const V f = x - k;
-  V p = V{} + 1.525273380405984e-05f;
+  const T k = (x + 12582912.0f) - 12582912.0f;  // round to nearest integer (1.5 * 2^23 trick)
+  const T f = x - k;
+  T p = T{} + 1.525273380405984e-05f;
   p = p * f + 1.5403530393381606e-04f;
   p = p * f + 1.3333558146428443e-03f;
   p = p * f + 9.618129107628477e-03f;
@@ -132,10 +111,15 @@ TS_INLINE V exp2_neg_vec(V x) {
   p = p * f + 2.402265069591007e-01f;
   p = p * f + 6.931471805599453e-01f;
   p = p * f + 1.0f;
-  const VecI bits = (__builtin_convertvector(k, VecI) + 127) << 23;
-  V two_k;
-  static_assert(sizeof two_k == sizeof bits && W > 0);
-  std::memcpy(&two_k, &bits, sizeof two_k);
+  T two_k;  // 2^k; k = -127 gives +0
+  if constexpr (std::is_same_v<T, float>) {
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+  } else {
+    typedef int32_t VecI __attribute__((vector_size(sizeof(T))));
+    const VecI bits = (__builtin_convertvector(k, VecI) + 127) << 23;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+  }
   return p * two_k;
 }
 
@@ -392,7 +376,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
       }
       constexpr int64_t W = sizeof(V) / sizeof(float);
       int64_t t = 0;
-      for (; t + W <= nk; t += W) store_vec<V>(srow + t, exp2_neg_vec<V>(load_vec<V>(srow + t) - mr));
+      for (; t + W <= nk; t += W) store_vec<V>(srow + t, exp2_neg<V>(load_vec<V>(srow + t) - mr));
       for (; t < nk; ++t) srow[t] = exp2_neg(srow[t] - mr);
     }
     // l += P key by key, each row's sum in key order; the rows' sums are independent chains
