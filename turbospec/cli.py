@@ -21,9 +21,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="exact: the dequantized model's result; int8: GGUF-quantized linears take int8 "
                         "activations (llama.cpp's arithmetic; faster on CPU, not exact vs the float model)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
-                   help="the target's K/V cache (auto: --dtype's; for a 16-bit --dtype the bits of float32); float16 / bfloat16 "
-                        "(CPU) halve what attention reads per token, rounding K/V: not exact vs the float32 model, "
-                        "speculation still equals plain decoding")
+                   help="the target's K/V cache (auto: --dtype's; for a 16-bit --dtype the bits of float32); "
+                        "float16 / bfloat16 (CPU) halve what attention reads per token, rounding K/V: not exact "
+                        "vs the float32 model, speculation still equals plain decoding")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (the target, its KV cache and the verify step)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA: run the verify forward eagerly instead of replaying CUDA graphs")

@@ -132,5 +132,6 @@ def test_a_16bit_models_own_cache_gives_the_bits_of_a_float32_one(kind, dtype):
     target.use_cpp_layers = True
     assert runs["auto", True][2] == dtype and runs["float32", True][2] == torch.float32
     for key in (("auto", True), ("auto", False), ("float32", False)):
-        assert torch.equal(runs[key][0], runs["float32", True][0]) and torch.equal(runs[key][1], runs["float32", True][1])
+        ref = runs["float32", True]
+        assert torch.equal(runs[key][0], ref[0]) and torch.equal(runs[key][1], ref[1])
     assert runs["auto"] == runs["float32"]

@@ -83,8 +83,9 @@ class Engine:
             faster; the output is no longer the dequantized model's, but speculative output still
             equals plain decoding in this mode). Set on the target passed in when given.
         kv_cache_dtype: the target's K/V cache (None, the default: a Transformer passed in keeps its
-            own ``set_kv_cache_dtype``, a model loaded here "auto"): "auto" (the model's dtype: for a 16-bit model the bits of a float32 cache in half the bytes),
-            "float32", "float16" or "bfloat16" (CPU): a 16-bit cache halves the bytes attention reads
+            own ``set_kv_cache_dtype``, a model loaded here "auto"): "auto" (the model's dtype: for a
+            16-bit model the bits of a float32 cache in half the bytes), "float32", "float16" or
+            "bfloat16" (CPU; for a float32 model): a 16-bit cache halves the bytes attention reads
             per cached token (a decode step over many long requests waits on them); K/V are rounded
             to it, so the output is no longer the float32 model's, but speculative output still
             equals plain decoding with the same cache. Set on the target passed in when given.
