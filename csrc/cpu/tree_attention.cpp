@@ -178,7 +178,8 @@ struct Scratch {
 
 #ifdef TS_ATTN_X86
 // kt[d * ldt + t] = k[t * ldk + d] for t < nk, d < D (nk and D multiples of 8): a key tile widened
-// to float32 and transposed in 8 x 8 blocks in registers (unpack pairs, shuffle quads, swap 128-bit halves). Moves
+// to float32 and transposed in 8 x 8 blocks in registers (unpack pairs, shuffle quads, swap 128-bit
+// halves). Moves
 // values only: the bits are the scalar loop's. Not inlined: one call per tile, from the AVX2 and
 // AVX-512 kernels (an always-inlined target function cannot be inlined into the ISA-neutral
 // attend_rows that they instantiate).
@@ -284,9 +285,9 @@ TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, flo
 }
 
 // Prefetch rows [p0, p1) of a key or value cache (row stride ld elements, D used): a tile's work runs
-// while the next tile's rows arrive. Without it a decode step's attention (few query rows per kv head:
-// a handful of multiply-adds per loaded value) waited on memory at ~5 GB/s, its rows read across the
-// tile in strides the hardware prefetcher does not follow.
+// while the next tile's rows arrive. A decode step's attention (few query rows per kv head: a handful
+// of multiply-adds per loaded value) read its cache at ~5 GB/s on a 2-vCPU Zen 3 that streams ~15 GB/s
+// a thread; its gain alone was inside that machine's noise (bench/results/2026-11-30-attention-16bit-kv.md).
 template <typename T>
 TS_INLINE void prefetch_rows(const T* base, int64_t ld, int64_t p0, int64_t p1, int64_t D) {
   const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
