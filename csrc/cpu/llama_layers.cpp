@@ -75,26 +75,23 @@ bool all_dtype(at::TensorList ts, c10::ScalarType dtype) {
 // float32, float16 or bfloat16 caches (all of one dtype) whose head dimension is contiguous (the raw
 // loops write K/V rows with stride 1).
 bool raw_caches(at::TensorList ts) {
-  return !ts.empty() &&
-         (all_dtype(ts, at::kFloat) || all_dtype(ts, at::kHalf) || all_dtype(ts, at::kBFloat16)) &&
+  return (all_dtype(ts, at::kFloat) || all_dtype(ts, at::kHalf) || all_dtype(ts, at::kBFloat16)) &&
          std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.dim() == 4 && t.stride(3) == 1; });
 }
 
 // src[0, d) into a cache row at element offset off: float32 as is, float16 / bfloat16 rounded to
 // nearest even (what the Python layers' copy into the cache does).
+template <typename C>
+void store_row_as(void* base, int64_t off, const float* src, int64_t d) {
+  C* dst = static_cast<C*>(base) + off;
+  for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<C>(src[e]);
+}
+
 void store_cache_row(const at::Tensor& cache, int64_t off, const float* src, int64_t d) {
   switch (cache.scalar_type()) {
-    case at::kHalf: {
-      c10::Half* dst = static_cast<c10::Half*>(cache.data_ptr()) + off;
-      for (int64_t e = 0; e < d; ++e) dst[e] = c10::Half(src[e]);
-      break;
-    }
-    case at::kBFloat16: {
-      c10::BFloat16* dst = static_cast<c10::BFloat16*>(cache.data_ptr()) + off;
-      for (int64_t e = 0; e < d; ++e) dst[e] = c10::BFloat16(src[e]);
-      break;
-    }
-    default: std::copy(src, src + d, static_cast<float*>(cache.data_ptr()) + off);
+    case at::kHalf: return store_row_as<c10::Half>(cache.data_ptr(), off, src, d);
+    case at::kBFloat16: return store_row_as<c10::BFloat16>(cache.data_ptr(), off, src, d);
+    default: return store_row_as<float>(cache.data_ptr(), off, src, d);
   }
 }
 

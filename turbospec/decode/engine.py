@@ -151,8 +151,7 @@ class Engine:
             self.target.set_activations(activations or "exact")
         if kv_cache_dtype is not None or not isinstance(target, Transformer):
             self.target.set_kv_cache_dtype(kv_cache_dtype or "auto")
-        activations = self.target.activations
-        self.activations = activations
+        self.activations = activations = self.target.activations
         if tokenizer is None and not isinstance(target, Transformer):
             tokenizer = load_tokenizer(target)
         self.tokenizer = tokenizer
