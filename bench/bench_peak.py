@@ -6,7 +6,8 @@ figure (serving under load, prefill, exact float32 verify rows).
 1. Instruction throughput, one thread, a register-only loop of 12 independent chains (compiled here
    with g++): ``vfmadd231ps`` ymm (float32, 16 flops), ``vpmaddubsw`` ymm (32 multiply-adds: 64
    integer ops) and the int8 kernels' inner pair ``vpmaddubsw`` + ``vpaddw`` (64 ops a pair); with
-   AVX-512 ``vfmadd231ps`` zmm (32 flops) and, with AVX-512 BF16, ``vdpbf16ps`` zmm (64 flops). ns
+   AVX-512 ``vfmadd231ps`` zmm (32 flops), with AVX-512 BF16 ``vdpbf16ps`` zmm (64 flops) and with
+   AVX512-VNNI ``vpdpbusd`` zmm (64 byte multiply-adds: 128 integer ops). ns
    per instruction (per pair); × threads gives the machine's peak.
 2. GFLOPS of ``x @ w.T`` in torch (oneDNN / MKL) in float32 and bfloat16, and of
    ``turbospec.ops.linear`` on the same bfloat16 weights and inputs (its dot-product kernel from 4
@@ -58,6 +59,21 @@ __attribute__((target("avx512f,avx512bf16"))) float dp_loop(long it) {
     asm volatile("" : "+v"(a));
   }
   __m512 s = acc[0]; for (int i = 1; i < N; ++i) s = _mm512_add_ps(s, acc[i]); return _mm512_reduce_add_ps(s);
+}
+#endif
+#ifdef WITH_VNNI
+// vpdpbusd zmm: 64 byte multiply-adds into 16 int32 lanes (128 integer ops), the int8 kernels' inner
+// instruction on CPUs with AVX512-VNNI
+__attribute__((target("avx512f,avx512vnni"))) float dpbusd_loop(long it) {
+  __m512i acc[N]; for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_epi32(i);
+  __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(2);
+  for (long t = 0; t < it; ++t) {
+#pragma GCC unroll 12
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+    asm volatile("" : "+v"(a));
+  }
+  __m512i s = acc[0]; for (int i = 1; i < N; ++i) s = _mm512_xor_si512(s, acc[i]);
+  return (float)_mm512_reduce_add_epi32(s);
 }
 #endif
 // AVX2: float32 FMA (16 flops), vpmaddubsw alone (32 multiply-adds: 64 integer ops), and the int8
@@ -113,6 +129,9 @@ int main() {
 #ifdef WITH_AVX512
   printf(", \"fma_zmm_ns\": %.4f", best_ns(fma_loop, it, N));
 #endif
+#ifdef WITH_VNNI
+  printf(", \"dpbusd_zmm_ns\": %.4f", best_ns(dpbusd_loop, it, N));
+#endif
 #ifdef WITH_BF16
   printf(", \"dpbf16_zmm_ns\": %.4f", best_ns(dp_loop, it, N));
 #endif
@@ -142,7 +161,8 @@ def instruction_rates(flags: set[str]) -> dict:
         with open(src, "w") as f:
             f.write(LOOP)
         cmd = (["g++", "-O2", "-o", exe, src] + (["-DWITH_AVX512"] if "avx512f" in flags else [])
-               + (["-DWITH_BF16"] if "avx512_bf16" in flags else []))
+               + (["-DWITH_BF16"] if "avx512_bf16" in flags else [])
+               + (["-DWITH_VNNI"] if "avx512_vnni" in flags else []))
         subprocess.run(cmd, check=True)
         return json.loads(subprocess.run([exe], check=True, capture_output=True, text=True).stdout)
 
@@ -178,7 +198,7 @@ def main() -> int:
         if k.endswith("_ns"):
             # ops per instruction (a multiply-add is 2): vpmaddubsw ymm 32 multiply-adds (the
             # maddubs_add pair's time is per pair)
-            per = {"dpbf16_zmm": 64, "fma_zmm": 32, "fma_ymm": 16, "maddubs_ymm": 64, "maddubs_add_ymm": 64}[k[:-3]]
+            per = {"dpbusd_zmm": 128, "dpbf16_zmm": 64, "fma_zmm": 32, "fma_ymm": 16, "maddubs_ymm": 64, "maddubs_add_ymm": 64}[k[:-3]]
             rates[k.replace("_ns", "_peak_gops")] = round(per / v * args.threads, 1)
     print("peak G(FL)OPS at", args.threads, "threads:", {k: v for k, v in rates.items() if k.endswith("gops")})
     rows = [int(r) for r in args.rows.split(",")]

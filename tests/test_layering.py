@@ -1,5 +1,5 @@
 """The package's imports run one way: serve -> decode -> drafters -> heads -> model -> ops (train
-beside decode, reading only decode's text helpers); the top-level modules (cli, benchmark,
+beside decode, reading decode's text helpers and driving its Engine to answer prompts); the top-level modules (cli, benchmark,
 __init__) may use anything. No import cycles between modules, deferred imports included."""
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "turbospec")
 RANK = {"ops": 0, "model": 1, "heads": 2, "drafters": 3, "decode": 4, "train": 4, "serve": 5}
-ALLOWED_UP = {("train", "turbospec.decode.text")}  # prompts -> ids and EOS ids, as generation does
+# prompts -> ids and EOS ids, as generation does; --gen-engine batched answers through the Engine (the
+# batched scheduler and its Request): train only drives decode, as serve does, never the reverse
+ALLOWED_UP = {("train", "turbospec.decode.text"), ("train", "turbospec.decode.engine"),
+              ("train", "turbospec.decode.batch")}
 
 
 def modules() -> dict[str, str]:

@@ -1185,3 +1185,81 @@ def test_align_topk_and_wsd_options():
     assert g(0) == pytest.approx(0.1)
     assert g(10) == g(500) == 1.0 and g(810) == pytest.approx(1.0)
     assert g(910) == pytest.approx(0.5) and g(1010) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_batched_engine_answers_and_extend_data_continues(tmp_path):
+    """--gen-engine batched: turbospec's scheduler (an n-gram drafter, exact activations) answers,
+    a generation of its own (its answerer in the settings) with the reference loop's greedy tokens
+    (the CPU kernels are exact and batch-invariant). --extend-data: a 4-token generation continued
+    to 10 tokens equals the 10-token generation itself (answers ended by EOS kept, the others
+    continued from their own tokens), with either engine; mismatched stores are refused."""
+    target = _save_target(tmp_path / "m")
+    data = _write_prompts(tmp_path / "p.jsonl", 12)
+    cfg = dict(method="eagle3", out=str(tmp_path / "o"), target=target, data=data, num_prompts=12,
+               eval_samples=1, gen_batch_size=4, draft_vocab=48, threads=1, stop_after="generate")
+
+    def samples(s):
+        return sorted(distill.read_samples(os.path.join(s["generation_dir"], "samples.jsonl")),
+                      key=lambda r: r["index"])
+    ref = train.run(config.TrainConfig(**cfg, max_new_tokens=10, work_dir=str(tmp_path / "ref")))
+    eng = train.run(config.TrainConfig(**cfg, max_new_tokens=10, gen_engine="batched", work_dir=str(tmp_path / "eng")))
+    assert os.path.basename(ref["generation_dir"]) != os.path.basename(eng["generation_dir"])
+    with open(os.path.join(eng["generation_dir"], "meta.json")) as f:
+        assert json.load(f)["settings"]["answerer"] == {"engine": "batched", "activations": "exact"}
+    full = samples(ref)
+    assert samples(eng) == full
+    short = str(tmp_path / "store" / "short.npz")
+    train.run(config.TrainConfig(**cfg, max_new_tokens=4, distill_data=short, work_dir=str(tmp_path / "s")))
+    stored, _ = distill.load_distill(short)
+    assert all(len(r["response_ids"]) <= 4 for r in stored)
+    for engine in ("reference", "batched"):
+        long = str(tmp_path / "store" / f"long-{engine}.npz")
+        s = train.run(config.TrainConfig(**cfg, max_new_tokens=10, gen_engine=engine, extend_data=short,
+                                         distill_data=long, work_dir=str(tmp_path / f"x-{engine}")))
+        got = samples(s)
+        assert [(r["index"], r["prompt_ids"], r["response_ids"], r["finish"]) for r in got] == \
+            [(r["index"], r["prompt_ids"], r["response_ids"], r["finish"]) for r in full]
+        with open(os.path.join(s["generation_dir"], "meta.json")) as f:
+            ext = json.load(f)["settings"]["extends"]
+        assert ext["max_new_tokens"] == 4 and len(ext["settings_key"]) == 12
+        assert len(distill.load_distill(long)[0]) == 12
+    # the stored answers are kept as they are: a stored answer ended by EOS is not answered again
+    fake = [dict(r, response_ids=[1], finish="eos") if r["index"] == 0 else r for r in stored]
+    _, meta = distill.load_distill(short)
+    hacked = str(tmp_path / "store" / "hacked.npz")
+    distill.save_distill(hacked, fake, meta["settings"], {})
+    s = train.run(config.TrainConfig(**cfg, max_new_tokens=10, extend_data=hacked, work_dir=str(tmp_path / "h")))
+    assert samples(s)[0]["response_ids"] == [1] and samples(s)[1:] == full[1:]
+    with pytest.raises(ValueError, match="--extend-data .* max_new_tokens 4"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=4, extend_data=short, work_dir=str(tmp_path / "e1")))
+    with pytest.raises(ValueError, match="--extend-data .*seed: stored 0, this run 1"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, seed=1, extend_data=short, work_dir=str(tmp_path / "e2")))
+    with pytest.raises(ValueError, match="--extend-data .*temperature"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, gen_temperature=0.8, extend_data=short,
+                                     work_dir=str(tmp_path / "e3")))
+    with pytest.raises(ValueError, match="--extend-data .*: no such stored generation"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, extend_data=str(tmp_path / "none.npz"),
+                                     work_dir=str(tmp_path / "e4")))
+    with pytest.raises(ValueError, match="--extend-data .* is also --distill-data"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, extend_data=short, distill_data=short))
+    with pytest.raises(ValueError, match="--gen-engine batched"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, gen_activations="int8"))
+    with pytest.raises(ValueError, match="--gen-engine 'fast'"):
+        train.run(config.TrainConfig(**cfg, max_new_tokens=10, gen_engine="fast"))
+
+
+def test_engine_sampled_answers_are_seeded_per_request():
+    """answer_with_engine at T > 0: a request's draws follow its own seed (the same alone or beside
+    others, another seed draws otherwise); a continuation's seed is not the stored part's."""
+    t = load_model(make_tiny_model("llama", seed=3, vocab_size=VOCAB))
+    eng = Engine(t, drafter="ngram", max_seq_len=64, max_batch=4)
+    prompts = [[5, 17, 3, 40], [9, 2], [33, 8, 1, 1, 7]]
+    seeds = [distill.sample_seed(0, i) for i in range(3)]
+    together = distill.answer_with_engine(eng, prompts, [12, 12, 12], 1.0, seeds)
+    alone = [distill.answer_with_engine(eng, [p], [12], 1.0, [sd])[0] for p, sd in zip(prompts, seeds)]
+    assert together == alone
+    other = distill.answer_with_engine(eng, prompts, [12, 12, 12], 1.0, [sd + 1 for sd in seeds])
+    assert other != together
+    assert distill.sample_seed(0, 5, 256) != distill.sample_seed(0, 5)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        distill.answer_with_engine(eng, prompts, [4, 4, 4], 1.0, None)

@@ -42,6 +42,10 @@ class TrainConfig:
     gen_batch_size: int = 16
     gen_temperature: float = 0.0       # 0: greedy answers; > 0: sampled at this temperature
     gen_dtype: str | None = None       # None: dtype; else a dense copy of the target in it answers
+    gen_engine: str = "reference"      # "batched": turbospec.Engine's scheduler answers (the fast path)
+    gen_activations: str = "exact"     # batched: the engine's activations ("int8": the fastest on CPU)
+    gen_drafter: str = "ngram"         # batched: the engine's drafter (greedy answers do not depend on it)
+    extend_data: str | None = None     # a stored shorter generation whose answers this one continues
     no_generate: bool = False          # train on the answers stored so far; generate none
     mix_data: list[str] | None = None  # other stored generations (.npz) whose samples join the train split
     seed: int = 0
@@ -93,6 +97,21 @@ class TrainConfig:
             # is a valid label: at 2,000 samples the loss on them gave held-out acceptance 0.416
             # against 0.381 without (bench/results/2026-11-29-head-width-prompt-loss.md)
             self.loss_on_prompt = self.method in ("eagle", "eagle3")
+
+
+GEN_ENGINES = ("reference", "batched")
+
+
+def gen_answerer(cfg: TrainConfig) -> dict | None:
+    """What of --gen-engine batched changes its answers, for the generation's settings (None: the
+    reference loop, whose keys stay as before): its activations and, when sampling, its drafter
+    (greedy answers are the same with any drafter: speculation is exact)."""
+    if cfg.gen_engine != "batched":
+        return None
+    out = {"engine": "batched", "activations": cfg.gen_activations}
+    if cfg.gen_temperature > 0:
+        out["drafter"] = cfg.gen_drafter
+    return out
 
 
 def answers_by_copy(cfg: TrainConfig) -> bool:
@@ -158,6 +177,16 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"--dtype {cfg.dtype!r}: choose float32, bfloat16 or float16")
     if cfg.gen_dtype not in (None, "float32", "bfloat16", "float16"):
         raise ValueError(f"--gen-dtype {cfg.gen_dtype!r}: choose float32, bfloat16 or float16")
+    if cfg.gen_engine not in GEN_ENGINES:
+        raise ValueError(f"--gen-engine {cfg.gen_engine!r}: choose {' or '.join(GEN_ENGINES)}")
+    if cfg.gen_activations not in ("exact", "int8"):
+        raise ValueError(f"--gen-activations {cfg.gen_activations!r}: choose exact or int8")
+    if cfg.gen_engine != "batched" and (cfg.gen_activations != "exact" or cfg.gen_drafter != "ngram"):
+        raise ValueError(f"--gen-activations / --gen-drafter (got {cfg.gen_activations!r} / {cfg.gen_drafter!r}) "
+                         f"set the batched engine's answers: they need --gen-engine batched")
+    if cfg.extend_data and cfg.extend_data == cfg.distill_data:
+        raise ValueError(f"--extend-data {cfg.extend_data!r} is also --distill-data: the longer generation is "
+                         f"stored in a file of its own")
     if cfg.align_topk:
         steps = unrolled_steps(cfg)
         if cfg.method == "medusa" or steps < 2:
@@ -245,6 +274,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="answer the prompts with a dense copy of the target in this dtype (default: "
                         "--dtype, the target itself); bfloat16 is the fast path on CPUs with AVX512-BF16. "
                         "Features and labels still come from the --dtype target")
+    g.add_argument("--gen-engine", default="reference", choices=list(GEN_ENGINES),
+                   help="reference (default): the model's layer loop over left-padded batches; batched: "
+                        "turbospec's own serving scheduler (continuous batching of --gen-batch-size requests, "
+                        "speculation, --gen-activations), the fast path on CPU")
+    g.add_argument("--gen-activations", default="exact", choices=["exact", "int8"],
+                   help="with --gen-engine batched: the engine's activations (int8: integer dot products on "
+                        "the GGUF blocks, the fastest on CPU; the labels still come from the --dtype target)")
+    g.add_argument("--gen-drafter", default="ngram",
+                   help="with --gen-engine batched: the engine's drafter (default ngram; greedy answers are the "
+                        "same with any, sampled ones follow the same distribution)")
+    g.add_argument("--extend-data", default=None, metavar="NPZ",
+                   help="a stored generation (.npz) of the same prompts and settings with a smaller "
+                        "--max-new-tokens: its answers ended by EOS are kept, those cut at its limit are "
+                        "continued to --max-new-tokens (store the result with --distill-data, another file)")
     g.add_argument("--no-generate", action="store_true",
                    help="use only the answers already stored (a generation stopped by its time budget), "
                         "generate none: features and training on those")

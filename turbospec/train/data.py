@@ -294,6 +294,23 @@ def answer_batch(target: Transformer, prompts: list[list[int]], max_new_tokens: 
     return list(zip(out, finish))
 
 
+
+def answer_with_engine(engine, prompts: list[list[int]], max_new_tokens: list[int], temperature: float = 0.0,
+                       seeds: list[int] | None = None) -> list[tuple[list[int], str]]:
+    """``answer_batch`` through a ``turbospec.Engine`` (``--gen-engine batched``): the batched
+    scheduler (continuous batching up to the engine's ``max_batch``, its drafter, activations and
+    cache dtype), each prompt with its own ``max_new_tokens`` and, when sampling, its own seed (a
+    request's draws do not depend on its neighbours). [(response ids, "eos" | "length")]; the EOS
+    token, when produced, ends (and is kept in) the response, as ``answer_batch`` keeps it."""
+    from ..decode.batch import Request
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("answer_with_engine: sampling (temperature > 0) needs one seed per prompt")
+    reqs = [Request(list(p), max_new_tokens=int(m), temperature=float(temperature), top_k=0, top_p=1.0,
+                    seed=None if temperature <= 0 else int(seeds[j]))
+            for j, (p, m) in enumerate(zip(prompts, max_new_tokens))]
+    gens = engine.generate(reqs)
+    return [(list(g.token_ids), "eos" if g.finish_reason == "eos" else "length") for g in gens]
+
 def read_samples(path: str) -> list[dict]:
     """The samples of a samples.jsonl (a torn last line from an interrupted run is ignored)."""
     out = []
@@ -312,7 +329,8 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
              data_sha1: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int, seed: int,
              truncate: bool, batch_size: int, dtype: str, temperature: float = 0.0,
              stop_at: float | None = None, distill_data: str | None = None,
-             provenance: dict | None = None) -> tuple[str, list[dict], dict]:
+             provenance: dict | None = None, engine=None, answerer: dict | None = None,
+             extend_data: str | None = None) -> tuple[str, list[dict], dict]:
     """Stage 1. ``encode``: prompt -> token ids (with the chat template); ``eos_token_ids``: the tokens
     that end a response. Returns (the generation folder, its samples sorted by index, info) where info
     says how many samples this call generated (0 when the stored file was re-used).
@@ -320,12 +338,36 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
     are returned (info["complete"] False) and a later call resumes the rest.
     ``distill_data`` (a .npz, see ``save_distill``): samples stored there with the same settings
     are used (generation continues after them), and the samples afterwards are written back to it
-    with ``provenance``, so a generation continues on another machine instead of restarting."""
+    with ``provenance``, so a generation continues on another machine instead of restarting.
+    ``engine`` (a ``turbospec.Engine`` on the target, ``--gen-engine batched``): it answers instead
+    of ``answer_batch``, with ``answerer`` (what changes its answers: its activations, and when
+    sampling its drafter) joining the settings. ``extend_data`` (a .npz of a generation of the same
+    prompts and settings with a smaller ``max_new_tokens``, ``--extend-data``): its answers are
+    kept, those it cut at its length limit are continued up to ``max_new_tokens`` (its key joins the
+    settings), so that a longer generation does not answer again what is stored."""
     settings = dict(data_sha1=data_sha1, target=target_fingerprint(target), dtype=dtype,
                     num_prompts=num_prompts, max_new_tokens=max_new_tokens,
                     max_prompt_tokens=max_prompt_tokens, truncate=truncate, seed=seed, version=1)
     if temperature > 0:  # absent for greedy: the keys of greedy generations stored before stay valid
         settings["temperature"] = float(temperature)
+    if answerer:  # absent for answer_batch: the keys stored before stay valid
+        settings["answerer"] = dict(answerer)
+    base = None
+    if extend_data:
+        base, base_settings = load_extended(extend_data, settings)
+        settings["extends"] = {"settings_key": sha1(base_settings), "max_new_tokens": base_settings["max_new_tokens"]}
+    if engine is not None:
+        def answer(ps, news, seeds):
+            return answer_with_engine(engine, ps, news, temperature, seeds)
+    else:
+        def answer(ps, news, seeds):
+            out = [None] * len(ps)  # answer_batch takes one limit: the prompts of each limit together
+            for m in sorted(set(news)):
+                js = [j for j, n in enumerate(news) if n == m]
+                for j, r in zip(js, answer_batch(target, [ps[j] for j in js], m, eos_token_ids, temperature,
+                                                 [seeds[j] for j in js])):
+                    out[j] = r
+            return out
     gen_dir = os.path.join(work_dir, f"gen-{sha1(settings)}")
     if distill_data:  # before generating anything: the result could not be stored there
         _check_distill_settings(distill_data, settings)
@@ -333,7 +375,8 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
         stored = 0
         if distill_data:
             stored = seed_generation(distill_data, gen_dir, settings)
-        out = _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at)
+        out = _generate(encode, prompts, gen_dir, settings, batch_size, answer, stop_at, base,
+                        per_call=ENGINE_CALL_BATCHES if engine is not None else 1)
         # written back when the folder holds samples the file lacks: generated now, or by an
         # earlier run that was interrupted before it could store them
         if distill_data and (len(out[1]) > stored or not os.path.isfile(distill_data)):
@@ -465,12 +508,42 @@ def seed_generation(path: str, gen_dir: str, settings: dict) -> int:
     return len(stored)
 
 
-def sample_seed(seed: int, index: int) -> int:
-    """The generator seed of sample ``index`` of a sampled generation with ``--seed`` ``seed``."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+ENGINE_CALL_BATCHES = 4  # --gen-engine batched: requests per Engine.generate call, in --gen-batch-size units
+EXTEND_SAME = ("data_sha1", "num_prompts", "max_prompt_tokens", "truncate", "seed", "temperature")
 
 
-def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_size, stop_at=None):
+def load_extended(path: str, settings: dict) -> tuple[dict[int, dict], dict]:
+    """``--extend-data``: (sample index -> stored sample, the stored settings) of a generation whose
+    answers a longer one continues. Refused (ValueError naming the option and what differs): a
+    missing file, other prompts, limits, seed or temperature, a length limit not below this one."""
+    if not os.path.isfile(path) or not os.path.isfile(_distill_json(path)):
+        raise ValueError(f"--extend-data {path!r}: no such stored generation (a .npz with its .json beside it, "
+                         f"as --distill-data writes)")
+    samples, meta = load_distill(path)
+    stored = meta.get("settings") or {}
+    diff = [k for k in EXTEND_SAME if stored.get(k) != settings.get(k)]
+    if diff:
+        raise ValueError(f"--extend-data {path!r} answered other prompts or with other settings "
+                         f"({_settings_diff({k: stored.get(k) for k in diff}, {k: settings.get(k) for k in diff})}); "
+                         f"a generation can only continue one of the same prompts, limits, seed and temperature")
+    if not isinstance(stored.get("max_new_tokens"), int) or stored["max_new_tokens"] >= settings["max_new_tokens"]:
+        raise ValueError(f"--extend-data {path!r} has max_new_tokens {stored.get('max_new_tokens')!r}; this run's "
+                         f"--max-new-tokens ({settings['max_new_tokens']}) must be larger to continue it")
+    return {r["index"]: r for r in samples}, stored
+
+
+def sample_seed(seed: int, index: int, start: int = 0) -> int:
+    """The generator seed of sample ``index`` of a sampled generation with ``--seed`` ``seed``;
+    ``start`` > 0: of its continuation after ``start`` stored tokens (``--extend-data``: draws of
+    their own, not the stored part's again)."""
+    key = f"{seed}:{index}" if not start else f"{seed}:{index}:{start}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
+
+
+def _generate(encode, prompts, gen_dir, settings, batch_size, answer, stop_at=None, base=None, per_call=1):
+    """``answer(prompts, max_new_tokens list, seeds)`` -> [(response ids, finish)], called with
+    ``per_call`` batches at a time (the batched engine refills its slots from them as answers end);
+    ``base``: the stored samples a longer generation continues (``load_extended``)."""
     from tqdm import tqdm
     num_prompts, max_new_tokens = settings["num_prompts"], settings["max_new_tokens"]
     temperature = settings.get("temperature", 0.0)
@@ -499,23 +572,49 @@ def _generate(target, encode, eos_token_ids, prompts, gen_dir, settings, batch_s
             f.write(json.dumps(done[i]) + "\n")
     # batches of similar prompt lengths (little padding), run in a random order (an honest ETA)
     todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
-    batches = [todo[s:s + batch_size] for s in range(0, len(todo), batch_size)]
+    batches = [todo[s:s + batch_size * per_call] for s in range(0, len(todo), batch_size * per_call)]
     random.Random(seed).shuffle(batches)
     mean_len = sum(map(len, encoded)) / len(encoded)
     log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
          f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}, "
          + (f"sampled at temperature {temperature}" if temperature else "greedy")
          + (f"; resuming, {len(done)} already done" if done else ""))
+    # --extend-data: a stored answer (of the same prompt) ended by EOS is kept as it is; one cut at
+    # its length limit is continued from its own tokens (the prompt of the continuation)
+    prior: dict[int, list[int]] = {}
+    if base is not None:
+        kept = 0
+        with open(samples_path, "a") as f:
+            for i in list(todo):
+                b = base.get(i)
+                if b is None:
+                    continue
+                if b["prompt_ids"] != encoded[i]:
+                    raise ValueError(f"--extend-data: its sample {i} answers another prompt than this run's "
+                                     f"sample {i} (another prompt file or selection)")
+                if b["finish"] == "eos" or len(b["response_ids"]) >= max_new_tokens:
+                    rec = {"index": i, "prompt_ids": encoded[i], "response_ids": b["response_ids"][:max_new_tokens],
+                           "finish": b["finish"]}
+                    done[i] = rec
+                    f.write(json.dumps(rec) + "\n")
+                    kept += 1
+                else:
+                    prior[i] = b["response_ids"]
+        todo = [i for i in todo if i not in done]
+        batches = [todo[s:s + batch_size * per_call] for s in range(0, len(todo), batch_size * per_call)]
+        random.Random(seed).shuffle(batches)
+        log(f"generation: --extend-data: {kept} stored answers kept as they are, {len(prior)} to continue")
     new_tokens = 0
     with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
                                              desc="generate", **BAR) as bar:
         for idx in batches:
             if stop_at is not None and time.perf_counter() >= stop_at:
                 break
-            results = answer_batch(target, [encoded[i] for i in idx], max_new_tokens, eos_token_ids,
-                                   temperature, [sample_seed(seed, i) for i in idx])
-            for i, (resp, fin) in zip(idx, results):
-                rec = {"index": i, "prompt_ids": encoded[i], "response_ids": resp, "finish": fin}
+            heads = [prior.get(i, []) for i in idx]
+            results = answer([encoded[i] + h for i, h in zip(idx, heads)], [max_new_tokens - len(h) for h in heads],
+                             [sample_seed(seed, i, len(h)) for i, h in zip(idx, heads)])
+            for i, h, (resp, fin) in zip(idx, heads, results):
+                rec = {"index": i, "prompt_ids": encoded[i], "response_ids": h + resp, "finish": fin}
                 done[i] = rec
                 f.write(json.dumps(rec) + "\n")
                 new_tokens += len(resp)

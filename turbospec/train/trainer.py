@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from . import data as distill
 from .config import DEFAULT_DATA, DEFAULT_DRAFT_VOCAB, DEFAULT_LR, TrainConfig, WSD_DECAY, amp_dtype, answers_by_copy
-from .config import check_config
+from .config import check_config, gen_answerer
 from .config import add_args, config_from_args  # add_args: re-exported, turbospec.cli imports it from here
 from .data import FeatureStore, collate, log
 from .objectives import Method, format_eval, frozen_parts
@@ -163,7 +163,7 @@ class Trainer:
         os.makedirs(self.work, exist_ok=True)
         target, tok = self.load_target()
         self.init = self.load_init_head(target)
-        self.generate(self.generation_target(target), tok)
+        self.generate(*self.generation_target(target), tok)
         if cfg.stop_after == "generate":
             return self.summary
         self.collect_features(target)
@@ -218,14 +218,25 @@ class Trainer:
         """The model that answers the prompts: the target itself, or with --gen-dtype another than
         --dtype a dense copy in that dtype (bf16 here: 366 vs 249 sampled answer tokens/s of the Q4_1
         target in float32, 2 threads). The answers need not be the float32 target's bits: the
-        features stage recomputes every label with the target of --dtype."""
+        features stage recomputes every label with the target of --dtype.
+        Returns (that model, None), or with --gen-engine batched (its target, the ``Engine`` that
+        answers: turbospec's scheduler, drafter and --gen-activations; int8 answers are not the float32
+        target's bits either, and need not be)."""
         cfg = self.cfg
+        if cfg.gen_engine == "batched":
+            from ..decode.engine import Engine
+            if cfg.no_generate:  # nothing to answer: no engine to load
+                return target, None
+            engine = Engine(self.source, drafter=cfg.gen_drafter, dtype=cfg.gen_dtype or cfg.dtype, device=cfg.device,
+                            activations=cfg.gen_activations, max_batch=cfg.gen_batch_size,
+                            max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
+            return engine.target, engine
         if not answers_by_copy(cfg):
-            return target
+            return target, None
         from ..model.loader import load_model, parse_dtype
-        return load_model(self.source, parse_dtype(cfg.gen_dtype), device=cfg.device, weights="dense")
+        return load_model(self.source, parse_dtype(cfg.gen_dtype), device=cfg.device, weights="dense"), None
 
-    def generate(self, target, tok) -> None:
+    def generate(self, target, engine, tok) -> None:
         """Stage 1: the target's answers to the training prompts (chat template applied), greedy or
         sampled at --gen-temperature."""
         from ..decode.text import encode, eos_token_ids
@@ -239,7 +250,7 @@ class Trainer:
             truncate=cfg.truncate_long_prompts, batch_size=cfg.gen_batch_size,
             dtype=cfg.gen_dtype or cfg.dtype, temperature=cfg.gen_temperature,
             stop_at=float("-inf") if cfg.no_generate else self._stage_deadline(GEN_SHARE),
-            distill_data=cfg.distill_data,
+            distill_data=cfg.distill_data, engine=engine, answerer=gen_answerer(cfg), extend_data=cfg.extend_data,
             provenance={"prompts_file": os.path.basename(self.data), "model": os.path.basename(str(self.source)),
                         "command": cfg.command or None, "commit": checkout_commit(), "machine": _machine(cfg.device),
                         "date": datetime.datetime.now().astimezone().isoformat()})
@@ -280,7 +291,7 @@ class Trainer:
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
             complete_gen=complete, stop_at=self._stage_deadline(FEATURES_SHARE),
             batch_size=cfg.feature_batch_size,
-            other_answerer=answers_by_copy(cfg) or bool(cfg.mix_data), mix=self.mix_records,
+            other_answerer=answers_by_copy(cfg) or cfg.gen_engine == "batched" or bool(cfg.mix_data), mix=self.mix_records,
             topk=cfg.distill_topk)
         self.summary.update(features_dir=self.feat_dir, features_seconds=self.manifest.get("seconds"))
         self.extra_features = []
