@@ -19,11 +19,12 @@
 # Env: LAST_CALL (the folder this call carries; empty: already stashed), CARRY (/tmp/turbospec_carry),
 # OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256),
 # GEN_BATCH (256), FEATURE_BATCH (32), EPOCHS (4), BATCH (32 sequences a step), DISTILL (the stored
-# generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy256.npz,
-# whose settings are MAX_NEW 256, all prompts, float32; empty: none), MIX (space-separated stored
-# generations whose samples join the train split, --mix-data: by default every other SmolLM2
-# generation under data/distill/ (the sampled answers, the augmented prompts' answers); empty:
-# none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
+# generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy512.npz
+# when that continuation of the 256-token answers is complete (MAX_NEW 512), else
+# data/distill/smollm2-135m-instruct-greedy256.npz, whose settings are MAX_NEW 256, all prompts,
+# float32; empty: none), MIX (space-separated stored generations whose samples join the train split,
+# --mix-data: by default every other SmolLM2 generation under data/distill/ (the sampled answers,
+# the augmented prompts' answers) that no stored generation continues; empty: none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
 # proposal 11 % dearer on CPU, bench/results/2026-11-29-extra-features-all16k.md), DTYPE (float32: the target's; the CPU engine
 # runs it so), SAVE_EVERY (400), RESUME (1:
 # continue), TRAIN_ARGS (more). The extension is
@@ -59,11 +60,23 @@ DATA="$CARRY/data/train_prompts.jsonl"
 RESUME_FLAG=""
 [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
 T_TRAIN="${T_TRAIN:-480}"
+# The greedy answers continued to 512 tokens on CPU (--extend-data, int8 batched engine), once that
+# generation is complete, are the run's own generation (the flags reproduce its settings, so nothing
+# is answered again); else the 256-token one.
+G512=data/distill/smollm2-135m-instruct-greedy512.npz
+GEN_FLAGS=()
+if [ -z "${DISTILL+set}" ] && python -c "import json, sys; sys.exit(0 if json.load(open('${G512%.npz}.json'))['info']['complete'] else 1)" 2>/dev/null; then
+  DISTILL="$G512"
+  MAX_NEW="${MAX_NEW:-512}"
+  GEN_FLAGS=(--gen-engine batched --gen-activations int8 --extend-data data/distill/smollm2-135m-instruct-greedy256.npz)
+fi
 DISTILL="${DISTILL-data/distill/smollm2-135m-instruct-greedy256.npz}"
-if [ -z "${MIX+set}" ]; then  # default: every stored generation under data/distill/ but DISTILL
-  MIX=""
+if [ -z "${MIX+set}" ]; then  # default: every stored generation under data/distill/ but DISTILL and those
+  MIX=""                      # a stored one continues (--extend-data: the longer answers stand for them)
+  EXTENDED="$(python -c 'import glob; from turbospec.train.data import continued
+print(" ".join(continued(sorted(glob.glob("data/distill/smollm2-135m-instruct-*.npz")))))')"
   for m in data/distill/smollm2-135m-instruct-*.npz; do
-    [ -f "$m" ] && [ "$m" != "$DISTILL" ] && MIX="$MIX $m"
+    [ -f "$m" ] && [ "$m" != "$DISTILL" ] && [[ " $EXTENDED " != *" $m "* ]] && MIX="$MIX $m"
   done
 fi
 MIX_FLAGS=()
@@ -75,7 +88,7 @@ timeout -s INT -k 60 "$(( T_TRAIN + 90 ))" python -u -m turbospec.cli train --me
   --dtype "${DTYPE:-float32}" --device "$DEVICE" --epochs "${EPOCHS:-4}" --batch-size "${BATCH:-32}" \
   --loss-on-prompt --time-budget "$T_TRAIN" --feature-batch-size "${FEATURE_BATCH:-32}" \
   --draft-vocab "${DRAFT_VOCAB:-8192}" \
-  ${DISTILL:+--distill-data "$DISTILL"} "${MIX_FLAGS[@]}" \
+  ${DISTILL:+--distill-data "$DISTILL"} "${MIX_FLAGS[@]}" "${GEN_FLAGS[@]}" \
   --eval-every "${SAVE_EVERY:-400}" --save-every "${SAVE_EVERY:-400}" $RESUME_FLAG ${TRAIN_ARGS:-} \
   2>&1 | tee -a "$OUT/train.log"
 rc=${PIPESTATUS[0]}

@@ -339,8 +339,8 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
     ``distill_data`` (a .npz, see ``save_distill``): samples stored there with the same settings
     are used (generation continues after them), and the samples afterwards are written back to it
     with ``provenance``, so a generation continues on another machine instead of restarting.
-    ``engine`` (a ``turbospec.Engine`` on the target, ``--gen-engine batched``): it answers instead
-    of ``answer_batch``, with ``answerer`` (what changes its answers: its activations, and when
+    ``engine`` (a ``turbospec.Engine`` on the target, or a function that builds one when there is
+    something to answer; ``--gen-engine batched``): it answers instead of ``answer_batch``, with ``answerer`` (what changes its answers: its activations, and when
     sampling its drafter) joining the settings. ``extend_data`` (a .npz of a generation of the same
     prompts and settings with a smaller ``max_new_tokens``, ``--extend-data``): its answers are
     kept, those it cut at its length limit are continued up to ``max_new_tokens`` (its key joins the
@@ -357,8 +357,12 @@ def generate(target: Transformer, encode, eos_token_ids: set[int], prompts: list
         base, base_settings = load_extended(extend_data, settings)
         settings["extends"] = {"settings_key": sha1(base_settings), "max_new_tokens": base_settings["max_new_tokens"]}
     if engine is not None:
+        made = []  # engine may be a factory: the Engine is built when there is something to answer
+
         def answer(ps, news, seeds):
-            return answer_with_engine(engine, ps, news, temperature, seeds)
+            if not made:
+                made.append(engine() if callable(engine) and not hasattr(engine, "generate") else engine)
+            return answer_with_engine(made[0], ps, news, temperature, seeds)
     else:
         def answer(ps, news, seeds):
             out = [None] * len(ps)  # answer_batch takes one limit: the prompts of each limit together
@@ -445,6 +449,15 @@ def load_distill(path: str) -> tuple[list[dict], dict]:
         out.append({"index": int(index[j]), "prompt_ids": q[:p], "response_ids": q[p:],
                     "finish": "eos" if eos[j] else "length"})
     return out, meta
+
+
+def continued(paths: list[str]) -> list[str]:
+    """Of stored generations (.npz with their .json), those another of them continues (its settings
+    "extends" their key, ``--extend-data``): the longer answers stand for them in a mix."""
+    metas = {p: json.load(open(_distill_json(p))) for p in paths}
+    keys = {sha1(m.get("settings")): p for p, m in metas.items()}
+    ext = {(m.get("settings") or {}).get("extends", {}).get("settings_key") for m in metas.values()}
+    return [p for k, p in keys.items() if k in ext]
 
 
 def load_mix(paths: list[str], gen_dir: str, held: list[dict]) -> tuple[list[dict], list[dict]]:

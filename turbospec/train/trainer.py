@@ -225,12 +225,15 @@ class Trainer:
         cfg = self.cfg
         if cfg.gen_engine == "batched":
             from ..decode.engine import Engine
-            if cfg.no_generate:  # nothing to answer: no engine to load
-                return target, None
-            engine = Engine(self.source, drafter=cfg.gen_drafter, dtype=cfg.gen_dtype or cfg.dtype, device=cfg.device,
-                            activations=cfg.gen_activations, max_batch=cfg.gen_batch_size,
-                            max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
-            return engine.target, engine
+
+            def engine():  # built only when something is left to answer (a stored generation may be complete)
+                return Engine(self.source, drafter=cfg.gen_drafter, dtype=cfg.gen_dtype or cfg.dtype, device=cfg.device,
+                              activations=cfg.gen_activations, max_batch=cfg.gen_batch_size,
+                              max_seq_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
+            if not answers_by_copy(cfg):
+                return target, engine  # the same weights: the generation is keyed by the target's fingerprint
+            e = engine()
+            return e.target, e
         if not answers_by_copy(cfg):
             return target, None
         from ..model.loader import load_model, parse_dtype
