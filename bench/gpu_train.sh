@@ -17,14 +17,14 @@
 # A second call on the same warm machine with RESUME=1 continues all three stages (the work folder
 # with the generations and features stays in $CARRY while the machine is held).
 # Env: LAST_CALL (the folder this call carries; empty: already stashed), CARRY (/tmp/turbospec_carry),
-# OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256),
+# OUT (bench/out/gpu_train), DEVICE (cuda), T_TRAIN (480 s), NUM_PROMPTS (0: all), MAX_NEW (256; 512 on the 512-token generation),
 # GEN_BATCH (256), FEATURE_BATCH (32), EPOCHS (4), BATCH (32 sequences a step), DISTILL (the stored
 # generation the run starts from and writes back to: data/distill/smollm2-135m-instruct-greedy512.npz
 # when that continuation of the 256-token answers is complete (MAX_NEW 512), else
 # data/distill/smollm2-135m-instruct-greedy256.npz, whose settings are MAX_NEW 256, all prompts,
 # float32; empty: none), MIX (space-separated stored generations whose samples join the train split,
 # --mix-data: by default every other SmolLM2 generation under data/distill/ (the sampled answers,
-# the augmented prompts' answers) that no stored generation continues; empty: none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
+# the augmented prompts' answers) that no complete stored generation continues; empty: none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
 # proposal 11 % dearer on CPU, bench/results/2026-11-29-extra-features-all16k.md), DTYPE (float32: the target's; the CPU engine
 # runs it so), SAVE_EVERY (400), RESUME (1:
 # continue), TRAIN_ARGS (more). The extension is

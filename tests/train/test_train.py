@@ -1224,6 +1224,11 @@ def test_batched_engine_answers_and_extend_data_continues(tmp_path):
         assert ext["max_new_tokens"] == 4 and len(ext["settings_key"]) == 12
         assert len(distill.load_distill(long)[0]) == 12
         assert distill.continued([short, long]) == [short] and distill.continued([long]) == []
+        part = str(tmp_path / "store" / f"part-{engine}.npz")  # a continuation under way stands for nothing
+        got_meta = distill.load_distill(long)[1]
+        distill.save_distill(part, distill.load_distill(long)[0][:6], got_meta["settings"],
+                             {"info": {**got_meta["info"], "complete": False}})
+        assert distill.continued([short, part]) == []
     # the stored answers are kept as they are: a stored answer ended by EOS is not answered again
     fake = [dict(r, response_ids=[1], finish="eos") if r["index"] == 0 else r for r in stored]
     _, meta = distill.load_distill(short)

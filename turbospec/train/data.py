@@ -452,11 +452,14 @@ def load_distill(path: str) -> tuple[list[dict], dict]:
 
 
 def continued(paths: list[str]) -> list[str]:
-    """Of stored generations (.npz with their .json), those another of them continues (its settings
-    "extends" their key, ``--extend-data``): the longer answers stand for them in a mix."""
+    """Of stored generations (.npz with their .json), those another, complete one continues (its
+    settings "extends" their key, ``--extend-data``): the longer answers stand for them in a mix. A
+    continuation still under way stands for nothing (the answers it has not reached are the
+    shorter generation's)."""
     metas = {p: json.load(open(_distill_json(p))) for p in paths}
     keys = {sha1(m.get("settings")): p for p, m in metas.items()}
-    ext = {(m.get("settings") or {}).get("extends", {}).get("settings_key") for m in metas.values()}
+    ext = {(m.get("settings") or {}).get("extends", {}).get("settings_key") for m in metas.values()
+           if (m.get("info") or {}).get("complete")}
     return [p for k, p in keys.items() if k in ext]
 
 
