@@ -24,7 +24,7 @@
 # data/distill/smollm2-135m-instruct-greedy256.npz, whose settings are MAX_NEW 256, all prompts,
 # float32; empty: none), MIX (space-separated stored generations whose samples join the train split,
 # --mix-data: by default every other SmolLM2 generation under data/distill/ (the sampled answers,
-# the augmented prompts' answers) that no complete stored generation continues; empty: none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
+# the augmented prompts' answers) that no complete stored generation continues, and no unfinished continuation; empty: none), DRAFT_VOCAB (8192: the head's draft vocabulary; 16,384 gave the same tau on the same data and a
 # proposal 11 % dearer on CPU, bench/results/2026-11-29-extra-features-all16k.md), DTYPE (float32: the target's; the CPU engine
 # runs it so), SAVE_EVERY (400), RESUME (1:
 # continue), TRAIN_ARGS (more). The extension is
@@ -74,7 +74,9 @@ DISTILL="${DISTILL-data/distill/smollm2-135m-instruct-greedy256.npz}"
 if [ -z "${MIX+set}" ]; then  # default: every stored generation under data/distill/ but DISTILL and those
   MIX=""                      # a stored one continues (--extend-data: the longer answers stand for them)
   EXTENDED="$(python -c 'import glob; from turbospec.train.data import continued
-print(" ".join(continued(sorted(glob.glob("data/distill/smollm2-135m-instruct-*.npz")))))')"
+from turbospec.train.data import unfinished_continuations as u
+g = sorted(glob.glob("data/distill/smollm2-135m-instruct-*.npz"))
+print(" ".join(continued(g) + u(g)))')"
   for m in data/distill/smollm2-135m-instruct-*.npz; do
     [ -f "$m" ] && [ "$m" != "$DISTILL" ] && [[ " $EXTENDED " != *" $m "* ]] && MIX="$MIX $m"
   done

@@ -1229,6 +1229,7 @@ def test_batched_engine_answers_and_extend_data_continues(tmp_path):
         distill.save_distill(part, distill.load_distill(long)[0][:6], got_meta["settings"],
                              {"info": {**got_meta["info"], "complete": False}})
         assert distill.continued([short, part]) == []
+        assert distill.unfinished_continuations([short, long, part]) == [part]
     # the stored answers are kept as they are: a stored answer ended by EOS is not answered again
     fake = [dict(r, response_ids=[1], finish="eos") if r["index"] == 0 else r for r in stored]
     _, meta = distill.load_distill(short)

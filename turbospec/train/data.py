@@ -463,6 +463,17 @@ def continued(paths: list[str]) -> list[str]:
     return [p for k, p in keys.items() if k in ext]
 
 
+def unfinished_continuations(paths: list[str]) -> list[str]:
+    """Of stored generations, the continuations (``--extend-data``) not complete yet: mixed beside
+    the generation they continue they would repeat its answers, so the shorter one stands for both."""
+    out = []
+    for p in paths:
+        m = json.load(open(_distill_json(p)))
+        if (m.get("settings") or {}).get("extends") and not (m.get("info") or {}).get("complete"):
+            out.append(p)
+    return out
+
+
 def load_mix(paths: list[str], gen_dir: str, held: list[dict]) -> tuple[list[dict], list[dict]]:
     """The samples of stored generations (``--mix-data``) that join a run's train split: their
     samples in file order, each tagged with its file (``"mix"``: position in ``paths``), and one
