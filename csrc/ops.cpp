@@ -49,8 +49,11 @@ TORCH_LIBRARY(turbospec, m) {
   // attention, each query attends only keys at positions > its own - window (a token's position:
   // cache_len + its depth in the tree; CPU only, the CUDA kernel refuses it). softcap > 0 (Gemma 2):
   // every score s = scale * q.k becomes softcap * tanh(s / softcap) before the mask and softmax (CPU only).
+  // bf16_products (CPU only; bfloat16 caches, float32 or bfloat16 q): q and the probabilities P are rounded
+  // to bfloat16 before their products (int8-activation mode: vdpbf16ps where the CPU has it).
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_len, Tensor tree_mask_packed, "
-        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse, int window=0, float softcap=0.0) -> ()");
+        "float scale, bool include_prefix, Tensor(a!) out, Tensor(b!)? lse, int window=0, float softcap=0.0, "
+        "bool bf16_products=False) -> ()");
   // The decoder-layer loop of turbospec.model.Transformer (CPU; see csrc/cpu/llama_layers.cpp).
   // x: [B, n, hidden], cos / sin_signed: [B, n, 1, D], tree_mask_packed: int64 [B or 1, n] (bit j of
   // row i: new token i attends new token j; every token attends the whole prefix [0, cache_len)),

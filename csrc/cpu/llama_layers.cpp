@@ -81,6 +81,12 @@ bool raw_caches(at::TensorList ts) {
 
 // src[0, d) into a cache row at element offset off: float32 as is, float16 / bfloat16 rounded to
 // nearest even (what the Python layers' copy into the cache does).
+// int8 activations over a bfloat16 cache: the attention's products are of bfloat16 values too
+// (tree_attention's bf16_products; Transformer.attn_bf16_products is the Python loop's twin)
+bool bf16_products(int64_t activations, const at::Tensor& cache) {
+  return activations == 8 && cache.scalar_type() == at::kBFloat16;
+}
+
 template <typename C>
 void store_row_as(void* base, int64_t off, const float* src, int64_t d) {
   C* dst = static_cast<C*>(base) + off;
@@ -356,7 +362,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
         store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l], softcap);
+                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc));
     round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
     lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
     round_all<T>(yp, R * hid);
@@ -520,7 +526,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     at::Tensor q = qk.narrow(2, 0, num_heads).to(cache16 ? at::kFloat : kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l], softcap);
+                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc));
     at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
     x = x + (layout != 0 ? rms_norm(y, norm_at(0, true), eps) : y);
     h = layout == 1 ? x : rms_norm(x, norm_at(1, false), eps);

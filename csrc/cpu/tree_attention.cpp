@@ -13,6 +13,10 @@
 // polynomial the compiler vectorises, relative error ~1e-7) and the widening loops are compiled for
 // AVX-512, AVX2+FMA and the baseline ISA, picked at run time. cache_len is validated before anything
 // runs: 0 <= cache_len[b] and cache_len[b] + n <= S, else the op raises.
+// bf16_products (bfloat16 caches; turbospec's int8-activation mode): q and P are rounded to bfloat16, so
+// both products are of bfloat16 values, exact in float32; where the CPU has AVX-512 BF16 both GEMMs run
+// on vdpbf16ps (32 multiply-adds an instruction against the float32 kernels' 16 in two), elsewhere on
+// the float32 micro-kernel over the rounded values: the same bits (see bf16_round).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -36,6 +40,7 @@
 #endif
 #define TS_INLINE inline __attribute__((always_inline))
 #pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vector types only reach the AVX-512 path
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's own maskz / rol intrinsics (their __Y)
 
 namespace turbospec {
 namespace {
@@ -137,6 +142,55 @@ TS_INLINE float row_max(const float* p, int64_t n) {
   return out;
 }
 
+// bf16_products: q and P rounded to bfloat16 (to nearest, ties to even), and every value read as a
+// bfloat16 value; a value below 2^-50 in magnitude reads as +0. Products of two bfloat16 values are exact in
+// float32, so the float32 kernels' multiply-then-add over these values and vdpbf16ps's fused
+// multiply-adds (the odd element of a pair first, operands packed so that this is the earlier one) give
+// the same bits. With every nonzero operand at least 2^-50 in magnitude each product is a multiple of
+// 2^-114 and so is every running sum (see linear.cpp's dot-product kernel): no denormal arises for vdpbf16ps to flush.
+constexpr uint32_t kBf16MinExp = 77;  // biased float32 exponent of 2^-50
+
+TS_INLINE float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  if ((u & 0x7FFFFFFFu) < (kBf16MinExp << 23)) u = 0;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// bf16_round on every lane of a GCC vector of floats (the same operations, so the same bits)
+template <typename V>
+TS_INLINE V bf16_round_vec(V x) {
+  typedef uint32_t VU __attribute__((vector_size(sizeof(V))));
+  VU u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const VU keep = (VU)((u & 0x7FFFFFFFu) >= (kBf16MinExp << 23));
+  u &= keep;
+  V r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
+// A widened bfloat16 value as bf16_products reads it (below 2^-50 in magnitude: +0)
+TS_INLINE float bf16_flush(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) < (kBf16MinExp << 23)) u = 0;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// bfloat16 bits of a float32 that is a bfloat16 value
+TS_INLINE uint32_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u >> 16;
+}
+
 struct Args {
   const void* q;  // [B, n, Hq, D], last dim contiguous
   int64_t qs0, qs1, qs2;
@@ -153,6 +207,8 @@ struct Args {
   int64_t window;        // 0, or the sliding window (positions)
   float softcap_log2;    // 0, or the logit soft-cap in log2 units (cap * log2(e))
   const int64_t* depth;  // [B, n]: each new token's depth in its tree (window > 0 only)
+  bool bf16;             // bf16_products (bfloat16 caches): q and P rounded, see bf16_round
+  bool dot;              // bf16 with vdpbf16ps (the AVX-512 path on a CPU with AVX-512 BF16)
 };
 
 // Per-item buffers (float32): Q and O [rows, Dp], S / P [rows, kTile], the key tile transposed
@@ -164,8 +220,13 @@ constexpr int64_t kScoreCap = int64_t{1} << 20;
 
 struct Scratch {
   std::vector<float> q, o, kt, v, m, l, s_all;
-  void reset(int64_t rows, int64_t Dp, int64_t tiles) {
+  std::vector<uint32_t> qp, pp;  // dot: q [rows, Dp / 2] and a tile's P [rows, kTile / 2] as bfloat16 pairs
+  void reset(int64_t rows, int64_t Dp, int64_t tiles, bool dot) {
     q.assign(rows * Dp, 0.f);
+    if (dot) {
+      qp.assign(rows * Dp / 2, 0u);
+      if (static_cast<int64_t>(pp.size()) < rows * kTile / 2) pp.resize(rows * kTile / 2, 0u);
+    }
     o.assign(rows * Dp, 0.f);
     if (static_cast<int64_t>(kt.size()) < Dp * kTile) kt.resize(Dp * kTile, 0.f);
     if (static_cast<int64_t>(v.size()) < kTile * Dp) v.resize(kTile * Dp, 0.f);
@@ -229,6 +290,153 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void widen_tile_avx2(const KV
   for (int64_t t = 0; t < nk; ++t)
     for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vt + t * ldv + d, load8_avx2(v + t * lds + d));
 }
+
+// ---- bf16_products with vdpbf16ps (AVX-512 BF16). A dword of a packed operand holds two bfloat16
+// values, the earlier one (d, or key t) in its high half: vdpbf16ps adds the high half's product first,
+// so each lane sums in the float32 kernels' order. Only called where bf16_dot() holds (a.dot).
+#define TS_ATTN_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), noinline))
+#define TS_ATTN_BF16_INL __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), always_inline)) inline
+
+// 32 bfloat16 values with those below 2^-50 in magnitude made +0
+TS_ATTN_BF16_INL __m512i flush32(__m512i w) {
+  const __mmask32 tiny = _mm512_cmplt_epu16_mask(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)),
+                                                 _mm512_set1_epi16(static_cast<short>(kBf16MinExp << 7)));
+  return _mm512_maskz_mov_epi16(~tiny, w);
+}
+
+// out[j] = dword j of every r[i] (a 16 x 16 transpose of dwords)
+TS_ATTN_BF16_INL void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], lane L: rows 4g .. 4g + 3 of column 4L + c
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    out[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    out[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+
+// kp[p * kTile + t] = (k[t][2p] << 16) | k[t][2p + 1] for t < nkp (keys >= nk: 0), p < D / 2; k: bfloat16
+// rows of stride ldk; D % 32 == 0
+TS_ATTN_BF16 void pack_keys_bf16(const c10::BFloat16* k, int64_t ldk, int64_t nk, int64_t D, uint32_t* kp) {
+  const int64_t nkp = round_up(nk, 16);
+  for (int64_t t0 = 0; t0 < nkp; t0 += 16)
+    for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
+      __m512i r[16], out[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = t0 + i < nk ? _mm512_rol_epi32(flush32(_mm512_loadu_si512(k + (t0 + i) * ldk + 2 * p0)), 16)
+                           : _mm512_setzero_si512();
+      transpose16(r, out);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kp + (p0 + j) * kTile + t0, out[j]);
+    }
+}
+
+// vp[j * Dp + d] = (v[2j][d] << 16) | v[2j + 1][d] for 2j < nk (a key >= nk: 0), d < D; D % 32 == 0
+TS_ATTN_BF16 void pack_values_bf16(const c10::BFloat16* v, int64_t ldv, int64_t nk, int64_t D, int64_t Dp,
+                                   uint32_t* vp) {
+  // words of (later key, earlier key): out dword i = (earlier[i] << 16) | later[i]
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
+  for (int64_t j = 0; 2 * j < nk; ++j)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = flush32(_mm512_loadu_si512(v + 2 * j * ldv + d));
+      const __m512i b = 2 * j + 1 < nk ? flush32(_mm512_loadu_si512(v + (2 * j + 1) * ldv + d)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + j * Dp + d, _mm512_permutex2var_epi16(b, il, a));
+      _mm512_storeu_si512(vp + j * Dp + d + 16, _mm512_permutex2var_epi16(b, ih, a));
+    }
+}
+
+// pp[r * (kTile / 2) + j] = (P[r][2j] << 16) | P[r][2j + 1] (bfloat16 bits of the rounded probabilities
+// s[r * kTile + t], t < nk; a key >= nk: 0), rows r < Rp
+TS_ATTN_BF16 void pack_probs_bf16(const float* s, int64_t Rp, int64_t nk, uint32_t* pp) {
+  // the high words of dwords 2j (earlier key: out high half) and 2j + 1 (low half) of 32 floats
+  alignas(64) static const uint16_t idx[32] = {3, 1, 7, 5, 11, 9, 15, 13, 19, 17, 23, 21, 27, 25, 31, 29,
+                                               35, 33, 39, 37, 43, 41, 47, 45, 51, 49, 55, 53, 59, 57, 63, 61};
+  const __m512i ix = _mm512_load_si512(idx);
+  for (int64_t r = 0; r < Rp; ++r) {
+    const float* srow = s + r * kTile;
+    uint32_t* prow = pp + r * (kTile / 2);
+    for (int64_t t = 0; t < nk; t += 32) {
+      const int64_t left = nk - t;
+      const __mmask16 m0 = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __mmask16 m1 = left >= 32 ? 0xFFFF : left <= 16 ? 0 : static_cast<__mmask16>((1u << (left - 16)) - 1);
+      const __m512i a = _mm512_castps_si512(_mm512_maskz_loadu_ps(m0, srow + t));
+      const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(m1, srow + t + 16));
+      _mm512_storeu_si512(prow + t / 2, _mm512_permutex2var_epi16(a, ix, b));
+    }
+  }
+}
+
+// s[r * kTile + c] = sum over p of the pairs qp[r * ldq + p] . kp[p * kTile + c], rows r < Rp (a multiple
+// of 4), columns c < 16 * NB, each lane from +0 in the order of d
+template <int NB>
+TS_ATTN_BF16 void dot_scores(const uint32_t* qp, int64_t ldq, const uint32_t* kp, int64_t D2, int64_t Rp, float* s) {
+  for (int64_t rb = 0; rb < Rp; rb += 4) {
+    __m512 acc[4][NB];
+    for (int r = 0; r < 4; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D2; ++p) {
+      __m512bh kv[NB];
+      for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * kTile + 16 * b);
+      for (int r = 0; r < 4; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(rb + r) * ldq + p]));
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qb, kv[b]);
+      }
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + (rb + r) * kTile + 16 * b, acc[r][b]);
+  }
+}
+
+// o[r * Dp + d] += sum over pairs j < np of pp[r * ldp + j] . vp[j * Dp + d], key order; rows r < Rp
+// (a multiple of 4), d < D (a multiple of 16)
+template <int NB>
+TS_ATTN_BF16_INL void dot_pv_block(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t Dp,
+                                   int64_t rb, int64_t c, float* o) {
+  __m512 acc[4][NB];
+  for (int r = 0; r < 4; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_loadu_ps(o + (rb + r) * Dp + c + 16 * b);
+  for (int64_t j = 0; j < np; ++j) {
+    __m512bh vv[NB];
+    for (int b = 0; b < NB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + j * Dp + c + 16 * b);
+    for (int r = 0; r < 4; ++r) {
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(rb + r) * ldp + j]));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pb, vv[b]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(o + (rb + r) * Dp + c + 16 * b, acc[r][b]);
+}
+
+TS_ATTN_BF16 void dot_pv(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t D, int64_t Dp,
+                         int64_t Rp, float* o) {
+  for (int64_t rb = 0; rb < Rp; rb += 4)
+    for (int64_t c = 0; c < D; c += 64) {
+      switch (std::min<int64_t>(4, (D - c) / 16)) {
+        case 4: dot_pv_block<4>(pp, ldp, vp, np, Dp, rb, c, o); break;
+        case 3: dot_pv_block<3>(pp, ldp, vp, np, Dp, rb, c, o); break;
+        case 2: dot_pv_block<2>(pp, ldp, vp, np, Dp, rb, c, o); break;
+        default: dot_pv_block<1>(pp, ldp, vp, np, Dp, rb, c, o); break;
+      }
+    }
+}
+#undef TS_ATTN_BF16
+#undef TS_ATTN_BF16_INL
 #endif
 
 // One key tile's scores for rows [r0, r0 + rows) (Rp padded): widen the keys transposed into kt, S = Q K^T
@@ -237,11 +445,24 @@ __attribute__((target("avx2,fma,f16c"), noinline)) void widen_tile_avx2(const KV
 // (GCC compiled it for the baseline ISA, emulating the vector types: the AVX2 path ran 3x slower
 // than the scalar one), while an always-inlined function does.
 template <typename KV, typename V>
-TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, float* kt, const int64_t* mask,
-                                const int64_t* depth, int64_t L, int64_t r0, int64_t rows, int64_t Rp, int64_t p0,
-                                int64_t nk, float* s) {
+TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, const uint32_t* qp, float* kt,
+                                const int64_t* mask, const int64_t* depth, int64_t L, int64_t r0, int64_t rows,
+                                int64_t Rp, int64_t p0, int64_t nk, float* s) {
   const int64_t D = a.D, Dp = a.Dp, G = a.G;
   const int64_t nkp = round_up(nk, kNr);
+#ifdef TS_ATTN_X86
+  if (a.dot) {  // bf16_products with vdpbf16ps: the keys packed in pairs, transposed (columns >= nk: 0)
+    uint32_t* kp = reinterpret_cast<uint32_t*>(kt);
+    pack_keys_bf16(reinterpret_cast<const c10::BFloat16*>(kb) + p0 * a.ks2, a.ks2, nk, D, kp);
+    switch (nkp / kNr) {
+      case 4: dot_scores<4>(qp, Dp / 2, kp, D / 2, Rp, s); break;
+      case 3: dot_scores<3>(qp, Dp / 2, kp, D / 2, Rp, s); break;
+      case 2: dot_scores<2>(qp, Dp / 2, kp, D / 2, Rp, s); break;
+      default: dot_scores<1>(qp, Dp / 2, kp, D / 2, Rp, s); break;
+    }
+  } else
+#endif
+  {
   // Widen the tile, transposed; columns >= nk of kt keep finite stale values (never used).
   int64_t t0 = 0;
 #ifdef TS_ATTN_X86
@@ -256,10 +477,14 @@ TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, flo
     const KV* kr = kb + (p0 + t) * a.ks2;
     for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
   }
+  if (a.bf16)
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < nk; ++t) kt[d * kTile + t] = bf16_flush(kt[d * kTile + t]);
   // S = Q K^T (log2 units), then the tree mask
   std::fill(s, s + Rp * kTile, 0.f);
   for (int64_t rb = 0; rb < Rp; rb += kMr)
     for (int64_t c = 0; c < nkp; c += kNr) micro_4x16<V>(q + rb * Dp, Dp, kt + c, kTile, D, s + rb * kTile + c, kTile);
+  }
   if (a.softcap_log2 > 0.f) {  // Gemma 2: s = cap * tanh(s / cap), in log2 units
     const float cap = a.softcap_log2, inv = 1.f / a.softcap_log2;
     for (int64_t rr = 0; rr < rows; ++rr)
@@ -309,6 +534,11 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     const int64_t r = r0 + rr;
     const T* src = qb + (r / G) * a.qs1 + (hk * G + r % G) * a.qs2;
     for (int64_t d = 0; d < D; ++d) q[rr * Dp + d] = static_cast<float>(src[d]) * a.scale_log2;
+    if (a.bf16)
+      for (int64_t d = 0; d < D; ++d) q[rr * Dp + d] = bf16_round(q[rr * Dp + d]);
+    if (a.dot)
+      for (int64_t p = 0; p < D / 2; ++p)
+        sc.qp[rr * (Dp / 2) + p] = (bf16_bits(q[rr * Dp + 2 * p]) << 16) | bf16_bits(q[rr * Dp + 2 * p + 1]);
   }
   const int64_t L = a.cache_len[b];
   int64_t start = a.include_prefix ? 0 : L;
@@ -340,7 +570,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    tile_scores_into<KV, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
+    tile_scores_into<KV, V>(a, kb, q, sc.qp.data(), kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     for (int64_t rr = 0; rr < rows; ++rr) m[rr] = std::max(m[rr], row_max(s + rr * kTile, nk));
   }
   // float32 values with D a multiple of the micro-kernel width are read in place from the cache
@@ -349,10 +579,12 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   for (int64_t p0 = start; p0 < end; p0 += kTile) {
     const int64_t nk = std::min(kTile, end - p0);
     float* s = tile_scores(p0);
-    if (!keep_scores) tile_scores_into<KV, V>(a, kb, q, kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
+    if (!keep_scores) tile_scores_into<KV, V>(a, kb, q, sc.qp.data(), kt, mask, depth, L, r0, rows, Rp, p0, nk, s);
     const float* vsrc = vt;
     int64_t ldv = Dp;
-    if (v_in_place) {
+    if (a.dot) {
+      // packed in pass 2's PV below
+    } else if (v_in_place) {
       vsrc = reinterpret_cast<const float*>(vb + p0 * a.vs2);
       ldv = a.vs2;
     } else {
@@ -367,6 +599,9 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         const KV* vr = vb + (p0 + t) * a.vs2;
         for (int64_t d = d0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
       }
+      if (a.bf16)
+        for (int64_t t = 0; t < nk; ++t)
+          for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = bf16_flush(vt[t * Dp + d]);
     }
     for (int64_t rr = 0; rr < rows; ++rr) {
       float* srow = s + rr * kTile;
@@ -377,13 +612,43 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
       }
       constexpr int64_t W = sizeof(V) / sizeof(float);
       int64_t t = 0;
-      for (; t + W <= nk; t += W) store_vec<V>(srow + t, exp2_neg<V>(load_vec<V>(srow + t) - mr));
-      for (; t < nk; ++t) srow[t] = exp2_neg(srow[t] - mr);
+      if (a.bf16) {  // P rounded to bfloat16 (the row sum adds the rounded values)
+        for (; t + W <= nk; t += W) store_vec<V>(srow + t, bf16_round_vec<V>(exp2_neg<V>(load_vec<V>(srow + t) - mr)));
+        for (; t < nk; ++t) srow[t] = bf16_round(exp2_neg(srow[t] - mr));
+      } else {
+        for (; t + W <= nk; t += W) store_vec<V>(srow + t, exp2_neg<V>(load_vec<V>(srow + t) - mr));
+        for (; t < nk; ++t) srow[t] = exp2_neg(srow[t] - mr);
+      }
     }
-    // l += P key by key, each row's sum in key order; the rows' sums are independent chains
-    for (int64_t t = 0; t < nk; ++t)
-      for (int64_t rr = 0; rr < rows; ++rr) l[rr] += s[rr * kTile + t];
+    // l += P key by key, each row's sum in key order; eight rows' sums at a time, independent chains
+    // in registers (with l[rr] += ... in the inner loop every add went through memory: l may alias s)
+    {
+      int64_t rr = 0;
+      for (; rr + 8 <= rows; rr += 8) {
+        float acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = l[rr + i];
+        for (int64_t t = 0; t < nk; ++t)
+          for (int i = 0; i < 8; ++i) acc[i] += s[(rr + i) * kTile + t];
+        for (int i = 0; i < 8; ++i) l[rr + i] = acc[i];
+      }
+      for (; rr < rows; ++rr) {
+        float acc = l[rr];
+        for (int64_t t = 0; t < nk; ++t) acc += s[rr * kTile + t];
+        l[rr] = acc;
+      }
+    }
     // O += P V, key by key (padding rows of S hold the scores of zero queries, 0: never written out)
+#ifdef TS_ATTN_X86
+    if (a.dot) {  // P and V packed in pairs of keys (a key >= nk: 0)
+      const int64_t np = (nk + 1) / 2;
+      uint32_t* pp = sc.pp.data();
+      pack_probs_bf16(s, Rp, nk, pp);
+      uint32_t* vp = reinterpret_cast<uint32_t*>(vt);
+      pack_values_bf16(reinterpret_cast<const c10::BFloat16*>(vb) + p0 * a.vs2, a.vs2, nk, D, Dp, vp);
+      dot_pv(pp, kTile / 2, vp, np, D, Dp, Rp, o);
+      continue;
+    }
+#endif
     for (int64_t rb = 0; rb < Rp; rb += kMr)
       for (int64_t c = 0; c < Dp; c += kNr) micro_4x16<V>(s + rb * kTile, kTile, vsrc + c, ldv, nk, o + rb * Dp + c, Dp);
   }
@@ -436,11 +701,14 @@ AttendFn pick_attend() {
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window, double softcap) {
+                        int64_t window, double softcap, bool bf16_products) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                c10::DeviceType::CPU);
   TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "tree_attention: softcap must be >= 0 (0: none), got ", softcap);
+  TORCH_CHECK(!bf16_products || (k_cache.scalar_type() == c10::kBFloat16 && q_in.scalar_type() != c10::kHalf),
+              "tree_attention: bf16_products=True needs bfloat16 caches and float32 or bfloat16 q, got q ",
+              q_in.scalar_type(), " over ", k_cache.scalar_type(), " caches");
   if (d.B == 0) return;
   const at::Tensor cache_len = cache_len_in.contiguous();
   const at::Tensor tree_mask = tree_mask_in.contiguous();
@@ -476,6 +744,8 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   a.scale_log2 = static_cast<float>(scale) * kLog2e;
   a.include_prefix = include_prefix;
   a.softcap_log2 = static_cast<float>(softcap * kLog2e);
+  a.bf16 = bf16_products;
+  a.dot = bf16_products && d.D % 32 == 0 && cpu_isa() == Isa::kAvx512 && bf16_dot();
   // each new token's depth: the bits of its mask row (its ancestors and itself; bits >= n ignored), less one
   std::vector<int64_t> depth;
   if (window > 0) {
@@ -536,7 +806,7 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
       const int64_t it = sorted[i];
       const int64_t b = it / (d.Hkv * chunks), hk = (it / chunks) % d.Hkv, c = it % chunks;
       const int64_t r0 = c * chunk_rows, r1 = std::min(R, r0 + chunk_rows);
-      sc.reset(round_up(r1 - r0, kMr), a.Dp, tiles);
+      sc.reset(round_up(r1 - r0, kMr), a.Dp, tiles, a.dot);
       fn(a, b, hk, r0, r1, sc);
     }
   });

@@ -10,6 +10,6 @@ namespace turbospec {
 void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len, const at::Tensor& tree_mask_packed, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window = 0, double softcap = 0.0);
+                        int64_t window = 0, double softcap = 0.0, bool bf16_products = false);
 
 }  // namespace turbospec

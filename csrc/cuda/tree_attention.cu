@@ -633,9 +633,11 @@ void attn_launch(const AttnParams& P, dim3 grid, int merge_blocks) {
 void tree_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                          bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                         int64_t window, double softcap) {
+                         int64_t window, double softcap, bool bf16_products) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                TS_KERNEL_DEVICE);
+  TORCH_CHECK(!bf16_products, "tree_attention: bf16_products=True runs on CPU only (the int8-activation mode); "
+              "the CUDA kernel computes in float32");
   TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
   TORCH_CHECK(softcap >= 0, "tree_attention: softcap must be >= 0 (0: none), got ", softcap);
   TORCH_CHECK(d.D % 8 == 0, "tree_attention: the CUDA kernel needs a head dim D that is a multiple of 8 "

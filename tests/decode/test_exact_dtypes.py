@@ -26,12 +26,21 @@ RANDOM_PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 
 N_NEW = 48
 
 #: (weights, dtype, activations, K/V cache dtype): dense 16-bit weights, GGUF blocks under 16-bit / int8
-#: activations, and 16-bit K/V caches under float32 and int8 activations
+#: activations (int8's own cache: bfloat16, attention rounding q and P to bfloat16), and 16-bit / float32
+#: K/V caches under float32 and int8 activations
 CONFIGS = [("auto", torch.bfloat16, "exact", "auto"), ("auto", torch.float16, "exact", "auto"),
            ("q4_0", torch.bfloat16, "exact", "auto"), ("q8_0", torch.float16, "exact", "auto"),
            ("q4_0", torch.float32, "int8", "auto"), ("auto", torch.float32, "exact", "bfloat16"),
-           ("q4_0", torch.float32, "int8", "float16")]
-CONFIG_IDS = ["bf16", "fp16", "q4_0-bf16", "q8_0-fp16", "q4_0-int8", "fp32-bf16kv", "q4_0-int8-fp16kv"]
+           ("q4_0", torch.float32, "int8", "float16"), ("q4_0", torch.float32, "int8", "float32")]
+CONFIG_IDS = ["bf16", "fp16", "q4_0-bf16", "q8_0-fp16", "q4_0-int8", "fp32-bf16kv", "q4_0-int8-fp16kv",
+              "q4_0-int8-fp32kv"]
+
+
+def _cache_dtype(dtype, activations, kv):
+    """The K/V cache dtype a target of these settings makes (int8 activations: bfloat16 for "auto")."""
+    if kv != "auto":
+        return getattr(torch, kv)
+    return torch.bfloat16 if activations == "int8" else dtype
 
 
 def _target(weights, dtype, activations, kv, cyclic: bool, kind: str = "llama"):
@@ -75,7 +84,7 @@ def test_ngram_and_draft_model_equal_plain(weights, dtype, activations, kv, kind
 def test_head_trees_equal_plain(weights, dtype, activations, kv, method):
     """Trees of up to 16 nodes (many branches): the target rows of every node come from one pass."""
     target = _target(weights, dtype, activations, kv, cyclic=False)
-    assert target.new_cache(2).k[0].dtype == (dtype if kv == "auto" else getattr(torch, kv))
+    assert target.new_cache(2).k[0].dtype == _cache_dtype(dtype, activations, kv)
     head = make_head(method, target, seed=3)
     tree = {"depth": 4, "top_k": 4} if method != "medusa" else {"num_nodes": 16}
     spec = Engine(target, drafter="medusa" if method == "medusa" else "eagle", head=head, tree=tree, num_draft=16,

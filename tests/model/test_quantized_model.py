@@ -124,6 +124,39 @@ def test_int8_activations_change_logits_a_little_and_switch_back():
         model.set_activations("int4")
 
 
+def test_int8_attention_rounds_to_bfloat16_over_its_bfloat16_cache():
+    """int8 activations make a bfloat16 K/V cache by default ("auto") and attention over it rounds q and
+    P to bfloat16 (tree_attention's bf16_products): the C++ layer loop and the Python loop (its
+    specification) give the same logits and caches, prefill and a tree verify; a float32 cache, asked
+    for, keeps float32 attention (other logits); exact activations keep the model's own cache."""
+    model = _model("llama", "q4_0", torch.float32, "int8")
+    assert model.new_cache(4).k[0].dtype == torch.bfloat16 and model.attn_bf16_products(model.new_cache(4).k[0])
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+
+    def run():
+        cache = model.new_cache(80)
+        a = model.forward(ids[:, :66], torch.arange(66)[None], cache, 0)
+        b = model.forward(ids[:, 66:70], torch.tensor([[66, 67, 67, 68]]), cache, 66, mask)
+        return [a, b] + cache.tensors()
+    runs = {}
+    for use_cpp in (True, False):
+        model.use_cpp_layers = use_cpp
+        runs[use_cpp] = run()
+    model.use_cpp_layers = True
+    for x, y in zip(runs[True], runs[False]):
+        assert torch.equal(x, y)
+    model.set_kv_cache_dtype("float32")
+    assert not model.attn_bf16_products(model.new_cache(4).k[0])
+    wide = run()
+    assert not torch.equal(wide[0], runs[True][0])
+    # rounding, not garbage: on this random model a float16 cache moves the logits as much (1.1 of 17.5),
+    # int8 activations themselves by 2.7
+    assert (wide[0] - runs[True][0]).abs().max() < 0.1 * wide[0].abs().max()
+    model.set_kv_cache_dtype("auto").set_activations("exact")
+    assert model.new_cache(4).k[0].dtype == torch.float32
+
+
 def test_int8_speculative_equals_plain_greedy():
     """Batch invariance holds in int8 mode too: a draft model and n-gram drafting give the tokens of
     plain greedy decoding with int8 activations."""

@@ -262,7 +262,7 @@ def attn_emu(emu, q, k, v, cache_len, packed, scale, include_prefix=True, sms=4,
     lse = torch.full((bsz, hq, n), 7.0)
     emu.set_tree_attention_splits(sms, splits, min_chunk)
     try:
-        emu.tree_attention(q, k, v, cache_len, packed, scale, include_prefix, out, lse, window, softcap)
+        emu.tree_attention(q, k, v, cache_len, packed, scale, include_prefix, out, lse, window, softcap, False)
     finally:
         emu.set_tree_attention_splits(4, 0, 0)
     return out, lse

@@ -130,6 +130,106 @@ def test_cpu_float32_queries_over_16bit_caches(cache_dtype, case):
             assert torch.equal(out, wide[0]) and torch.equal(lse, wide[1]), (case, include_prefix)
 
 
+def _bf16_runs(fn) -> list:
+    """fn() on every CPU path, and on the AVX-512 path also with and without vdpbf16ps where the CPU
+    has AVX-512 BF16 (ops.cpu_bf16_dot): the results in order (scalar, avx2, [avx512 without, with])."""
+    runs = []
+    try:
+        for dot in (False, True):
+            ops.cpu_bf16_dot(dot)
+            if dot and not ops.cpu_bf16_dot():
+                break  # no AVX-512 BF16 here: the float32 kernels only
+            runs += on_every_isa(fn) if not dot else [fn()]
+    finally:
+        ops.cpu_bf16_dot("default")
+    return runs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_bf16_products_every_path_gives_the_same_bits(case):
+    """bf16_products (the int8 mode's attention over a bfloat16 cache): q and P rounded to bfloat16, so
+    vdpbf16ps (where the CPU has AVX-512 BF16; D a multiple of 32) and the float32 kernels of every ISA
+    path give the same bits, under float32 and bfloat16 queries; within bfloat16 rounding of the
+    reference, and not the float32 attention over the same caches (the flag acts)."""
+    dev = need_op("cpu")
+    bsz, n, hq, hkv, seq, d, cache_len, kind = CASES[case]
+    q, k, v, lens, packed = make_inputs(bsz, n, hq, hkv, seq, d, cache_len, kind, torch.float32, seed=17)
+    k16, v16 = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    packed = packed.clone()
+    packed[0, -1] = 0  # a row attending no new key (nothing at all without the prefix)
+    for qq in (q * 3, (q * 3).to(torch.bfloat16)):
+        for include_prefix in (True, False):
+            def run():
+                lse = torch.full((bsz, hq, n), 5.0)
+                return ops.tree_attention(qq, k16, v16, lens, packed, 1 / math.sqrt(d), include_prefix, lse=lse,
+                                          bf16_products=True)
+            runs = _bf16_runs(run)
+            for out, lse in runs[1:]:
+                assert torch.equal(out, runs[0][0]) and torch.equal(lse, runs[0][1]), (case, qq.dtype, include_prefix)
+            ref_o, ref_l = reference.tree_attention(qq, k16, v16, lens, packed, 1 / math.sqrt(d), include_prefix,
+                                                    bf16_products=True)
+            torch.testing.assert_close(runs[0][0].float(), ref_o.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(runs[0][1], ref_l, atol=1e-3, rtol=1e-4)
+            if include_prefix and qq.dtype == torch.float32:  # (a tree-only row of one key is v either way)
+                wide = run_op(dev, qq, k16, v16, lens, packed, 1 / math.sqrt(d), include_prefix)
+                assert not torch.equal(wide[0], runs[0][0]), case
+
+
+def test_cpu_bf16_products_token_in_tree_equals_token_alone():
+    """Each row's bits depend on its own keys only: a 64-token chain behind a prefix of 2,000 keys (many
+    tiles; scores kept) and behind 9,000 (4 query heads a kv head: scores recomputed in pass 2), every
+    token of it equal to the same token attended alone, with vdpbf16ps and without."""
+    need_op("cpu")
+    for prefix, d in ((2000, 64), (9000, 32)):
+        q, k, v, cache_len, _ = make_inputs(1, 64, 4, 1, prefix + 100, d, [prefix], "chain", torch.float32, seed=6)
+        k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        packed = reference.build_tree(torch.arange(-1, 63)[None])[1]
+        for dot in (True, False):
+            ops.cpu_bf16_dot(dot)
+            try:
+                lse = torch.empty(1, 4, 64)
+                out, lse = ops.tree_attention(q, k, v, cache_len, packed, 0.2, lse=lse, bf16_products=True)
+                for i in (0, 31, 63):
+                    l1 = torch.empty(1, 4, 1)
+                    alone, l1 = ops.tree_attention(q[:, i:i + 1], k, v, cache_len + i, torch.tensor([[1]]), 0.2,
+                                                   lse=l1, bf16_products=True)
+                    assert torch.equal(alone, out[:, i:i + 1]) and torch.equal(l1, lse[:, :, i:i + 1]), (prefix, dot, i)
+            finally:
+                ops.cpu_bf16_dot("default")
+
+
+def test_cpu_bf16_products_tiny_values_read_as_zero():
+    """Values below 2^-50 in magnitude (in q after scaling, in the caches, denormals among them) read as
+    +0 on every path, so vdpbf16ps, which flushes denormals, and the float32 kernels agree: the result
+    is that of the same inputs with those values zeroed, bit for bit."""
+    need_op("cpu")
+    q, k, v, lens, packed = make_inputs(2, 9, 4, 2, 100, 64, [40, 70], "random", torch.float32, seed=8)
+    g = torch.Generator().manual_seed(9)
+    tiny = lambda t: torch.where(torch.rand(t.shape, generator=g) < 0.2, t * 2.0 ** -60, t)
+    q, k, v = tiny(q), tiny(k).to(torch.bfloat16), tiny(v).to(torch.bfloat16)
+    k[0, 0, 3, :4] = torch.tensor([1e-39, -1e-40, 2.0 ** -126, 2.0 ** -51], dtype=torch.bfloat16)  # denormals
+    zero = lambda t: torch.where(t.float().abs() < 2.0 ** -50, torch.zeros((), dtype=t.dtype), t)
+    args = lambda qq, kk, vv: (qq, kk, vv, lens, packed, 0.125)
+    runs = _bf16_runs(lambda: ops.tree_attention(*args(q, k, v), bf16_products=True, lse=torch.empty(2, 4, 9)))
+    q0 = torch.where((q * 0.125 * math.log2(math.e)).abs() < 2.0 ** -50, torch.zeros(()), q)
+    clean = ops.tree_attention(*args(q0, zero(k), zero(v)), bf16_products=True, lse=torch.empty(2, 4, 9))
+    for out, lse in runs:
+        assert torch.equal(out, clean[0]) and torch.equal(lse, clean[1])
+
+
+def test_bf16_products_needs_bfloat16_caches():
+    """bf16_products over a float32 or float16 cache (or with float16 q) is refused by the kernel and the
+    reference, naming the rule."""
+    q, k, v, lens, packed = make_inputs(1, 3, 2, 1, 20, 32, [5], "chain", torch.float32, seed=1)
+    for kk, qq in ((k, q), (k.half(), q), (k.bfloat16(), q.half())):
+        vv = v.to(kk.dtype)
+        with pytest.raises(ValueError, match="bf16_products=True needs bfloat16 caches"):
+            reference.tree_attention(qq, kk, vv, lens, packed, 0.2, bf16_products=True)
+        if ops.has_op("tree_attention", "CPU"):  # (float16 q over bfloat16 caches: refused by the dtype check)
+            with pytest.raises(RuntimeError, match="bf16_products=True needs bfloat16 caches|k_cache must be float16"):
+                ops.tree_attention(qq, kk, vv, lens, packed, 0.2, bf16_products=True)
+
+
 @pytest.mark.parametrize("d", [1, 5, 20])
 def test_cpu_odd_head_dims(d):
     """The CPU kernel takes any D <= 256 (the CUDA kernel needs a multiple of 8)."""
@@ -526,3 +626,8 @@ def test_opcheck(device):
         lse = torch.empty(2, 4, 5, device=dev) if with_lse else None
         torch.library.opcheck(torch.ops.turbospec.tree_attention.default,
                               (q, k, v, cache_len, packed, 0.25, include_prefix, out, lse), test_utils=utils)
+    if device == "cpu":  # bf16_products over bfloat16 caches (float32 q)
+        q, k, v, cache_len, packed = make_inputs(2, 5, 4, 2, 30, 32, [3, 20], dtype=torch.float32, seed=16)
+        torch.library.opcheck(torch.ops.turbospec.tree_attention.default,
+                              (q, k.bfloat16(), v.bfloat16(), cache_len, packed, 0.25, True, torch.empty(q.shape),
+                               torch.empty(2, 4, 5), 0, 0.0, True), test_utils=utils)

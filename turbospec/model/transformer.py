@@ -450,10 +450,20 @@ class Transformer:
         self.flatten_layers()
         return self
 
+    def attn_bf16_products(self, cache: Tensor) -> bool:
+        """Whether attention over ``cache`` (a layer's K or V cache) rounds its queries and probabilities
+        to bfloat16 (``tree_attention``'s bf16_products): with int8 activations over a bfloat16 cache
+        (the int8 mode's default cache), as the C++ layer loop does. Both products are then of
+        bfloat16 values, on vdpbf16ps where the CPU has AVX-512 BF16 (a float32 attention pays a
+        multiply and an add for each of its products: in a 17-row verify over 300 cached tokens it was a
+        fifth of the pass; bench/results/2026-12-02-bf16-attention.md)."""
+        return self.activations == "int8" and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
+
     def set_kv_cache_dtype(self, mode: str) -> "Transformer":
         """The dtype of the K/V caches ``new_cache`` makes: "auto" (default: the model's dtype; a
         16-bit model's K/V values are already rounded to it, so on CPU its cache gives the bits a
-        float32 cache gives, in half the bytes), "float32", "float16" or "bfloat16". A 16-bit cache
+        float32 cache gives, in half the bytes; with int8 activations bfloat16, and the attention's
+        products of bfloat16 values, ``attn_bf16_products``), "float32", "float16" or "bfloat16". A 16-bit cache
         halves the bytes attention reads per token (what a decode step of many long requests waits
         on); a float32 model's K/V are then rounded to it (to nearest even), so its output is no
         longer the float32 model's, but speculative output still equals plain decoding with the same
@@ -483,8 +493,9 @@ class Transformer:
 
     def new_cache(self, max_seq_len: int, batch_size: int = 1) -> KVCache:
         # "auto": the model's dtype (on CPU the attention kernel widens a 16-bit cache under float32
-        # queries: the bits of a float32 cache holding the same rounded values)
-        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+        # queries: the bits of a float32 cache holding the same rounded values); with int8 activations
+        # bfloat16 (attn_bf16_products)
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype] or (torch.bfloat16 if self.activations == "int8" else self.dtype)
         return KVCache(self.cfg.num_layers, batch_size, self.cfg.num_kv_heads, max_seq_len,
                        self.cfg.head_dim, dtype, self.device)
 
@@ -606,7 +617,7 @@ class Transformer:
             kc[:, :, cache_len:total] = k.transpose(1, 2)
             vc[:, :, cache_len:total] = v.transpose(1, 2)
             out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, lens, mask, self.scale, window=self.windows[li],
-                                        softcap=self.cfg.attn_softcap or 0.0)
+                                        softcap=self.cfg.attn_softcap or 0.0, bf16_products=self.attn_bf16_products(kc))
             return out
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -838,7 +849,8 @@ class Transformer:
                 kc, vc = cache.k[li], cache.v[li]
                 q = ops.rope_cache(qkv, cos, sin, cache_len, cfg.num_heads, kc, vc)
                 return ops.tree_attention(q, kc, vc, cache_len, tree_mask_packed, self.scale,
-                                          window=self.windows[li], softcap=cfg.attn_softcap or 0.0)[0]
+                                          window=self.windows[li], softcap=cfg.attn_softcap or 0.0,
+                                          bf16_products=self.attn_bf16_products(kc))[0]
 
             x, captured = self._decoder_fused(self.embed_tokens(input_ids), attend_qkv, capture)
             return self._head(x, features, captured, last)
@@ -850,7 +862,8 @@ class Transformer:
                 kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
                 vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
             out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, cache_len, tree_mask_packed, self.scale,
-                                        window=self.windows[li], softcap=self.cfg.attn_softcap or 0.0)
+                                        window=self.windows[li], softcap=self.cfg.attn_softcap or 0.0,
+                                        bf16_products=self.attn_bf16_products(kc))
             return out
 
         x, captured = self._decoder(self.embed_tokens(input_ids), cos, sin, attend, capture)

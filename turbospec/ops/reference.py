@@ -1136,7 +1136,7 @@ def unpack_tree_mask(tree_mask_packed: Tensor, n: int) -> Tensor:
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
                    scale: float, include_prefix: bool = True, window: int = 0,
-                   softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+                   softcap: float = 0.0, bf16_products: bool = False) -> tuple[Tensor, Tensor]:
     """The attention of the target's verify pass: n new tokens (a chain or a draft tree) attend a
     static KV cache that already holds their own keys and values.
 
@@ -1158,6 +1158,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
             prefix key in slot s is at position s, new token j at ``cache_len[b] + depth_j``.
         softcap: 0, or attention logit soft-capping (Gemma 2): each score s = scale * q.k becomes
             softcap * tanh(s / softcap) before the mask and the softmax.
+        bf16_products: (bfloat16 caches; float32 or bfloat16 q) the products are of bfloat16 values:
+            ``scale * log2(e) * q`` is rounded to bfloat16 (the scores in base 2), and so is each
+            probability ``2^(s - max)`` before it is summed and multiplies its value; any value below
+            2^-50 in magnitude counts as 0 (the CPU kernel then computes the same bits on every path:
+            the products are exact in float32, and vdpbf16ps meets no denormal).
     Returns:
         out: [B, n, Hq, D] in q's dtype, ``softmax(scale * q k^T) v`` over the attended keys
             (float32 math); a row that attends no key is 0.
@@ -1196,6 +1201,23 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         if window > 0:
             key_pos = torch.cat([torch.arange(lo, length, device=dev), length + depth[b]])        # [K]
             allowed &= key_pos[None, :] > (length + depth[b])[:, None] - window
+        if bf16_products:
+            if k_cache.dtype != torch.bfloat16 or q.dtype == torch.float16:
+                raise ValueError(f"tree_attention: bf16_products=True needs bfloat16 caches and float32 or bfloat16 "
+                                 f"q, got q {q.dtype} over {k_cache.dtype} caches")
+            log2e = 1.4426950408889634
+            keys, values = _bf16_flush(keys), _bf16_flush(values)
+            q2 = _bf16_flush((q[b].float() * (scale * log2e)).to(torch.bfloat16).float())
+            s2 = torch.einsum("ihd,hkd->hik", q2, keys)                                 # base-2 scores
+            if softcap > 0:
+                s2 = softcap * log2e * torch.tanh(s2 / (softcap * log2e))
+            s2 = s2.masked_fill(~allowed, float("-inf"))
+            mx = s2.amax(-1, keepdim=True)
+            p = _bf16_flush(torch.exp2(s2 - torch.where(torch.isinf(mx), 0.0, mx)).to(torch.bfloat16).float())
+            total = p.sum(-1)                                                           # [Hq, n]
+            out[b] = torch.einsum("hik,hkd->ihd", p / total.clamp(min=1e-30)[..., None], values)
+            lse[b] = torch.where(total > 0, (mx[..., 0] + torch.log2(total)) * math.log(2), float("-inf"))
+            continue
         scores = torch.einsum("ihd,hkd->hik", q[b].float(), keys) * scale              # [Hq, n, K]
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
@@ -1205,6 +1227,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         out[b] = torch.einsum("hik,hkd->ihd", p, values)
         lse[b] = row_lse
     return out.to(q.dtype), lse
+
+
+def _bf16_flush(x: Tensor) -> Tensor:
+    """float32 ``x`` with every value below 2^-50 in magnitude made 0 (tree_attention's bf16_products)."""
+    return torch.where(x.abs() < 2.0 ** -50, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
 def merge_attention(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:

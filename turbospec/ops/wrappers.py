@@ -289,7 +289,8 @@ def compact_kv(caches: list[Tensor], prefix_len: Tensor, accept_index: Tensor, a
 
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
                    scale: float, include_prefix: bool = True, out: Tensor | None = None,
-                   lse: Tensor | None = None, window: int = 0, softcap: float = 0.0) -> tuple[Tensor, Tensor | None]:
+                   lse: Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                   bf16_products: bool = False) -> tuple[Tensor, Tensor | None]:
     """The attention of the target's verify pass over one layer's static KV cache; see
     ``reference.tree_attention``.
 
@@ -302,6 +303,8 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
     raises when ``cache_len + n > S``, the CUDA kernel makes such a row attend nothing (out 0,
     lse -inf). ``window`` > 0: sliding-window attention over that many positions; ``softcap`` > 0:
     attention logit soft-capping (CPU kernel and reference; the CUDA kernel refuses both).
+    ``bf16_products`` (bfloat16 caches, CPU kernel and reference): q and the probabilities rounded to
+    bfloat16 before their products (the int8-activation mode's attention).
     """
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("cache_len", cache_len),
                     ("tree_mask_packed", tree_mask_packed), ("out", out), ("lse", lse)):
@@ -313,10 +316,11 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_len: Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if _runs("tree_attention", q.device):
         torch.ops.turbospec.tree_attention.default(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
-                                                   bool(include_prefix), out, lse, int(window), float(softcap))
+                                                   bool(include_prefix), out, lse, int(window), float(softcap),
+                                                   bool(bf16_products))
     else:
         o, l = reference.tree_attention(q, k_cache, v_cache, cache_len, tree_mask_packed, float(scale),
-                                        bool(include_prefix), int(window), float(softcap))
+                                        bool(include_prefix), int(window), float(softcap), bool(bf16_products))
         out.copy_(o)
         if lse is not None:
             lse.copy_(l)
@@ -732,8 +736,11 @@ if _EXTENSION:
 
     @torch.library.register_fake("turbospec::tree_attention")
     def _tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, include_prefix, out, lse,
-                             window=0, softcap=0.0):
+                             window=0, softcap=0.0, bf16_products=False):
         _check_tree_attention_fake(q, k_cache, v_cache, cache_len, tree_mask_packed, scale, out, lse)
+        torch._check(not bf16_products or (k_cache.dtype == torch.bfloat16 and q.dtype != torch.float16),
+                     lambda: f"tree_attention: bf16_products=True needs bfloat16 caches and float32 or bfloat16 q, "
+                             f"got q {_describe(q)} over {_describe(k_cache)}")
         return None
 
     if has_op("small_linear"):

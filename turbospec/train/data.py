@@ -599,8 +599,6 @@ def _generate(encode, prompts, gen_dir, settings, batch_size, answer, stop_at=No
             f.write(json.dumps(done[i]) + "\n")
     # batches of similar prompt lengths (little padding), run in a random order (an honest ETA)
     todo = sorted((i for i in range(len(encoded)) if i not in done), key=lambda i: len(encoded[i]))
-    batches = [todo[s:s + batch_size * per_call] for s in range(0, len(todo), batch_size * per_call)]
-    random.Random(seed).shuffle(batches)
     mean_len = sum(map(len, encoded)) / len(encoded)
     log(f"generation: {len(encoded)} prompts (mean {mean_len:.0f} tokens, {skipped} skipped as longer "
          f"than --max-prompt-tokens), up to {max_new_tokens} new tokens each, batches of {batch_size}, "
@@ -628,9 +626,9 @@ def _generate(encode, prompts, gen_dir, settings, batch_size, answer, stop_at=No
                 else:
                     prior[i] = b["response_ids"]
         todo = [i for i in todo if i not in done]
-        batches = [todo[s:s + batch_size * per_call] for s in range(0, len(todo), batch_size * per_call)]
-        random.Random(seed).shuffle(batches)
         log(f"generation: --extend-data: {kept} stored answers kept as they are, {len(prior)} to continue")
+    batches = [todo[s:s + batch_size * per_call] for s in range(0, len(todo), batch_size * per_call)]
+    random.Random(seed).shuffle(batches)
     new_tokens = 0
     with open(samples_path, "a") as f, tqdm(total=len(encoded), initial=len(done), unit="prompt",
                                              desc="generate", **BAR) as bar:
