@@ -86,12 +86,17 @@ def test_top_k_follows_the_node_budget(cyc, monkeypatch, num_draft, top_k, want)
     assert [budget_top_k(n) for n in (1, 4, 5, 8, 9, 16, 17, 63)] == [2, 2, 2, 4, 4, 8, 8, 8]
     _, target, ref, vocab = cyc
     seen = []
-    orig = eagle_mod.choose_children
+    orig, orig_greedy = eagle_mod.choose_children, eagle_mod.greedy_children
 
     def spy(logits, k, params, generator):
         seen.append(k)
         return orig(logits, k, params, generator)
+
+    def spy_greedy(logits, k):  # greedy rounds draw the whole frontier's children in one call
+        seen.append(k)
+        return orig_greedy(logits, k)
     monkeypatch.setattr(eagle_mod, "choose_children", spy)
+    monkeypatch.setattr(eagle_mod, "greedy_children", spy_greedy)
     tree = {} if top_k is None else {"top_k": top_k}
     eng = engine(target, "eagle3", make_head("eagle3", target, vocab=vocab), num_draft=num_draft, adaptive=False,
                  tree=tree)

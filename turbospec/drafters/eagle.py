@@ -20,8 +20,8 @@ from ..ops.limits import MAX_TREE_NODES
 from ..ops.sampling import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
-from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, head_activations, head_weights, \
-    inference_copy, to_draft
+from .tree import DraftLMHead, Node, ancestor_closed_top, choose_children, greedy_children, head_activations, \
+    head_weights, inference_copy, to_draft
 
 
 TOP_K_MIN, TOP_K_MAX = 2, 8
@@ -170,7 +170,7 @@ class EagleDrafter(Drafter):
         nodes: list[Node] = []
         slot_of: dict[int, int] = {}          # node -> KV slot (relative to _fill)
         hidden: dict[int, Tensor] = {-1: out[0, -1]}
-        logits: dict[int, Tensor] = {-1: (yield Rows(self.logits, out[0, -1:]))[0]}
+        frontier_logits = yield Rows(self.logits, out[0, -1:])  # [len(frontier), draft vocab]
         frontier = [-1]
         root_q = None
         k = self.top_k or budget_top_k(max_tokens)
@@ -182,19 +182,26 @@ class EagleDrafter(Drafter):
         rounds, t_rounds = 0, 0.0
         for d in range(1, depth + 1):
             new = []
-            for f in frontier:
+            if greedy:  # every frontier node's top_k children in one call
+                idx, val = greedy_children(frontier_logits, k)
+                toks_all, lqs_all = self._token(idx).tolist(), val.tolist()
+            for j, f in enumerate(frontier):
                 # Sampling keeps every drawn child, so a group's size is fixed before it is drawn:
                 # top_k, or what is left of the budget. Greedy draws top_k and re-ranks at the end.
-                kk = k if greedy else min(k, max_tokens - len(nodes))
-                if kk <= 0:
-                    break
-                idx, lq, q = choose_children(logits[f], kk, tree_params, generator)
-                if f < 0:
-                    root_q = q
+                if greedy:
+                    toks, lqs = toks_all[j], lqs_all[j]
                 else:
-                    nodes[f].q = q
+                    kk = min(k, max_tokens - len(nodes))
+                    if kk <= 0:
+                        break
+                    idx, lq, q = choose_children(frontier_logits[j], kk, tree_params, generator)
+                    if f < 0:
+                        root_q = q
+                    else:
+                        nodes[f].q = q
+                    toks, lqs = self._token(idx).tolist(), lq.tolist()
                 base = 0.0 if f < 0 else nodes[f].score
-                for t, l in zip(self._token(idx).tolist(), lq.tolist()):
+                for t, l in zip(toks, lqs):
                     nodes.append(Node(token=t, parent=f, score=base + l, depth=d))
                     if f >= 0:
                         nodes[f].children.append(len(nodes) - 1)
@@ -209,22 +216,26 @@ class EagleDrafter(Drafter):
             start = len(slot_of)
             for j, i in enumerate(expand):
                 slot_of[i] = start + j
-            mask = torch.zeros(n_new, self._fill + start + n_new, dtype=torch.bool)
-            mask[:, : self._fill] = True
-            for j, i in enumerate(expand):
+            # each expanded node attends the committed pairs, its ancestors' slots and its own (built as
+            # lists: a tensor store per ancestor cost ~5 us each, a quarter of a round's Python)
+            rows = []
+            for i in expand:
+                row = [False] * (start + n_new)
                 a = i
                 while a >= 0:
-                    mask[j, self._fill + slot_of[a]] = True
+                    row[slot_of[a]] = True
                     a = nodes[a].parent
+                rows.append(row)
+            mask = torch.ones(n_new, self._fill + start + n_new, dtype=torch.bool)
+            mask[:, self._fill:] = torch.tensor(rows, dtype=torch.bool)
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
             e_in = self.target.embedding(torch.tensor([nodes[i].token for i in expand], device=dev)).to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)
             o = yield from self.head.forward_steps(h_in, e_in, p_in, self.kv, self._fill + start, mask.to(dev)[None],
                                                    fused=True)
-            lg = yield Rows(self.logits, o[0])
+            frontier_logits = yield Rows(self.logits, o[0])
             for j, i in enumerate(expand):
                 hidden[i] = o[0, j]
-                logits[i] = lg[j]
             frontier = expand
             rounds += 1
             t_rounds += time.perf_counter() - t_round

@@ -58,15 +58,22 @@ def choose_children(logits: Tensor, k: int, params: SamplingParams, generator: t
     Greedy: top-k of log_softmax. Sampling: an ordered sample without replacement from
     q = logits_to_probs(logits, params) (Gumbel top-k), only among tokens with q > 0."""
     if params.greedy:
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        val, idx = torch.topk(lp, min(k, lp.numel()))
-        return idx, val, None
+        idx, val = greedy_children(logits[None], k)
+        return idx[0], val[0], None
     q = logits_to_probs(logits.float(), params.temperature, params.top_k, params.top_p)
     m = min(k, int((q > 0).sum()))
     u = torch.rand(q.shape, generator=generator, dtype=torch.float64).clamp_(min=1e-300).to(q.device)
     keys = torch.log(q.double()) - torch.log(-torch.log(u))
     idx = torch.topk(keys, m).indices
     return idx, torch.log(q[idx]), q
+
+
+def greedy_children(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """choose_children's greedy rule for every row of ``logits`` [F, dv] in one call (a tree round's
+    frontier): (indices [F, m], log q [F, m]), the top m = min(k, dv) of each row's log_softmax."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    val, idx = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return idx, val
 
 
 @dataclass
