@@ -77,12 +77,16 @@ TORCH_LIBRARY(turbospec, m) {
   // the router [E, hidden], then each expert's gate_up and down (3 + 2 E instead of 4); each token's
   // MLP is the sum, in expert order, of its experts_per_token top experts (router softmax in float32,
   // renormalised over the top k when moe_norm_topk), each weighted (model.py: Transformer._moe).
+  // nodes: int64 [B] or None, a ragged pass (the batched step's rows of unequal drafts): row b's new
+  // tokens are its first nodes[b] (0..n), the rest padding, which may be skipped: their K/V may or may
+  // not be written (at slots no real token attends), their outputs are 0. The real tokens' outputs are
+  // the same bits as without (every row's arithmetic is its own).
   m.def("llama_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor tree_mask_packed, Tensor[] norms, "
         "Tensor[] weights, int[] formats, int[] counts, Tensor[] biases, Tensor(a!)[] k_cache, "
         "Tensor(b!)[] v_cache, int cache_len, int num_heads, int num_kv_heads, float eps, float scale, "
         "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, int norm_layout=0, "
         "int[] windows=[], int activation=0, float attn_softcap=0.0, int[] experts=[], int experts_per_token=0, "
-        "bool moe_norm_topk=False) -> Tensor[]");
+        "bool moe_norm_topk=False, Tensor? nodes=None) -> Tensor[]");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

@@ -143,9 +143,16 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                                    int64_t max_len, int64_t H, int64_t Hkv, double eps_d, double scale,
                                    at::IntArrayRef capture, int64_t activations, at::TensorList qk_norms,
                                    int64_t layout, at::IntArrayRef windows, int64_t act_kind, double softcap,
-                                   at::IntArrayRef experts, int64_t top_k, bool norm_topk) {
+                                   at::IntArrayRef experts, int64_t top_k, bool norm_topk, const int64_t* nodes) {
   const int64_t L = static_cast<int64_t>(k_cache.size());
-  const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1), R = B * n;
+  const int64_t B = x_in.size(0), n = x_in.size(1), hid = x_in.size(2), d = cos_in.size(-1);
+  // The rows computed: every token of every batch row, or with `nodes` the first nodes[b] of row b
+  // (a ragged pass: the rest are padding, skipped). full[r]: row r's index b * n + i in x_in.
+  std::vector<int64_t> full;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < (nodes != nullptr ? nodes[b] : n); ++i) full.push_back(b * n + i);
+  const int64_t R = static_cast<int64_t>(full.size());
+  const bool ragged = R < B * n;
   const int64_t nqkv = (H + 2 * Hkv) * d, half = d / 2;
   const float eps = static_cast<float>(eps_d);
   const auto fopts = x_in.options().dtype(at::kFloat);
@@ -193,7 +200,8 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                   "], got ", c.sizes());
   }
   at::Tensor x = x_in.to(at::kFloat).contiguous();
-  if (x.data_ptr() == x_in.data_ptr()) x = x.clone();
+  if (ragged) x = x.view({B * n, hid}).index_select(0, at::tensor(full, x.options().dtype(at::kLong)));
+  else if (x.data_ptr() == x_in.data_ptr()) x = x.clone();
   std::vector<float> cos_buf, sin_buf, bias_buf;
   const float* cp = as_floats<T>(cos_in, cos_buf);
   const float* sp = as_floats<T>(sin_in, sin_buf);
@@ -209,7 +217,15 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   float* qp = q.data_ptr<float>();
   const int64_t* lp = lens.data_ptr<int64_t>();  // row b's new tokens go to slots lp[b] + i
   // a copy in the model's dtype (exact: x holds T values)
-  const auto to_model = [&](const at::Tensor& t) { return t.to(x_in.scalar_type(), false, /*copy=*/true); };
+  // [B, n, hid] in the model's dtype from x's rows (a ragged pass: padding rows 0)
+  const auto to_model = [&](const at::Tensor& t) {
+    if (!ragged) return t.to(x_in.scalar_type(), false, /*copy=*/true).view({B, n, hid});
+    at::Tensor o = at::zeros({B * n, hid}, x_in.options());
+    o.index_copy_(0, at::tensor(full, x_in.options().dtype(at::kLong)), t.to(x_in.scalar_type()));
+    return o.view({B, n, hid});
+  };
+  // a ragged pass: the attention's output rows [B * n, H * d] -> attc's [R, H * d]
+  at::Tensor attc = ragged ? at::empty({R, H * d}, fopts) : at::Tensor();
   std::vector<at::Tensor> out(1 + capture.size());
   at::Tensor gu, act, gu_t, act_t;  // gu_t / act_t: gate_up / SiLU in T for the ATen SiLU
   // linear i (of every layer's, in order; LinearIndex) over `rows` rows
@@ -343,14 +359,14 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
     // T); k and v into the cache (in its dtype)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t b = r / n, i = r % n;
+      const int64_t b = full[r] / n, i = full[r] % n;
       const int64_t off = (local_off != 0 && !windows.empty() && windows[l] > 0 ? local_off : 0) + b * cos_b + i * d;
       const float* c = cp + off;
       const float* sn = sp + off;
       const float* src = qkvp + r * nqkv;
       for (int64_t hh = 0; hh < H + Hkv; ++hh) {
         const float* xs = src + hh * d;
-        float* dst = hh < H ? qp + (r * H + hh) * d : krow.data();
+        float* dst = hh < H ? qp + (full[r] * H + hh) * d : krow.data();
         for (int64_t e = 0; e < d; ++e) {
           const float a = rnd<T>(xs[e] * c[e]);
           const float rot = rnd<T>(xs[e < half ? e + half : e - half] * sn[e]);
@@ -362,9 +378,15 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
         store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d);
     }
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc));
-    round_all<T>(attn.data_ptr<float>(), R * H * d);  // attn.to(dtype)
-    lin(l, 1, attn.data_ptr<float>(), H * d, nullptr, yp);
+                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc), nodes);
+    float* ap = attn.data_ptr<float>();
+    if (ragged) {
+      float* cp_ = attc.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r) std::copy(ap + full[r] * H * d, ap + (full[r] + 1) * H * d, cp_ + r * H * d);
+      ap = cp_;
+    }
+    round_all<T>(ap, R * H * d);  // attn.to(dtype)
+    lin(l, 1, ap, H * d, nullptr, yp);
     round_all<T>(yp, R * hid);
     add_output(l, 0);
     sublayer_input(l, 1);
@@ -373,11 +395,11 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     } else {
       const int64_t width = gu_width[l], I = width / 2;
       if (!gu.defined() || gu.size(-1) != width) {
-        gu = at::empty({B, n, width}, fopts);
-        act = at::empty({B, n, I}, fopts);
+        gu = at::empty({R, width}, fopts);
+        act = at::empty({R, I}, fopts);
         if constexpr (!std::is_same_v<T, float>) {
-          gu_t = at::empty({B, n, width}, x_in.options());
-          act_t = at::empty({B, n, I}, x_in.options());
+          gu_t = at::empty({R, width}, x_in.options());
+          act_t = at::empty({R, I}, x_in.options());
         }
       }
       lin(l, 2, hp, hid, nullptr, gu.data_ptr<float>());
@@ -401,7 +423,8 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
                                      at::IntArrayRef capture, at::TensorList qk_norms, int64_t activations,
                                      const std::optional<at::Tensor>& cache_lens, int64_t layout,
                                      at::IntArrayRef windows, int64_t act_kind, double softcap,
-                                     at::IntArrayRef experts, int64_t top_k, bool norm_topk) {
+                                     at::IntArrayRef experts, int64_t top_k, bool norm_topk,
+                                     const std::optional<at::Tensor>& nodes_in) {
   const int64_t num_layers = static_cast<int64_t>(k_cache.size());
   TORCH_CHECK(x_in.dim() == 3, "llama_layers: x must be [B, n, hidden], got ", x_in.sizes());
   TORCH_CHECK(static_cast<int64_t>(v_cache.size()) == num_layers,
@@ -458,6 +481,20 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
               max_len, " + ", n, " new tokens > max_seq_len ", k_cache[0].size(2));
   for (int64_t c : capture)
     TORCH_CHECK(c >= 0 && c < num_layers, "llama_layers: capture layer ", c, " is outside [0, ", num_layers, ")");
+  // nodes (int64 [B]): a ragged pass, row b's new tokens its first nodes[b], the rest padding
+  at::Tensor nodes_t;
+  const int64_t* nodes = nullptr;
+  if (nodes_in.has_value()) {
+    nodes_t = nodes_in->contiguous();
+    TORCH_CHECK(nodes_t.device().is_cpu() && nodes_t.scalar_type() == at::kLong && nodes_t.dim() == 1 &&
+                    nodes_t.size(0) == B,
+                "llama_layers: nodes must be an int64 CPU tensor [", B, "], got ", nodes_t.scalar_type(), " ",
+                nodes_t.sizes(), " on ", nodes_t.device());
+    nodes = nodes_t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(nodes[b] >= 0 && nodes[b] <= n, "llama_layers: nodes[", b, "] = ", nodes[b], " must be in [0, ", n,
+                  "] (the pass's new tokens per row)");
+  }
   const auto dtype = x_in.scalar_type();
   const at::Tensor mask = tree_mask_packed.expand({B, n}).contiguous();
   // The raw loop: float32 / bfloat16 / float16 models (every input of the model's dtype), float32,
@@ -470,7 +507,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       using T = decltype(tag);
       return layers_raw<T>(x_in, cos, sin_signed, mask, lens, norms, weights, formats, counts, biases, k_cache,
                            v_cache, max_len, num_heads, num_kv_heads, eps, scale, capture, activations, qk_norms,
-                           layout, windows, act_kind, softcap, experts, top_k, norm_topk);
+                           layout, windows, act_kind, softcap, experts, top_k, norm_topk, nodes);
     };
     if (dtype == at::kBFloat16) return run(c10::BFloat16{});
     if (dtype == at::kHalf) return run(c10::Half{});
@@ -552,6 +589,10 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
       if (capture[c] == l) out[1 + c] = x;
   }
   out[0] = x;
+  if (nodes != nullptr) {  // padding rows: 0, as the raw loop leaves them (it computes only the others)
+    const at::Tensor pad = at::arange(n, nodes_t.options()).unsqueeze(0) >= nodes_t.unsqueeze(1);  // [B, n]
+    for (at::Tensor& t : out) t = t.masked_fill(pad.unsqueeze(-1), 0);
+  }
   return out;
 }
 

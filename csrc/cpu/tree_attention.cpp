@@ -209,6 +209,7 @@ struct Args {
   const int64_t* depth;  // [B, n]: each new token's depth in its tree (window > 0 only)
   bool bf16;             // bf16_products (bfloat16 caches): q and P rounded, see bf16_round
   bool dot;              // bf16 with vdpbf16ps (the AVX-512 path on a CPU with AVX-512 BF16)
+  const int64_t* nodes;  // [B] or nullptr: row b's new tokens are its first nodes[b] (see tree_attention_cpu)
 };
 
 // Per-item buffers (float32): Q and O [rows, Dp], S / P [rows, kTile], the key tile transposed
@@ -542,7 +543,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
   }
   const int64_t L = a.cache_len[b];
   int64_t start = a.include_prefix ? 0 : L;
-  const int64_t end = L + n;
+  const int64_t end = L + (a.nodes != nullptr ? a.nodes[b] : n);  // padding nodes' keys: never attended
   // Sliding window: query i (position L + depth_i) attends keys at positions >= lo_i = L + depth_i +
   // 1 - window; the prefix before the smallest lo_i is skipped, the rest masked key by key (masked
   // keys add exact zeros, so skipping and masking give the same bits).
@@ -701,7 +702,7 @@ AttendFn pick_attend() {
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window, double softcap, bool bf16_products) {
+                        int64_t window, double softcap, bool bf16_products, const int64_t* nodes) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                c10::DeviceType::CPU);
   TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
@@ -746,6 +747,11 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   a.softcap_log2 = static_cast<float>(softcap * kLog2e);
   a.bf16 = bf16_products;
   a.dot = bf16_products && d.D % 32 == 0 && cpu_isa() == Isa::kAvx512 && bf16_dot();
+  if (nodes != nullptr)
+    for (int64_t b = 0; b < d.B; ++b)
+      TORCH_CHECK(nodes[b] >= 0 && nodes[b] <= d.n, "tree_attention: nodes[", b, "] = ", nodes[b], " must be in [0, ",
+                  d.n, "]");
+  a.nodes = nodes;
   // each new token's depth: the bits of its mask row (its ancestors and itself; bits >= n ignored), less one
   std::vector<int64_t> depth;
   if (window > 0) {
@@ -790,9 +796,11 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   thread_local std::vector<int64_t> order, work;  // the calling thread's, kept between calls
   order.resize(items);
   work.resize(items);
+  // the rows of batch row b: its nodes' (padding nodes are skipped)
+  const auto rows_of = [&](int64_t b) { return nodes != nullptr ? nodes[b] * a.G : R; };
   for (int64_t it = 0; it < items; ++it) {
     const int64_t b = it / (d.Hkv * chunks), c = it % chunks;
-    const int64_t rows = std::min(R, (c + 1) * chunk_rows) - c * chunk_rows;
+    const int64_t rows = std::max<int64_t>(0, std::min(rows_of(b), (c + 1) * chunk_rows) - c * chunk_rows);
     order[it] = it;
     work[it] = ((include_prefix ? len[b] : 0) + d.n + kTile) * round_up(rows, kMr);
   }
@@ -805,7 +813,8 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
          i = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t it = sorted[i];
       const int64_t b = it / (d.Hkv * chunks), hk = (it / chunks) % d.Hkv, c = it % chunks;
-      const int64_t r0 = c * chunk_rows, r1 = std::min(R, r0 + chunk_rows);
+      const int64_t r0 = c * chunk_rows, r1 = std::min(rows_of(b), r0 + chunk_rows);
+      if (r1 <= r0) continue;  // padding rows only
       sc.reset(round_up(r1 - r0, kMr), a.Dp, tiles, a.dot);
       fn(a, b, hk, r0, r1, sc);
     }
@@ -814,4 +823,15 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
 
 }  // namespace turbospec
 
-TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("tree_attention", &turbospec::tree_attention_cpu); }
+namespace {
+// the op (its schema has no nodes: every row is a request's)
+void tree_attention_op(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cache_len, const at::Tensor& tree_mask, double scale, bool include_prefix,
+                       const at::Tensor& out, const std::optional<at::Tensor>& lse, int64_t window, double softcap,
+                       bool bf16_products) {
+  turbospec::tree_attention_cpu(q, k_cache, v_cache, cache_len, tree_mask, scale, include_prefix, out, lse, window,
+                                softcap, bf16_products);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(turbospec, CPU, m) { m.impl("tree_attention", &tree_attention_op); }

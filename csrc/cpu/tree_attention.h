@@ -1,4 +1,7 @@
 // tree_attention's CPU kernel (csrc/cpu/tree_attention.cpp), callable from other CPU kernels.
+// ``nodes`` (int64 [B] or nullptr, the C++ layer loop's ragged passes): batch row b's new tokens are
+// its first nodes[b]; the rest are padding: their rows are not computed (out keeps what it held) and
+// no row attends their keys (its mask must not name them). The real rows' results are the same bits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,6 +13,7 @@ namespace turbospec {
 void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len, const at::Tensor& tree_mask_packed, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window = 0, double softcap = 0.0, bool bf16_products = false);
+                        int64_t window = 0, double softcap = 0.0, bool bf16_products = false,
+                        const int64_t* nodes = nullptr);
 
 }  // namespace turbospec

@@ -84,7 +84,19 @@ def test_rows_equal_each_row_alone_with_padding_and_a_parked_prompt(target, stat
     step.prefill_part(3, prompts[3], 0, 5)
     parked_kv = [t[3, :, :5].clone() for t in step.cache.tensors()]
     rows = {b: Row(p, lens[b], d) for b, (p, d) in enumerate(zip(prompts[:3], drafts))}
-    got = step.step(rows, parked={3: 5})
+    seen = []
+    real_forward = type(target).forward_static
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("nodes"))
+        return real_forward(self, *a, **kw)
+
+    import unittest.mock as mock
+    with mock.patch.object(type(target), "forward_static", spy):
+        got = step.step(rows, parked={3: 5})
+    # CPU's eager pass is ragged: each row its own nodes (a chain and a tree of 3 + the root, a root
+    # alone; the parked slot 3 is past the pass's 3 rows); the static path computes its fixed shape
+    assert len(seen) == 1 and (seen[0] is None if static else seen[0].tolist() == [4, 4, 1])
     for t, before in zip(step.cache.tensors(), parked_kv):
         assert torch.equal(t[3, :, :5], before)
     for b in range(3):
@@ -134,9 +146,9 @@ def test_static_batch_row_buckets_equal_alone(cyc, method):  # noqa: F811
     rows_seen = []
     real = eng.target_step.runner.__class__.forward_rows
 
-    def spy(self, ids, *a):
+    def spy(self, ids, *a, **kw):
         rows_seen.append(ids.shape[0])
-        return real(self, ids, *a)
+        return real(self, ids, *a, **kw)
 
     prompts = [PROMPT[i:] for i in range(5)]
     import unittest.mock as mock

@@ -54,3 +54,23 @@ def test_fixed_and_no_drafting_rows():
     assert b.choose(8, 0, [(geometric(0.1), 1.0)] * 8) == 5  # fixed: always max_draft
     assert BatchBudget(5).choose(4, 4, []) == 0  # nothing drafts
     assert BatchBudget(0).choose(1, 0, [(geometric(0.9), 0.0)]) == 0
+
+
+def test_ragged_pass_costs_its_drafts_not_the_rectangle():
+    """12 plain rows and 4 drafting ones (acceptance 0.9) on a pass that costs a fixed part plus a part
+    per token: padded to the longest draft (16 x (k + 1) tokens) drafting does not pay; a ragged pass
+    (CPU's eager pass: 12 + 4 x (k + 1) tokens) it does."""
+    def cost(t):
+        return 0.02 + 0.001 * t
+
+    def run(ragged: bool) -> list[int]:
+        b, ks = BatchBudget(6), []
+        for _ in range(200):
+            k = b.choose(16, 12, [(geometric(0.9), 1e-5)] * 4, ragged=ragged)
+            tokens = 12 + 4 * (k + 1) if ragged else 16 * (k + 1)
+            b.record(tokens, cost(tokens))
+            ks.append(k)
+        return ks[-100:]
+    assert run(False).count(0) >= 90
+    ragged = run(True)
+    assert ragged.count(0) <= 10 and sorted(ragged)[50] >= 3

@@ -571,6 +571,60 @@ def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype, kv):
         model.forward_static(ids, positions, cache, torch.tensor([7, 0]), packed)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", ["auto", "bfloat16"])
+def test_forward_static_ragged_rows_skip_padding(kind, dtype, kv):
+    """``forward_static(nodes=...)``: row b's new tokens are its first nodes[b] (the batched step's
+    shorter drafts and free slots). The real tokens' logits, features and K/V are the bits of the pass
+    without ``nodes`` (in the C++ loop and the Python loop alike); padding logits are 0; the C++ loop
+    computes no padding: nothing is written for it (a free slot's cache is untouched)."""
+    from turbospec.ops import has_op
+    if not has_op("llama_layers"):
+        pytest.skip("turbospec._C with llama_layers is not built")
+    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype).set_kv_cache_dtype(kv)
+    g = torch.Generator().manual_seed(6)
+    lens = torch.tensor([9, 21, 5])
+    n = 4
+    prompts = [torch.randint(0, 256, (1, int(s)), generator=g) for s in lens]
+    ids = torch.randint(0, 256, (3, n), generator=g)
+    # row 0: a chain of 3 then a padding node; row 1: a tree of 4; row 2: a free slot (padding only)
+    packed = torch.tensor([[1, 3, 7, 8], [1, 3, 5, 11], [1, 2, 4, 8]])
+    positions = lens[:, None] + torch.tensor([[0, 1, 2, 0], [0, 1, 1, 2], [0, 0, 0, 0]])
+    nodes = torch.tensor([3, 4, 0])
+    real = torch.arange(n)[None] < nodes[:, None]
+    runs = {}
+    for use_cpp in (False, True):
+        model.use_cpp_layers = use_cpp
+        for ragged in (False, True):
+            cache = model.new_cache(40, batch_size=3)
+            for b, p in enumerate(prompts):
+                model.forward(p, torch.arange(p.shape[1])[None], cache.rows(b, b + 1), 0, logits="none")
+            before = [t.clone() for t in cache.tensors()]
+            logits, feats = model.forward_static(ids, positions, cache, lens, packed, features=[0, 1],
+                                                 nodes=nodes if ragged else None)
+            runs[use_cpp, ragged] = logits, feats, cache.tensors(), before
+    for use_cpp in (False, True):
+        (l0, f0, c0, _), (l1, f1, c1, before) = runs[use_cpp, False], runs[use_cpp, True]
+        assert torch.equal(l1[real], l0[real]) and torch.equal(f1[real], f0[real])
+        assert (l1[~real] == 0).all()
+        for t0, t1, t_before in zip(c0, c1, before):
+            for b, s in enumerate(lens.tolist()):
+                k = int(nodes[b])
+                assert torch.equal(t1[b, :, : s + k], t0[b, :, : s + k])  # the prefix and the real tokens
+                if use_cpp:  # the padding computed nothing: its slots as they were
+                    assert torch.equal(t1[b, :, s + k:], t_before[b, :, s + k:])
+    # the C++ loop's real rows are the Python loop's (its specification)
+    assert torch.equal(runs[True, True][0], runs[False, True][0])
+    assert torch.equal(runs[True, True][1][real], runs[False, True][1][real])
+    if dtype == torch.float32:
+        assert (runs[True, True][1][~real] == 0).all()  # the C++ loop's padding features: 0
+    with pytest.raises(RuntimeError, match=r"nodes\[1\] = 5 must be in \[0, 4\]"):
+        model.forward_static(ids, positions, model.new_cache(40, batch_size=3), lens, packed, nodes=torch.tensor([1, 5, 0]))
+    with pytest.raises(ValueError, match="nodes must be an int64 CPU tensor"):
+        model.forward_static(ids, positions, model.new_cache(40, batch_size=3), lens, packed, nodes=torch.tensor([1.0, 2.0, 0.0]))
+
+
 @pytest.mark.parametrize("cut", [10, 3000, 50_000_000])
 def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
     """A GGUF cut short (in its header, or in its tensor data) or overwritten is refused with a

@@ -175,9 +175,9 @@ class Scheduler:
         parked = {slot: p[0] for slot, p in self.prefilling.items()}
         results = self.batch.step({slot: job.seq for slot, job in decoding.items()}, parked)
         seconds = time.perf_counter() - t
-        if self.budget is not None:
-            n = max(1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in decoding.values())
-            self.budget.record((max(decoding) + 1) * n, seconds)
+        if self.budget is not None:  # the pass's tokens: its drafts' (ragged), else rows x the longest
+            sizes = [1 + (0 if j.seq.draft is None else len(j.seq.draft)) for j in decoding.values()]
+            self.budget.record(sum(sizes) if self.batch.ragged else (max(decoding) + 1) * max(sizes), seconds)
         for slot, res in results.items():
             job = self.active[slot]
             if isinstance(res, Exception):
@@ -248,7 +248,8 @@ class Scheduler:
             return None
         drafting = [(j.seq.budget.expected_upto, j.seq.budget.draft_cost())
                     for j in decoding.values() if self._budgeted(j)]
-        return self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting)
+        return self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting,
+                                  ragged=self.batch.ragged)
 
 
 def run_batch(sched: Scheduler, jobs: list[Job]) -> Iterator[tuple[int, list[int]]]:

@@ -117,7 +117,8 @@ class _Staging:
     read, by which time the copy has completed)."""
     NODES = dict(ids=torch.int64, draft_ids=torch.int64, parents=torch.int64, positions=torch.int64,
                  packed=torch.int64, uniform=torch.float32)
-    ROWS = dict(cache_len=torch.int64, temperature=torch.float64, top_k=torch.int64, top_p=torch.float64)
+    ROWS = dict(cache_len=torch.int64, temperature=torch.float64, top_k=torch.int64, top_p=torch.float64,
+                nodes=torch.int64)
 
     def __init__(self, rows: int, device: torch.device):
         self.rows, self.device = rows, torch.device(device)
@@ -319,6 +320,13 @@ class TargetStep:
                                   features=self.features)
         return None if self.features is None else out[1][0]
 
+    @property
+    def ragged(self) -> bool:
+        """Whether a batched pass computes only its rows' own tokens (CPU's eager pass: the C++ layer
+        loop skips the padding of shorter drafts and of free and parked slots), so that it costs the
+        tokens of its drafts, not rows x the longest; the static path (CUDA graphs) computes its shape."""
+        return not self.runner.static and self.target.device.type == "cpu"
+
     @torch.inference_mode()
     def step(self, rows: dict, parked: dict[int, int] | None = None
              ) -> dict[int, StepResult | NonFiniteLogitsError]:
@@ -336,7 +344,7 @@ class TargetStep:
         st = self._stage
         v = st.views(rb, n)
         ids, draft_ids, parents, positions, packed, uniform = (v[k] for k in _Staging.NODES)
-        cache_len, temperature, top_k, top_p = (v[k] for k in _Staging.ROWS)
+        cache_len, temperature, top_k, top_p, nodes = (v[k] for k in _Staging.ROWS)
         # every row and node is written below when every row of the pass is a request with n nodes
         # (one request alone); else the rest are padding: a node attending only itself, never accepted
         if len(rows) < rb or any((0 if s.draft is None else len(s.draft)) + 1 < n for s in rows.values()):
@@ -348,6 +356,7 @@ class TargetStep:
             positions.zero_()
             packed.copy_(self._pad[:n].expand(rb, n))
             cache_len.zero_()
+            nodes.zero_()  # a free or parked slot: no token (the pass skips it on CPU)
             uniform.zero_()
             # float64: the Python numbers exactly, as given
             temperature.zero_()
@@ -372,6 +381,7 @@ class TargetStep:
             ids[b, 0] = draft_ids[b, 0] = root
             parents[b, 0] = -1
             cache_len[b] = s.cache_len
+            nodes[b] = k + 1
             if k:
                 ids[b, 1:k + 1] = draft_ids[b, 1:k + 1] = torch.tensor(d.token_ids)
             if d is None or d.parents is None:
@@ -406,12 +416,14 @@ class TargetStep:
         if extra["bitmask"] is not None:
             processing["token_bitmask"] = extra["bitmask"]
         lazy = dynamic and self._lazy is not None and n > LAZY_ROWS and not self.node_argmax
+        ragged = not dynamic and self.ragged
         with nvtx.range("verify"):
             if dynamic:
                 out = self.runner.forward(v["ids"], v["positions"], int(cache_len[0]), tree_mask=tree_mask,
                                           logits="normed" if lazy else "all")
             else:
-                out = self.runner.forward_rows(v["ids"], v["positions"], v["cache_len"], v["packed"])
+                out = self.runner.forward_rows(v["ids"], v["positions"], v["cache_len"], v["packed"],
+                                               nodes=v["nodes"] if ragged else None)
         logits, feats = (out, None) if self.features is None else out
         with nvtx.range("accept"):
             args = (v["parents"], v["draft_ids"], probs, v["uniform"], v["temperature"], v["top_k"], v["top_p"])

@@ -455,7 +455,9 @@ class BatchBudget:
     cost of the batched verify pass.
 
     Every row of a pass is padded to the longest one, so the pass costs V(R * (k + 1)) for R rows
-    and drafts of k tokens: V is measured as a function of the tokens in the pass (the lower median
+    and drafts of k tokens; a ragged pass (``ragged``: CPU's eager pass, which skips the padding)
+    costs V(plain rows + D * (k + 1)) for D drafting rows. V is measured as a function of the tokens
+    in the pass (the lower median
     of its last 5 passes; unmeasured sizes linear between measured neighbours, beyond them a mild
     slope). One length k serves the drafting rows; it is the k in [0, max_draft] with the best
     expected tokens per second of the whole step:
@@ -488,14 +490,16 @@ class BatchBudget:
         return [filled[t - lo] for t in sizes]
 
     def choose(self, rows_in_pass: int, plain_rows: int,
-               drafting: list[tuple[Callable[[int], list[float]], float]]) -> int:
+               drafting: list[tuple[Callable[[int], list[float]], float]], ragged: bool = False) -> int:
         """k for this step. ``drafting``: (k -> [E(0), ..., E(k)], the tokens a step drafting 0..k
         emits; draft seconds per token) of each row that drafts by this budget; ``plain_rows``: the
-        other active rows (one token each)."""
+        other active rows (one token each); ``ragged``: the pass computes its rows' own tokens only
+        (``record`` then gets those)."""
         if not self.adaptive or self.max_draft == 0 or not drafting:
             return self.max_draft if drafting else 0
         ks = range(self.max_draft + 1)
-        verify = self.verify_costs([rows_in_pass * (k + 1) for k in ks])
+        sizes = [plain_rows + len(drafting) * (k + 1) if ragged else rows_in_pass * (k + 1) for k in ks]
+        verify = self.verify_costs(sizes)
         if verify[0] is None:
             return min(2, self.max_draft)  # nothing measured yet: start short, then follow the numbers
         per_token = sum(d for _, d in drafting)

@@ -140,15 +140,18 @@ class TargetRunner:
         mask = self._chain[:, :n] if tree_mask_packed is None else tree_mask_packed
         return self._run(node_ids, positions, mask)
 
-    def forward_rows(self, node_ids: Tensor, positions: Tensor, cache_len: Tensor, tree_mask_packed: Tensor):
+    def forward_rows(self, node_ids: Tensor, positions: Tensor, cache_len: Tensor, tree_mask_packed: Tensor,
+                     nodes: Tensor | None = None):
         """The fixed-shape forward over several rows (on the dynamic path: eagerly, at the given
         shape, no buckets): ``node_ids`` / ``positions`` / ``tree_mask_packed``
         [R, n] (R one of ``row_buckets``; rows the step does not use are padding: a node that attends
         only itself, at a position past its row's prefix), ``cache_len`` int64 [R] on the device (each
-        row's prefix, in cache rows 0..R-1). Returns logits [R, n, V] (and features [R, n, F])."""
+        row's prefix, in cache rows 0..R-1). Returns logits [R, n, V] (and features [R, n, F]).
+        ``nodes`` (int64 [R], CPU): each row's real tokens, its first nodes[r] (the dynamic path skips
+        the padding: ``Transformer.forward_static``; the static path computes it: its shapes are fixed)."""
         if not self.static:  # the fixed-shape forward, eagerly at the step's own shape
             return self.target.forward_static(node_ids, positions, self.cache.rows(0, node_ids.shape[0]), cache_len,
-                                              tree_mask_packed, self.features)
+                                              tree_mask_packed, self.features, nodes=nodes)
         self.cache_len[: node_ids.shape[0]].copy_(cache_len, non_blocking=True)
         return self._run(node_ids, positions, tree_mask_packed)
 

@@ -818,7 +818,8 @@ class Transformer:
 
     @torch.inference_mode()
     def forward_static(self, input_ids: Tensor, position_ids: Tensor, cache: KVCache, cache_len: Tensor,
-                       tree_mask_packed: Tensor, features=None, last: Tensor | None = None):
+                       tree_mask_packed: Tensor, features=None, last: Tensor | None = None,
+                       nodes: Tensor | None = None):
         """``forward`` with fixed shapes and no host reads, so that it can be captured in a CUDA graph
         and replayed for any prefix length.
 
@@ -829,9 +830,20 @@ class Transformer:
         others. Positions must be inside the rotary table (``ensure_rope``). Returns logits
         [B, n, V] float32, with ``features`` as in ``forward``; with ``last`` (int64 [B]) only those of
         token ``last[b]`` of each row, [B, V] (no features).
+
+        ``nodes`` (int64 [B] on the CPU, or None): a ragged pass, row b's new tokens its first
+        ``nodes[b]``, the rest padding (the batched step's requests with shorter drafts than the
+        longest, and free slots: 0). Padding tokens are not computed where the C++ layer loop runs
+        and never through the LM head: their logits are 0 and their features unspecified; their K/V
+        may or may not be written (at slots no real token attends). The real tokens' logits and
+        features are the same bits as without ``nodes``.
         """
         if last is not None and features is not None:
             raise ValueError("forward_static: last= returns logits only (features must be None)")
+        if nodes is not None and (last is not None or nodes.device.type != "cpu" or nodes.dtype != torch.int64
+                                  or tuple(nodes.shape) != (input_ids.shape[0],)):
+            raise ValueError(f"forward_static: nodes must be an int64 CPU tensor [{input_ids.shape[0]}] and last "
+                             f"None, got nodes {nodes.dtype} {tuple(nodes.shape)} on {nodes.device}, last {last}")
         cfg = self.cfg
         bsz, n = input_ids.shape
         cos, sin = self._rope_static(position_ids)
@@ -842,8 +854,9 @@ class Transformer:
                 self.embed_tokens(input_ids), cos, sin, tree_mask_packed, norms, weights, formats, counts, biases,
                 cache.k, cache.v, 0, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, capture,
                 qk_norms, ACTIVATION_MODES[self.activations], cache_len, self._cpp_layout, self._cpp_windows,
-                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk)
-            return self._head(x, features, captured, last)
+                self._cpp_act, cfg.attn_softcap or 0.0, self._cpp_experts, cfg.experts_per_token, cfg.moe_norm_topk,
+                nodes)
+            return self._head(x, features, captured, last, nodes)
         if self._fused_static(cache):
             def attend_qkv(li: int, qkv: Tensor) -> Tensor:
                 kc, vc = cache.k[li], cache.v[li]
@@ -853,7 +866,7 @@ class Transformer:
                                           bf16_products=self.attn_bf16_products(kc))[0]
 
             x, captured = self._decoder_fused(self.embed_tokens(input_ids), attend_qkv, capture)
-            return self._head(x, features, captured, last)
+            return self._head(x, features, captured, last, nodes)
         slots = cache_len[:, None] + torch.arange(n, device=input_ids.device)  # [B, n]
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -867,15 +880,35 @@ class Transformer:
             return out
 
         x, captured = self._decoder(self.embed_tokens(input_ids), cos, sin, attend, capture)
-        return self._head(x, features, captured, last)
+        return self._head(x, features, captured, last, nodes)
 
-    def _head(self, x: Tensor, features, captured, last: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def _head(self, x: Tensor, features, captured, last: Tensor | None = None,
+              nodes: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Final norm + LM head over every row of the static path (logits [B, n, V] float32), with
-        the drafter's features when asked; ``last``: only token last[b] of row b ([B, V])."""
+        the drafter's features when asked; ``last``: only token last[b] of row b ([B, V]); ``nodes``:
+        only each row's first nodes[b] tokens (the others' logits 0; see ``forward_static``)."""
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last]
-        x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        logits = self.lm_head(x).float()
+        real = None
+        if nodes is not None and getattr(self.lm_head, "kernel", False):  # row-wise kernels only
+            bsz, n = x.shape[:2]
+            real = (torch.arange(n) < nodes[:, None]).flatten()
+            if bool(real.all()):
+                real = None
+        if real is None:
+            x = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            logits = self.lm_head(x).float()
+        else:  # the real rows alone (the kernels are row-wise: the same bits as over every row)
+            idx = real.nonzero().squeeze(1)
+            flat = x.reshape(bsz * n, -1)
+            normed = rms_norm(flat.index_select(0, idx), self.norm, self.cfg.rms_norm_eps)
+            rows = self.lm_head(normed).float()
+            logits = rows.new_empty(bsz * n, rows.shape[-1])
+            logits[~real] = 0.0
+            logits.index_copy_(0, idx, rows)
+            logits = logits.view(bsz, n, -1)
+            if features == "final":
+                x = flat.new_zeros(flat.shape).index_copy_(0, idx, normed).view(bsz, n, -1)
         if features is None:
             return logits
         return logits, (x if features == "final" else torch.cat(captured, dim=-1))
