@@ -8,6 +8,7 @@
 // attention is tree_attention's CPU kernel (one order per query row whatever the number of rows), so
 // a token's hidden states do not depend on how many tokens share the pass.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -129,6 +130,20 @@ const float* as_floats(const at::Tensor& t, std::vector<float>& buf) {
   return buf.data();
 }
 
+// f(r0, r1) over rows [0, R): split among the threads from kParallelRows rows (a prefill chunk, a
+// long verify pass), where the row-wise work between the linears (norms, rotary embedding and cache
+// stores, the gate's product, residual adds) left the other thread waiting (perf of a 256-token
+// prefill: the calling thread ~11 % busier); fewer rows stay on the calling thread (a region costs
+// more than their work). Each row's arithmetic is its own: the same bits either way.
+constexpr int64_t kParallelRows = 64;
+template <typename F>
+void for_rows(int64_t R, const F& f) {
+  if (R >= kParallelRows && at::get_num_threads() > 1 && !at::in_parallel_region())
+    at::parallel_for(0, R, 16, f);
+  else if (R > 0)
+    f(0, R);
+}
+
 // The layer loop on raw buffers for a model of dtype T (float32 / bfloat16 / float16; float32 K/V
 // caches): the same arithmetic as the ATen loop below, operation for operation, without ~35 ATen
 // calls per layer. Activations live in float32 buffers; every value the ATen loop stores in a T
@@ -209,7 +224,6 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   const int64_t local_off = cd == 5 ? cos_in.numel() / 2 : 0;  // where the second table starts
   at::Tensor h = at::empty({R, hid}, fopts), qkv = at::empty({R, nqkv}, fopts), y = at::empty({R, hid}, fopts);
   at::Tensor q = at::empty({B, n, H, d}, fopts), attn = at::empty({B, n, H, d}, fopts);
-  std::vector<float> krow(d);  // a rotated key row before it is stored in the cache's dtype
   float* xp = x.data_ptr<float>();
   float* hp = h.data_ptr<float>();
   float* qkvp = qkv.data_ptr<float>();
@@ -247,8 +261,10 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     if constexpr (std::is_same_v<T, float>) {
       if (act_kind == 0) at::silu_out(a, g.narrow(-1, 0, I));  // (the ATen op F.silu runs: same bits)
       else at::gelu_out(a, g.narrow(-1, 0, I), "tanh");          // F.gelu(approximate="tanh")
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+      for_rows(rows, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t k = 0; k < I; ++k) ap[r * I + k] = ap[r * I + k] * up[r * width + k];
+      });
     } else {
       const float* gp = g.data_ptr<float>();
       T* gt = gt_v.data_ptr<T>();
@@ -256,9 +272,11 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
       if (act_kind == 0) at::silu_out(at_v, gt_v.narrow(-1, 0, I));  // F.silu on the T tensor: same bits
       else at::gelu_out(at_v, gt_v.narrow(-1, 0, I), "tanh");
       const T* at_ = at_v.data_ptr<T>();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t k = 0; k < I; ++k)
-          ap[r * I + k] = rnd<T>(static_cast<float>(at_[r * I + k]) * rnd<T>(up[r * width + k]));
+      for_rows(rows, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t k = 0; k < I; ++k)
+            ap[r * I + k] = rnd<T>(static_cast<float>(at_[r * I + k]) * rnd<T>(up[r * width + k]));
+      });
     }
   };
   // An expert layer's MLP (model.py: Transformer._moe with _experts_index) over h (hp) into y (yp),
@@ -314,12 +332,19 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
       }
     }
   };
-  auto add_into = [&](float* dst, const float* src, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) dst[i] = rnd<T>(dst[i] + src[i]);
+  auto add_rows = [&](float* dst, const float* src) {  // dst += src over R rows of hid
+    for_rows(R, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * hid; i < r1 * hid; ++i) dst[i] = rnd<T>(dst[i] + src[i]);
+    });
   };
-  auto norm = [&](const at::Tensor& w) {
-    rms_norm_rows(xp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, hp, hid);
+  auto norm_rows = [&](const float* src, const at::Tensor& w, float* dst) {  // R rows of hid
+    const at::Tensor wc = w.contiguous();
+    const T* wp = wc.data_ptr<T>();
+    for_rows(R, [&](int64_t r0, int64_t r1) {
+      rms_norm_rows(src + r0 * hid, hid, wp, r1 - r0, hid, eps, dst + r0 * hid, hid);
+    });
   };
+  auto norm = [&](const at::Tensor& w) { norm_rows(xp, w, hp); };
   // A layer's norms (model.py: Layer) by layout: pre (in_attn, in_mlp), post (out_attn, out_mlp),
   // sandwich (in_attn, out_attn, in_mlp, out_mlp). A sublayer's input: norm(x), or x itself.
   const bool pre_in = layout != 1, post_out = layout != 0;
@@ -330,9 +355,9 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   auto add_output = [&](int64_t l, int64_t sub) {  // x += y, or x += norm(y)
     if (post_out) {
       const at::Tensor& w = norms[per * l + (layout == 2 ? 2 * sub + 1 : sub)];
-      rms_norm_rows(yp, hid, w.contiguous().data_ptr<T>(), R, hid, eps, yp, hid);
+      norm_rows(yp, w, yp);
     }
-    add_into(xp, yp, R * hid);
+    add_rows(xp, yp);
   };
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor& kc = k_cache[l];
@@ -358,7 +383,9 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     }
     // rotary embedding of the q and k heads (x * cos + roll(x, D/2) * sin_signed, each op rounded to
     // T); k and v into the cache (in its dtype)
-    for (int64_t r = 0; r < R; ++r) {
+    for_rows(R, [&](int64_t r0, int64_t r1) {
+    std::vector<float> krow(d);  // a rotated key row before it is stored in the cache's dtype
+    for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = full[r] / n, i = full[r] % n;
       const int64_t off = (local_off != 0 && !windows.empty() && windows[l] > 0 ? local_off : 0) + b * cos_b + i * d;
       const float* c = cp + off;
@@ -377,6 +404,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
       for (int64_t hv = 0; hv < Hkv; ++hv)
         store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d);
     }
+    });
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
                        windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc), nodes);
     float* ap = attn.data_ptr<float>();

@@ -625,6 +625,34 @@ def test_forward_static_ragged_rows_skip_padding(kind, dtype, kv):
         model.forward_static(ids, positions, model.new_cache(40, batch_size=3), lens, packed, nodes=torch.tensor([1.0, 2.0, 0.0]))
 
 
+@pytest.mark.parametrize("kind", ["llama", "olmo2", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_layer_loop_row_work_split_among_threads(kind, dtype):
+    """From 64 rows the C++ loop splits its row-wise work between the linears (norms, rotary embedding
+    and cache stores, the gate's product, residual adds) among the threads: a 100-token prefill and a
+    70-token pass give the same logits and caches with 1 and 2 threads, and the Python loop's."""
+    from turbospec.ops import has_op
+    if not has_op("llama_layers"):
+        pytest.skip("turbospec._C with llama_layers is not built")
+    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype)
+    ids = torch.randint(0, 256, (1, 170), generator=torch.Generator().manual_seed(8))
+    runs = []
+    before = torch.get_num_threads()
+    try:
+        for use_cpp, threads in ((False, 1), (True, 1), (True, 2)):
+            model.use_cpp_layers = use_cpp
+            torch.set_num_threads(threads)
+            cache = model.new_cache(180)
+            a = model.forward(ids[:, :100], torch.arange(100)[None], cache, 0)
+            b = model.forward(ids[:, 100:], torch.arange(100, 170)[None], cache, 100)
+            runs.append([a, b] + cache.tensors())
+    finally:
+        torch.set_num_threads(before)
+    for other in runs[1:]:
+        for x, y in zip(runs[0], other):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("cut", [10, 3000, 50_000_000])
 def test_truncated_or_corrupt_gguf_names_the_file(tmp_path, cut):
     """A GGUF cut short (in its header, or in its tensor data) or overwritten is refused with a
