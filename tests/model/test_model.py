@@ -531,6 +531,18 @@ def test_cpp_layer_loop_bit_identical_to_python(kind, dtype, cache_dtype):
         assert torch.equal(x, y)
 
 
+def _rows_case(kind, dtype, kv, seed, lens, n=4):
+    """A tiny model (the C++ loop built) and a 3-row static pass's inputs: per row a prompt of lens[b]
+    tokens and n new token ids."""
+    from turbospec.ops import has_op
+    if not has_op("llama_layers"):
+        pytest.skip("turbospec._C with llama_layers is not built")
+    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype).set_kv_cache_dtype(kv)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (1, int(s)), generator=g) for s in lens]
+    return model, prompts, torch.randint(0, 256, (3, n), generator=g)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
                                   "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -539,15 +551,8 @@ def test_cpp_layer_loop_per_row_prefix_lengths(kind, dtype, kv):
     """Transformer.forward_static (a batch of rows at different prefix lengths, the serving path) runs
     the C++ layer loop with per-row cache lengths on CPU: logits, features and every cache slot are
     identical to the Python loop (its specification), and each row's K/V lands at its own slots."""
-    from turbospec.ops import has_op
-    if not has_op("llama_layers"):
-        pytest.skip("turbospec._C with llama_layers is not built")
-    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype).set_kv_cache_dtype(kv)
-    g = torch.Generator().manual_seed(5)
-    lens = torch.tensor([7, 0, 23])
-    n = 4
-    prompts = [torch.randint(0, 256, (1, int(s)), generator=g) for s in lens]
-    ids = torch.randint(0, 256, (3, n), generator=g)
+    lens, n = torch.tensor([7, 0, 23]), 4
+    model, prompts, ids = _rows_case(kind, dtype, kv, 5, lens, n)
     packed = torch.tensor([[1, 3, 5, 11], [1, 3, 7, 15], [1, 2, 4, 8]])  # a tree, a chain, padding rows
     positions = lens[:, None] + torch.tensor([[0, 1, 1, 2], [0, 1, 2, 3], [0, 0, 0, 0]])
     runs = {}
@@ -579,15 +584,8 @@ def test_forward_static_ragged_rows_skip_padding(kind, dtype, kv):
     shorter drafts and free slots). The real tokens' logits, features and K/V are the bits of the pass
     without ``nodes`` (in the C++ loop and the Python loop alike); padding logits are 0; the C++ loop
     computes no padding: nothing is written for it (a free slot's cache is untouched)."""
-    from turbospec.ops import has_op
-    if not has_op("llama_layers"):
-        pytest.skip("turbospec._C with llama_layers is not built")
-    model = turbospec.load_model(make_tiny_model(kind), dtype=dtype).set_kv_cache_dtype(kv)
-    g = torch.Generator().manual_seed(6)
-    lens = torch.tensor([9, 21, 5])
-    n = 4
-    prompts = [torch.randint(0, 256, (1, int(s)), generator=g) for s in lens]
-    ids = torch.randint(0, 256, (3, n), generator=g)
+    lens, n = torch.tensor([9, 21, 5]), 4
+    model, prompts, ids = _rows_case(kind, dtype, kv, 6, lens, n)
     # row 0: a chain of 3 then a padding node; row 1: a tree of 4; row 2: a free slot (padding only)
     packed = torch.tensor([[1, 3, 7, 8], [1, 3, 5, 11], [1, 2, 4, 8]])
     positions = lens[:, None] + torch.tensor([[0, 1, 2, 0], [0, 1, 1, 2], [0, 0, 0, 0]])
