@@ -841,3 +841,42 @@ def test_gguf_load_holds_about_the_file(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert float(r.stdout.strip().splitlines()[-1]) < 2.0, r.stdout
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_torch_matmuls_are_the_kernels_within_rounding(kind):
+    """``use_torch_matmuls`` (the head-training feature stage's fast forward): torch matmuls over
+    dense weights and one SDPA pass over a whole causal sequence (here 100 > 64 tokens), then
+    token-at-a-time steps over its cache, give the kernels' logits and features up to float32
+    rounding; a bfloat16 copy (what ``--feature-matmuls torch-bf16`` runs) is about as near float32's
+    as the kernels' own bfloat16 model.
+    It is no longer the kernels' path: the C++ loop is off, and a tree mask past 64 tokens is
+    still refused."""
+    from turbospec.model.transformer import MAX_TREE_NODES
+    overrides = {"sliding_window": 40} if kind == "mistral" else {}
+    hf = make_tiny_model(kind, seed=7, **overrides)
+    ref, fast = turbospec.load_model(hf), turbospec.load_model(hf).use_torch_matmuls()
+    assert fast.matmuls == "torch" and not fast._cpp_loop() and ref._cpp_loop() == ops.has_op("llama_layers")
+    assert fast.use_torch_matmuls() is fast
+    half = turbospec.load_model(hf, dtype=torch.bfloat16).use_torch_matmuls()
+    half_kernels = turbospec.load_model(hf, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    B, n, more = 3, 100, 4
+    ids = torch.randint(0, hf.config.vocab_size, (B, n + more), generator=g)
+    pos = torch.arange(n + more)[None].expand(B, -1)
+    outs = {}
+    for name, m in (("ref", ref), ("fast", fast), ("half", half), ("half_kernels", half_kernels)):
+        cache = m.new_cache(n + more, B)
+        lg, ft = m.forward(ids[:, :n], pos[:, :n], cache, 0, logits="all", features=(0, 1))
+        steps = [m.forward(ids[:, n + i:n + i + 1], pos[:, n + i:n + i + 1], cache, n + i, logits="all").float()
+                 for i in range(more)]
+        outs[name] = (lg.float(), ft.float(), torch.cat(steps, dim=1))
+    for a, b in zip(outs["ref"], outs["fast"]):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+    for a, b, c in zip(outs["ref"], outs["half"], outs["half_kernels"]):  # as near as the kernels' bfloat16
+        rel, rel_kernels = ((b - a).norm() / a.norm()).item(), ((c - a).norm() / a.norm()).item()
+        assert 0 < rel < 2 * rel_kernels + 1e-3 and rel < 0.1, (rel, rel_kernels)
+    with pytest.raises(ValueError, match="tree_mask covers at most"):
+        tm = torch.ones(1, MAX_TREE_NODES + 1, MAX_TREE_NODES + 1, dtype=torch.bool).tril()
+        fast.forward(ids[:1, :MAX_TREE_NODES + 1], pos[:1, :MAX_TREE_NODES + 1], fast.new_cache(n, 1), 0,
+                     tree_mask=tm)

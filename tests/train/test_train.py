@@ -489,6 +489,7 @@ def test_time_budget_ends_training_with_a_final_head(tmp_path, bigram):
                 "--schedule", "constant", "--amp", "bfloat16"]),
     ("eagle3", ["--distill-topk", "8", "--head-intermediate-size", "96"]),
     ("medusa", ["--distill-topk", "4", "--soft-weight", "0.5"]),
+    ("eagle3", ["--feature-matmuls", "torch-bf16"]),
 ])
 def test_options_run(tmp_path, bigram, method, extra):
     target, data, d = bigram
@@ -500,6 +501,11 @@ def test_options_run(tmp_path, bigram, method, extra):
     if "--eval-samples" in extra:
         assert head.extra["eval"] is None and head.extra["num_eval_samples"] == 0
         assert head.cfg.feature_layers == [1]
+    if "--feature-matmuls" in extra:  # a bfloat16 copy on torch matmuls computed the features: its own folder
+        folders = [json.load(open(os.path.join(d / "work", f, "manifest.json")))["settings"]
+                   for f in os.listdir(d / "work") if f.startswith("feat-")]
+        assert ["torch", "bfloat16"] in [st.get("matmuls") for st in folders]
+        assert head.extra["eval"] is not None
     if "--head-intermediate-size" in extra:  # the head's MLP width, kept in its config and weights
         assert head.cfg.intermediate_size == 96 and head.midlayer.mlp.up_proj.weight.shape == (96, head.cfg.hidden_size)
 

@@ -389,6 +389,7 @@ class Transformer:
         self._embed_scale = None if cfg.embed_scale is None else \
             torch.tensor(cfg.embed_scale, dtype=self.dtype, device=self.device)  # (made once: no per-step tensor)
         self.use_cpp_layers = True  # run the layer loop in C++ when the kernel is built (bit-identical)
+        self.matmuls = "kernels"  # use_torch_matmuls: "torch"
         self.fused_layers = None  # static path: None = the fused kernels where they run (CUDA); True / False forces
         self._fused_kernels: bool | None = None
         self.activations = "exact"
@@ -556,16 +557,22 @@ class Transformer:
         if cache_len + n > cache.max_seq_len:
             raise ValueError(f"cache overflow: cache_len {cache_len} + {n} new tokens > max_seq_len "
                              f"{cache.max_seq_len}")
+        # use_torch_matmuls: a causal pass of any length is one pass through SDPA
+        whole = self.matmuls != "kernels" and tree_mask is None
         if n > MAX_TREE_NODES:
             if tree_mask is not None:
                 raise ValueError(f"tree_mask covers at most {MAX_TREE_NODES} new tokens, got n = {n}")
-            return self._forward_passes(input_ids, position_ids, cache, cache_len, logits, features)
+            if not whole:
+                return self._forward_passes(input_ids, position_ids, cache, cache_len, logits, features)
         cfg = self.cfg
         cos, sin = self.rope(position_ids)
-        packed = _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
         capture = self._capture_layers(features)
         x = self.embed_tokens(input_ids)
-        if self._cpp_loop():
+        packed = None if whole else \
+            _CHAIN_MASK[:n].to(self.device)[None] if tree_mask is None else pack_tree_mask(tree_mask)
+        if whole:
+            x, captured = self.layers_sdpa(x, cos, sin, None, cache, cache_len, capture)
+        elif self._cpp_loop():
             norms, weights, formats, counts, biases, qk_norms = self._flat
             x, *captured = torch.ops.turbospec.llama_layers(
                 x, cos, sin, packed, norms, weights, formats, counts, biases, cache.k, cache.v, cache_len,
@@ -648,8 +655,8 @@ class Transformer:
                 sc = torch.einsum("bnhd,bhkd->bhnk", q.float(), keys) * self.scale
                 sc = (torch.tanh(sc / self.cfg.attn_softcap) * self.cfg.attn_softcap).masked_fill(~m, float("-inf"))
                 out = torch.einsum("bhnk,bhkd->bhnd", torch.softmax(sc, dim=-1), vals).to(kc.dtype)
-            else:  # float32 math over a 16-bit CPU cache, as the verify kernel does
-                q_ = attn_query(q, kc)
+            else:  # float32 math over a 16-bit CPU cache, as the verify kernel does (use_torch_matmuls: the cache's)
+                q_ = attn_query(q, kc) if self.matmuls == "kernels" else q.to(kc.dtype)
                 out = F.scaled_dot_product_attention(q_.transpose(1, 2), kc[:, :, :total].to(q_.dtype),
                                                      vc[:, :, :total].to(q_.dtype), attn_mask=m, scale=self.scale,
                                                      enable_gqa=True)
@@ -919,6 +926,26 @@ class Transformer:
             if not 0 <= i < self.cfg.num_layers:
                 raise ValueError(f"features: layer {i} is outside [0, {self.cfg.num_layers})")
         return capture
+
+    def use_torch_matmuls(self) -> "Transformer":
+        """Compute every linear with torch's matmul over a dense copy of its weight, and the layer loop
+        in Python with SDPA over each whole causal pass: for throughput where turbospec's fixed
+        reduction order does not matter (the features head training reads). A bfloat16 model's
+        matmuls then run on oneDNN's AMX tiles where the CPU has them (features ~4x faster than
+        the kernels on a 2-core Sapphire Rapids, bench/results/2026-12-02-amx-head-training.md).
+        The result is no longer the bits the kernels give, nor batch-invariant: an engine's target
+        never runs this way."""
+        if self.matmuls == "torch":
+            return self
+        for lin in [lin for layer in self.layers for lin in layer.linears() if lin is not None] + [self.lm_head]:
+            lin._dense = lin.dense(self.dtype)
+            lin.kernel = False
+            lin.quantized = False
+            lin.weights, lin.formats = [lin._dense], [DENSE_FORMATS[self.dtype]]
+        self.use_cpp_layers = False
+        self.matmuls = "torch"
+        self.flatten_layers()
+        return self
 
     def own_weights(self) -> "Transformer":
         """Copy the linears' weights that are still views of a mapped GGUF (``read_gguf``: the file's

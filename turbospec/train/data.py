@@ -679,11 +679,12 @@ def split(samples: list[dict], eval_samples: int) -> tuple[list[dict], list[dict
 
 @torch.inference_mode()
 def _label_rows(logits: Tensor, topk: int) -> dict[str, Tensor]:
-    """The labels of positions from their float32 logits [n, V]: the argmax and, with ``topk`` > 0,
-    the top-k ids and their log-probabilities (log-softmax over the whole vocabulary)."""
+    """The labels of positions from their logits [n, V]: the argmax (of the logits as they are: a
+    16-bit model's in float32 have the same argmax, widening is exact) and, with ``topk`` > 0, the
+    top-k ids and their log-probabilities (log-softmax in float32 over the whole vocabulary)."""
     out = {"argmax": logits.argmax(-1).to(torch.int32).cpu()}
     if topk:
-        logp, ids = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+        logp, ids = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
         out.update(topk_ids=ids.to(torch.int32).cpu(), topk_logp=logp.float().cpu())
     return out
 
@@ -715,7 +716,7 @@ def _batch_tensors(target: Transformer, group: list[dict], spec, fdtype: torch.d
     out = []
     for b, q in enumerate(seqs):
         L = len(q)
-        parts = [_label_rows(target.lm_head(normed[b, s:min(s + 512, L)]).float(), topk) for s in range(0, L, 512)]
+        parts = [_label_rows(target.lm_head(normed[b, s:min(s + 512, L)]), topk) for s in range(0, L, 512)]
         out.append({"features": feats[b, :L].to(fdtype).cpu(), "ids": torch.tensor(q, dtype=torch.int32),
                     **{k: torch.cat([p[k] for p in parts]) for k in parts[0]}})
     return out
@@ -760,6 +761,8 @@ def collect_features(target: Transformer, gen_dir: str, samples: list[dict], wor
         settings["topk"] = int(topk)
     if other_answerer:  # another model answered (--gen-dtype): the features' target joins the key
         settings["target"] = target_fingerprint(target)
+    if target.matmuls != "kernels":  # (use_torch_matmuls) absent otherwise: the older folders' keys stay valid
+        settings["matmuls"] = [target.matmuls, str(target.dtype).removeprefix("torch.")]
     feat_dir = os.path.join(work_dir, f"feat-{sha1(settings)}")
     with stage_lock(feat_dir):
         return _collect(target, samples, feat_dir, settings, spec, stop_at, batch_size)

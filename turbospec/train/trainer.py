@@ -289,8 +289,13 @@ class Trainer:
             self.summary["mix_data"] = self.mix_records
         samples = samples if complete else train + held
         self.feature_samples = samples
+        feature_target = target
+        if cfg.feature_matmuls == "torch-bf16":  # (the feature folder's key records it)
+            from ..model.loader import load_model
+            feature_target = load_model(self.source, torch.bfloat16, device=cfg.device).use_torch_matmuls()
+            log("features: a bfloat16 copy of the target on torch matmuls (--feature-matmuls torch-bf16)")
         self.feat_dir, self.manifest = distill.collect_features(
-            target, self.gen_dir, samples, self.work, spec, eval_samples=self.n_eval,
+            feature_target, self.gen_dir, samples, self.work, spec, eval_samples=self.n_eval,
             shard_tokens=cfg.shard_tokens, feature_dtype=cfg.feature_dtype,
             complete_gen=complete, stop_at=self._stage_deadline(FEATURES_SHARE),
             batch_size=cfg.feature_batch_size,
@@ -363,7 +368,7 @@ class Trainer:
                      amp_dtype=str(self.amp), eval_samples=self.manifest["eval_samples"])
         self.hyper = hyper
         not_keyed = ("resume", "threads", "out", "work_dir", "eval_every", "save_every", "feature_batch_size",
-                     "distill_data", "mix_data", "extra_features")  # the feature folders' keys hold what the data files hold
+                     "feature_matmuls", "distill_data", "mix_data", "extra_features")  # the feature folders' keys hold what the data files hold
         if not cfg.align_topk:  # off: the key of the runs from before the option existed (they resume)
             not_keyed += ("align_topk",)
         extra_key = {"extra_feat": [os.path.basename(os.path.normpath(d)) for d, _ in self.extra_features]} \
