@@ -126,4 +126,7 @@ TORCH_LIBRARY(turbospec, m) {
   // AVX-512 BF16 dot products for bfloat16 weights x bfloat16-valued inputs (csrc/cpu/isa.h): 0 off,
   // 1 on (where the CPU has them and their self-test passed), -1 default, -2 read; returns 1 when on.
   m.def("cpu_bf16_dot(int on) -> int", &turbospec::set_cpu_bf16_dot);
+  // AMX int8 tiles for the int8-activation linears over interleaved blocks (csrc/cpu/isa.h): 0 off,
+  // 1 on (where the CPU and OS have them and their self-test passed), -1 default, -2 read.
+  m.def("cpu_amx(int on) -> int", &turbospec::set_cpu_amx);
 }

@@ -10,7 +10,12 @@
 #include <cmath>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace turbospec {
@@ -188,6 +193,102 @@ int64_t set_cpu_bf16_dot(int64_t on) {
   const bool v = on < 0 ? default_bf16_dot() : (on == 1 && bf16_dot_available());
   bf16_dot_setting().store(v ? 1 : 0);
   return bf16_dot() ? 1 : 0;
+}
+
+namespace {
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+// The 64-byte tile configuration (palette 1): bytes per row and rows of each of the 8 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tdpbsud against its specification: C[m][n] += sum over k of (signed) A[m][k] * (unsigned)
+// B[k / 4][4 n + k % 4], exact in int32, for random bytes over the whole range (the kernels' 16 x 32
+// A tiles against 8 x 64 B tiles, the extremes included).
+__attribute__((target("amx-tile,amx-int8"))) bool amx_self_test() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  cfg.rows[0] = 16, cfg.colsb[0] = 32;  // A: 16 rows of 32 signed bytes
+  cfg.rows[1] = 8, cfg.colsb[1] = 64;   // B: 8 rows of 16 x 4 unsigned bytes
+  cfg.rows[2] = 16, cfg.colsb[2] = 64;  // C: 16 x 16 int32
+  _tile_loadconfig(&cfg);
+  uint32_t s = 777u;
+  auto next = [&s]() { s = s * 1664525u + 1013904223u; return s >> 8; };
+  bool ok = true;
+  for (int it = 0; it < 8 && ok; ++it) {
+    alignas(64) int8_t a[16 * 32];
+    alignas(64) uint8_t b[8 * 64];
+    alignas(64) int32_t c[16 * 16];
+    for (int i = 0; i < 16 * 32; ++i) a[i] = static_cast<int8_t>(it == 0 ? -128 + 255 * (i & 1) : next());
+    for (int i = 0; i < 8 * 64; ++i) b[i] = static_cast<uint8_t>(it == 0 ? 255 : next());
+    _tile_zero(2);
+    _tile_loadd(0, a, 32);
+    _tile_loadd(1, b, 64);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, c, 64);
+    for (int m = 0; m < 16 && ok; ++m)
+      for (int n = 0; n < 16 && ok; ++n) {
+        int32_t want = 0;
+        for (int k = 0; k < 32; ++k) want += static_cast<int32_t>(a[m * 32 + k]) * b[(k / 4) * 64 + 4 * n + k % 4];
+        ok = want == c[m * 16 + n];
+      }
+  }
+  _tile_release();
+  return ok;
+}
+#endif
+
+bool amx_available() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__)
+  static const bool ok = [] {
+    if (detect_isa() != Isa::kAvx512) return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    if (!tile || !int8) return false;
+    // The kernel hands a process the tile state only when asked (Linux 5.16+): ARCH_REQ_XCOMP_PERM
+    // for XFEATURE_XTILEDATA; without it the first tile instruction faults.
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    return amx_self_test();
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool default_amx() {
+  const char* env = std::getenv("TURBOSPEC_AMX");
+  if (env != nullptr && *env != '\0') {
+    TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0,
+                "TURBOSPEC_AMX must be 0 or 1 (or unset), got '", env, "'");
+    if (env[0] == '0') return false;
+  }
+  return amx_available();
+}
+
+std::atomic<int>& amx_setting() {
+  static std::atomic<int> on{default_amx() ? 1 : 0};
+  return on;
+}
+
+}  // namespace
+
+bool amx_int8() {
+  const bool on = amx_setting().load(std::memory_order_relaxed) != 0;  // (validates $TURBOSPEC_AMX everywhere)
+  return cpu_isa() == Isa::kAvx512 && on;
+}
+
+int64_t set_cpu_amx(int64_t on) {
+  TORCH_CHECK(on >= -2 && on <= 1, "cpu_amx: on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);
+  if (on == -2) return amx_int8() ? 1 : 0;
+  const bool v = on < 0 ? default_amx() : (on == 1 && amx_available());
+  amx_setting().store(v ? 1 : 0);
+  return amx_int8() ? 1 : 0;
 }
 
 }  // namespace turbospec

@@ -34,6 +34,17 @@ bool bf16_dot();
 // 0 off, 1 on (where the CPU and the self-test allow), -1 default, -2 read; returns whether it is on.
 int64_t set_cpu_bf16_dot(int64_t on);
 
+// AMX int8 tiles (tdpbsud) inside the AVX-512 path: the int8-activation linears over interleaved
+// blocks with 16 or more input rows (linear_int8.cpp, rows_x_amx) compute each block's exact integer
+// sums on the tile unit, then the same float32 steps as the vector kernels: the same bits. Used
+// only where the CPU has AMX-TILE and AMX-INT8, the kernel grants this process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM), a self-test at first use finds tdpbsud computing those
+// integers, the AVX-512 path is in force, and neither $TURBOSPEC_AMX=0 nor set_cpu_amx(0) turned
+// it off.
+bool amx_int8();
+// 0 off, 1 on (where the CPU, the OS and the self-test allow), -1 default, -2 read; returns whether it is on.
+int64_t set_cpu_amx(int64_t on);
+
 // The cache hint of the kernels' weight-stream prefetches (each kernel prefetches the rows one work
 // item ahead: the hardware prefetcher alone does not keep several row streams fed from DRAM).
 // Measured on the two machine types of bench/RESULTS.md: on AMD EPYC (Zen 3) the non-temporal hint

@@ -973,6 +973,118 @@ void rows_x512(const uint8_t* g, const QRow* xr, int64_t R, int64_t K, float* ou
   }
 }
 
+// AMX (isa.h, amx_int8): 16 input rows x the group's 16 weight rows per tile, block by block. For
+// block b, tdpbsud gives C[m][i] = sum over the block's 32 values of q_x (signed, A: 16 rows of 32
+// bytes straight from the quantized rows) times u_w (unsigned, B: the block's 8 x 64 bytes in
+// VNNI order, byte 4 i + e of row c being value 4 c + e of weight row i), the exact integer the
+// vector kernels get from vpdpbusd; then the same S = C - off * sum(q_x), acc = fma(d_w * d_x, S,
+// acc) (and Q4_1X's min term), so the same bits. The interleaved chunks are that B order already:
+// Q8_0X's 8 x 64 bytes as stored, the 4-bit formats' low nibbles of chunk c are row c and their
+// high nibbles row 4 + c (Q5_0X with its fifth bits), unpacked once per group into a buffer.
+// Two tile sets alternate between blocks, so the tile unit works on block b + 1 while the vector
+// units scale block b.
+#define TS_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+template <int64_t F>
+TS_AMX __attribute__((always_inline)) inline void amx_unpack_block(const uint8_t* p, uint8_t* dst) {
+  const uint8_t* v = p + x_header(F);
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = _mm512_loadu_si512(v + 64 * c);
+    __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+    if constexpr (F == kQ5_0X) {  // as tile_x512
+      const __m512i hb = _mm512_shuffle_epi8(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c))),
+          _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
+      const __m512i b5 = _mm512_set1_epi8(0x10);
+      lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x08040201)), b5));
+      hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x80402010)), b5));
+    }
+    _mm512_store_si512(dst + 64 * c, lo);
+    _mm512_store_si512(dst + 64 * (4 + c), hi);
+  }
+}
+
+// The float steps of block b for 16 input rows, from its integer sums C [16 rows][16 weight rows].
+template <int64_t F>
+TS_AMX __attribute__((always_inline)) inline void amx_scale(const int32_t* C, const uint8_t* p, const QRow* xr,
+                                                            int64_t b, __m512* acc) {
+  const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  __m512 mw = _mm512_setzero_ps();
+  if constexpr (F == kQ4_1X) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+#pragma GCC unroll 16
+  for (int m = 0; m < 16; ++m) {
+    __m512i s = _mm512_load_si512(C + 16 * m);
+    if constexpr (x_offset(F) != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(x_offset(F) * xr[m].bsum[b]));
+    acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xr[m].d[b])), _mm512_cvtepi32_ps(s), acc[m]);
+    if constexpr (F == kQ4_1X) acc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr[m].s[b]), acc[m]);
+  }
+}
+
+// R16 (a multiple of 16) input rows whose quantized rows lie K bytes apart (xr[m].q = xr[0].q + m K).
+template <int64_t F>
+TS_AMX void rows_x_amx(const uint8_t* g, const QRow* xr, int64_t R16, int64_t K, float* out, int64_t ldo) {
+  const int64_t nb = K / 32;
+  const uint8_t* bt;  // the B tiles: 512 bytes per block
+  thread_local std::vector<uint8_t> unpacked;
+  if constexpr (F == kQ8_0X) {
+    bt = nullptr;  // read in place: block b's 512 bytes at g + b * x_chunk + x_header
+  } else {
+    unpacked.resize(static_cast<size_t>(nb) * 512 + 64);
+    uint8_t* dst = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(unpacked.data()) + 63) & ~uintptr_t{63});
+    for (int64_t b = 0; b < nb; ++b) amx_unpack_block<F>(g + b * x_chunk(F), dst + 512 * b);
+    bt = dst;
+  }
+  const auto btile = [&](int64_t b) { return F == kQ8_0X ? g + b * x_chunk(F) + x_header(F) : bt + 512 * b; };
+  AmxTileConfig cfg{};
+  cfg.palette = 1;
+  for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 32;  // A
+  for (int t : {1, 4}) cfg.rows[t] = 8, cfg.colsb[t] = 64;   // B
+  for (int t : {2, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C
+  _tile_loadconfig(&cfg);
+  alignas(64) int32_t C0[256], C1[256];
+  for (int64_t r0 = 0; r0 < R16; r0 += 16) {
+    const QRow* x = xr + r0;
+    const int8_t* q = x[0].q;
+    __m512 acc[16];
+    for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
+    // block b in tiles 0-2 (C0), block b + 1 in tiles 3-5 (C1): b + 1's tile work overlaps b's scaling
+    _tile_zero(2);
+    _tile_loadd(0, q, K);
+    _tile_loadd(1, btile(0), 64);
+    _tile_dpbsud(2, 0, 1);
+    _tile_stored(2, C0, 64);
+    for (int64_t b = 0; b < nb; b += 2) {
+      if (b + 1 < nb) {
+        _tile_zero(5);
+        _tile_loadd(3, q + 32 * (b + 1), K);
+        _tile_loadd(4, btile(b + 1), 64);
+        _tile_dpbsud(5, 3, 4);
+        _tile_stored(5, C1, 64);
+      }
+      amx_scale<F>(C0, g + b * x_chunk(F), x, b, acc);
+      if (b + 1 < nb) {
+        if (b + 2 < nb) {
+          _tile_zero(2);
+          _tile_loadd(0, q + 32 * (b + 2), K);
+          _tile_loadd(1, btile(b + 2), 64);
+          _tile_dpbsud(2, 0, 1);
+          _tile_stored(2, C0, 64);
+        }
+        amx_scale<F>(C1, g + (b + 1) * x_chunk(F), x, b + 1, acc);
+      }
+    }
+    for (int m = 0; m < 16; ++m) _mm512_storeu_ps(out + (r0 + m) * ldo, acc[m]);
+  }
+  _tile_release();
+}
+
 // An accumulator the compiler must take as it is at this point: integer adds associate, and GCC
 // otherwise rebalances a tile's per-row sums into trees that hold every product of a block live at
 // once (AVX2: 16 registers), spilling them to the stack; 0.4-0.5x the tile's speed (perf annotate).
@@ -1287,8 +1399,17 @@ void rows_x(const uint8_t* const* wr, int64_t nw, int64_t row_bytes, const QRow*
 #ifdef TS_X86
   if (isa == Isa::kAvx512) {
     const bool vnni = has_vnni();
-    if constexpr (F == kQ4_KX) vnni ? rows_q4kx512<true>(g, xr, R, K, out, ldo) : rows_q4kx512<false>(g, xr, R, K, out, ldo);
-    else vnni ? rows_x512<F, true>(g, xr, R, K, out, ldo) : rows_x512<F, false>(g, xr, R, K, out, ldo);
+    if constexpr (F == kQ4_KX) {
+      vnni ? rows_q4kx512<true>(g, xr, R, K, out, ldo) : rows_q4kx512<false>(g, xr, R, K, out, ldo);
+    } else {
+      // AMX for whole tiles of 16 input rows (their quantized rows K bytes apart, as linear_int8_f32
+      // lays them out), the vector kernel for the rest: the same bits either way
+      const int64_t R16 = R >= 16 && amx_int8() && xr[R - 1].q == xr[0].q + (R - 1) * K ? R / 16 * 16 : 0;
+      if (R16 > 0) rows_x_amx<F>(g, xr, R16, K, out, ldo);
+      if (R16 < R)
+        vnni ? rows_x512<F, true>(g, xr + R16, R - R16, K, out + R16 * ldo, ldo)
+             : rows_x512<F, false>(g, xr + R16, R - R16, K, out + R16 * ldo, ldo);
+    }
     return;
   }
   if (isa == Isa::kAvx2) {

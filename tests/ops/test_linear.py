@@ -657,7 +657,7 @@ def test_interleave_blocks_layout_and_round_trip(name, k):
 
 
 @pytest.mark.parametrize("name", list(INTERLEAVED))
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 33])
 def test_interleaved_int8_linear_matches_spec(isa, name, rows):
     """int8 linear over interleaved blocks == reference.linear_int8 (its own order: one accumulator,
     an exact integer per block) on every path, extreme values included, with a bias and a second
@@ -708,6 +708,67 @@ def test_interleaved_without_vnni_gives_the_same_bits():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TURBOSPEC_VNNI": "0"}, cwd=root,
                          capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+@pytest.fixture
+def amx():
+    """AMX int8 tiles on (skipped where the CPU, the OS or the self-test does not allow them)."""
+    ops.cpu_isa("default")
+    try:
+        if not ops.cpu_amx(True):
+            pytest.skip("no AMX int8 tiles here (CPU, OS permission, AVX-512 path or self-test)")
+        yield
+    finally:
+        ops.cpu_amx("default")
+
+
+@pytest.mark.parametrize("name", [n for n in INTERLEAVED if n != "Q4_K"])
+@pytest.mark.parametrize("rows", [16, 17, 31, 32, 48, 70])
+@pytest.mark.parametrize("k", [32, 64, 576, 1536])
+def test_amx_tiles_give_the_vector_kernels_bits(amx, name, rows, k):
+    """int8 linear over interleaved blocks with AMX tiles (whole tiles of 16 input rows; the rest on
+    the vector kernel) == the same with AMX off == reference.linear_int8, extreme values included,
+    with a bias and a second interleaved segment, for one block (K = 32), an odd and an even number
+    of blocks (the alternating tile sets), and each row alone (the 1-row vector path)."""
+    fmt, xfmt = BLOCK_FORMATS[name], INTERLEAVED[name]
+    parts = [reference.interleave_blocks(extreme_blocks(name, 32, k, seed=rows), fmt, k),
+             reference.interleave_blocks(random_blocks("Q4_1", 16, k, seed=rows + 1), 3, k)]
+    g = torch.Generator().manual_seed(rows * k)
+    x = torch.randn(rows, k, generator=g)
+    x[0, :32] = torch.sign(x[0, :32])  # a whole block quantized to +-127
+    b = torch.randn(48, generator=g)
+    got = ops.linear(x, parts, [xfmt, 2003], b, activations=8)
+    ops.cpu_amx(False)
+    try:
+        off = ops.linear(x, parts, [xfmt, 2003], b, activations=8)
+    finally:
+        ops.cpu_amx(True)
+    assert torch.equal(got, off)
+    assert torch.equal(got, reference.linear_int8(x, parts, [xfmt, 2003], b))
+    if rows == 17:
+        alone = torch.cat([ops.linear(x[i:i + 1], parts, [xfmt, 2003], b, activations=8) for i in range(rows)])
+        assert torch.equal(got, alone)
+
+
+def test_amx_setting_and_errors():
+    default = ops.cpu_amx("default")
+    try:
+        assert ops.kernels_available()["cpu_amx"] == default
+        assert ops.cpu_amx(False) is False and ops.cpu_amx() is False
+        assert ops.cpu_amx(True) == default  # on where the CPU allows it
+        ops.cpu_isa("avx2")
+        assert ops.cpu_amx() is False  # an AVX-512 path only
+    finally:
+        ops.cpu_isa("default")
+        ops.cpu_amx("default")
+    with pytest.raises(ValueError, match="on must be True, False or 'default', got 'yes'"):
+        ops.cpu_amx("yes")
+    with pytest.raises(RuntimeError, match=r"on must be -2 \(read\), -1 \(default\), 0 \(off\) or 1 \(on\), got 3"):
+        torch.ops.turbospec.cpu_amx(3)
+    assert _kernels_available_with("TURBOSPEC_AMX", "0", "cpu_amx").stdout.strip() == "False"
+    bad = _kernels_available_with("TURBOSPEC_AMX", "yes", "cpu_amx")
+    assert bad.returncode != 0
+    assert "TURBOSPEC_AMX must be 0 or 1 (or unset), got 'yes'" in bad.stderr
 
 
 def q4k_extremes(n: int, k: int, seed: int) -> torch.Tensor:

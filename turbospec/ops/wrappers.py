@@ -52,14 +52,16 @@ def has_op(op: str, key: str = "CPU") -> bool:
 def kernels_available() -> dict:
     """Which devices run turbospec's compiled kernels, and the CPU path in force:
     ``{"cpu": bool, "cuda": bool, "cpu_isa": "avx512" | "avx2" | "scalar" | None,
-    "cpu_prefetch": "t0" | "nta" | None, "cpu_bf16_dot": bool | None}``.
+    "cpu_prefetch": "t0" | "nta" | None, "cpu_bf16_dot": bool | None, "cpu_amx": bool | None}``.
     A device mapped to False runs the pure-torch reference ops; ``cpu_isa`` is the instruction-set
     path of every CPU kernel (the best this CPU has, capped by $TURBOSPEC_ISA; ``cpu_isa()``) and
     ``cpu_prefetch`` the cache hint of their weight-stream prefetches (``cpu_prefetch()``);
-    ``cpu_bf16_dot`` whether bfloat16 products use the AVX-512 BF16 instructions (``cpu_bf16_dot()``)."""
+    ``cpu_bf16_dot`` whether bfloat16 products use the AVX-512 BF16 instructions (``cpu_bf16_dot()``),
+    ``cpu_amx`` whether the int8-activation linears use AMX tiles (``cpu_amx()``)."""
     if not _EXTENSION:
-        return {**_KERNELS, "cpu_isa": None, "cpu_prefetch": None, "cpu_bf16_dot": None}
-    return {**_KERNELS, "cpu_isa": cpu_isa(), "cpu_prefetch": cpu_prefetch(), "cpu_bf16_dot": cpu_bf16_dot()}
+        return {**_KERNELS, "cpu_isa": None, "cpu_prefetch": None, "cpu_bf16_dot": None, "cpu_amx": None}
+    return {**_KERNELS, "cpu_isa": cpu_isa(), "cpu_prefetch": cpu_prefetch(), "cpu_bf16_dot": cpu_bf16_dot(),
+            "cpu_amx": cpu_amx()}
 
 
 _ISA_NAMES = ("scalar", "avx2", "avx512")
@@ -100,6 +102,19 @@ def cpu_bf16_dot(on: bool | str | None = None) -> bool:
     if not any(on is k for k in codes) and on != "default":
         raise ValueError(f"cpu_bf16_dot: on must be True, False or 'default', got {on!r}")
     return bool(torch.ops.turbospec.cpu_bf16_dot(codes["default" if on == "default" else on]))
+
+
+def cpu_amx(on: bool | str | None = None) -> bool:
+    """Whether the int8-activation linears over interleaved blocks (``activations=8``) with 16 or more
+    input rows compute their integer block sums on the CPU's AMX tiles (``tdpbsud``): on by default
+    where the CPU has AMX-TILE and AMX-INT8, the OS grants the tile state, a self-test passed and the
+    AVX-512 path is in force ($TURBOSPEC_AMX=0 turns them off). With ``on`` (True, False or
+    "default") set it first; True is capped at what the CPU allows. Speed only: the integers are
+    exact, the float steps those of the vector kernels (``csrc/cpu/linear_int8.cpp``, rows_x_amx)."""
+    codes = {None: -2, "default": -1, False: 0, True: 1}
+    if not any(on is k for k in codes) and on != "default":
+        raise ValueError(f"cpu_amx: on must be True, False or 'default', got {on!r}")
+    return bool(torch.ops.turbospec.cpu_amx(codes["default" if on == "default" else on]))
 
 
 def _compiled(device: torch.device) -> bool:
