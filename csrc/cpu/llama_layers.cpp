@@ -215,7 +215,9 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
                   "], got ", c.sizes());
   }
   at::Tensor x = x_in.to(at::kFloat).contiguous();
-  if (ragged) x = x.view({B * n, hid}).index_select(0, at::tensor(full, x.options().dtype(at::kLong)));
+  // (a ragged pass: the index of its real rows, made once for the gather and every to_model)
+  const at::Tensor full_index = ragged ? at::tensor(full, x_in.options().dtype(at::kLong)) : at::Tensor();
+  if (ragged) x = x.view({B * n, hid}).index_select(0, full_index);
   else if (x.data_ptr() == x_in.data_ptr()) x = x.clone();
   std::vector<float> cos_buf, sin_buf, bias_buf;
   const float* cp = as_floats<T>(cos_in, cos_buf);
@@ -235,7 +237,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
   const auto to_model = [&](const at::Tensor& t) {
     if (!ragged) return t.to(x_in.scalar_type(), false, /*copy=*/true).view({B, n, hid});
     at::Tensor o = at::zeros({B * n, hid}, x_in.options());
-    o.index_copy_(0, at::tensor(full, x_in.options().dtype(at::kLong)), t.to(x_in.scalar_type()));
+    o.index_copy_(0, full_index, t.to(x_in.scalar_type()));
     return o.view({B, n, hid});
   };
   // a ragged pass: the attention's output rows [B * n, H * d] -> attc's [R, H * d]
