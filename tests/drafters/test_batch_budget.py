@@ -74,3 +74,42 @@ def test_ragged_pass_costs_its_drafts_not_the_rectangle():
     assert run(False).count(0) >= 90
     ragged = run(True)
     assert ragged.count(0) <= 10 and sorted(ragged)[50] >= 3
+
+
+def drive_rows(budget: BatchBudget, plain: int, accepts: list[float], cost, steps: int = 200) -> list[list[int]]:
+    """``drive`` for ragged passes: each drafting row its own length (``choose_rows``)."""
+    out = []
+    for _ in range(steps):
+        ks = budget.choose_rows(plain, [(geometric(a), 1e-5) for a in accepts])
+        tokens = plain + sum(k + 1 for k in ks)
+        budget.record(tokens, cost(tokens))
+        out.append(ks)
+    return out
+
+
+def test_ragged_rows_draft_by_their_own_acceptance():
+    """On a ragged pass each drafting row gets its own length: the rows whose drafts keep being
+    accepted draft long, the ones whose drafts fail draft nothing, where one length for all would
+    have to choose between them."""
+    def cost(t):
+        return 0.02 + 0.002 * t
+    ks = drive_rows(BatchBudget(6), 8, [0.95, 0.95, 0.1, 0.1, 0.1, 0.1], cost)[-100:]
+    good = sorted(k[0] + k[1] for k in ks)[50]
+    bad = sum(sum(k[2:]) for k in ks)
+    assert good >= 6 and bad <= 10, (good, bad)
+    # one length for every row: the same pass costs, the same rows
+    b, ones = BatchBudget(6), []
+    for _ in range(200):
+        k = b.choose(14, 8, [(geometric(a), 1e-5) for a in (0.95, 0.95, 0.1, 0.1, 0.1, 0.1)], ragged=True)
+        b.record(8 + 6 * (k + 1), cost(8 + 6 * (k + 1)))
+        ones.append(k)
+    assert sorted(ones[-100:])[50] < 3  # ... drafts the good rows short to spare the bad ones
+
+
+def test_ragged_rows_off_when_every_token_costs_and_probe():
+    ks = drive_rows(BatchBudget(8), 0, [0.6] * 16, cost=lambda t: 0.001 * t)[-100:]
+    totals = [sum(k) for k in ks]
+    assert totals.count(0) >= 90 and 1 in totals  # off, apart from one-token probes
+    assert BatchBudget(5, adaptive=False).choose_rows(3, [(geometric(0.1), 1.0)] * 2) == [5, 5]
+    assert BatchBudget(5).choose_rows(4, []) == []
+    assert BatchBudget(4).choose_rows(1, [(geometric(0.9), 0.0)] * 3) == [2, 2, 2]  # nothing measured yet
