@@ -899,6 +899,24 @@ TS_AVX512VNNI __attribute__((always_inline)) inline __m512i dot4(__m512i acc, __
   }
 }
 
+// The unsigned values of chunk c (0..3) of a 4-bit interleaved block at p: lo = its low nibbles, hi
+// its high ones (values 16 + 4c .. of each row), Q5_0X with its fifth bits (byte i of the part ->
+// each byte of lane i; bit e / 4 + e -> 0x10 in byte e). tile_x512's and rows_x_amx's.
+template <int64_t F>
+TS_AVX512VNNI __attribute__((always_inline)) inline void chunk_values512(const uint8_t* p, int c, __m512i m4,
+                                                                       __m512i& lo, __m512i& hi) {
+  const __m512i raw = _mm512_loadu_si512(p + x_header(F) + 64 * c);
+  lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+  if constexpr (F == kQ5_0X) {
+    const __m512i hb = _mm512_shuffle_epi8(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c))),
+        _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
+    const __m512i b5 = _mm512_set1_epi8(0x10);
+    lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x08040201)), b5));
+    hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x80402010)), b5));
+  }
+}
+
 template <int64_t F, int NX, bool VNNI>
 TS_AVX512VNNI void tile_x512(const uint8_t* g, const QRow* xr, int64_t K, float* out, int64_t ldo) {
   constexpr bool signed_q8 = F == kQ8_0X && !VNNI;
@@ -929,16 +947,8 @@ TS_AVX512VNNI void tile_x512(const uint8_t* g, const QRow* xr, int64_t K, float*
       }
     } else {
       for (int c = 0; c < 4; ++c) {
-        const __m512i raw = _mm512_loadu_si512(v + 64 * c);
-        __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-        if constexpr (F == kQ5_0X) {  // byte i of the part -> each byte of lane i; bit e / 4 + e -> 0x10 in byte e
-          const __m512i hb = _mm512_shuffle_epi8(
-              _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c))),
-              _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
-          const __m512i b5 = _mm512_set1_epi8(0x10);
-          lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x08040201)), b5));
-          hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x80402010)), b5));
-        }
+        __m512i lo, hi;
+        chunk_values512<F>(p, c, m4, lo, hi);
         for (int r = 0; r < NX; ++r) {
           S[r] = dot4<VNNI>(S[r], lo, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 4 * c)));
           S[r] = dot4<VNNI>(S[r], hi, _mm512_set1_epi32(load_i32(xr[r].q + 32 * b + 16 + 4 * c)));
@@ -993,19 +1003,10 @@ struct alignas(64) AmxTileConfig {
 
 template <int64_t F>
 TS_AMX __attribute__((always_inline)) inline void amx_unpack_block(const uint8_t* p, uint8_t* dst) {
-  const uint8_t* v = p + x_header(F);
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int c = 0; c < 4; ++c) {
-    const __m512i raw = _mm512_loadu_si512(v + 64 * c);
-    __m512i lo = _mm512_and_si512(raw, m4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
-    if constexpr (F == kQ5_0X) {  // as tile_x512
-      const __m512i hb = _mm512_shuffle_epi8(
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + x_fifth(F) + 16 * c))),
-          _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0x00000000));
-      const __m512i b5 = _mm512_set1_epi8(0x10);
-      lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x08040201)), b5));
-      hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(_mm512_test_epi8_mask(hb, _mm512_set1_epi32(0x80402010)), b5));
-    }
+    __m512i lo, hi;
+    chunk_values512<F>(p, c, m4, lo, hi);
     _mm512_store_si512(dst + 64 * c, lo);
     _mm512_store_si512(dst + 64 * (4 + c), hi);
   }
