@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
     def with_draft_vocab(self, ids: Tensor) -> "EagleHead":
         """EAGLE-3: a copy of this head over the draft vocabulary ``ids`` (target ids, ascending; any
         size): every weight but the LM head's is copied; an LM-head row of a token in both vocabularies
-        is copied (so those tokens' logits are unchanged); a new token's row starts as the mean of the
+        is copied bit for bit (so those tokens' logits are unchanged up to the GEMM's rounding); a new token's row starts as the mean of the
         old rows (a typical, low logit: drafting ranks the new tokens below the likely old ones until
         training has learnt them). ``extra`` is carried over."""
         if not self.eagle3:
