@@ -151,6 +151,25 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) bool dpbf16_self_test() {
 }
 #endif
 
+// A feature's environment switch: "0" turns it off, "1" or unset leaves it to the CPU; anything else
+// is an error naming the variable (on every CPU, not only where the feature exists).
+bool env_allows(const char* name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return true;
+  TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0, name, " must be 0 or 1 (or unset), got '",
+              env, "'");
+  return env[0] != '0';
+}
+
+// The body of a feature's set_cpu_* op: -2 reads the setting, -1 restores the default (the CPU and
+// the environment), 0 turns the feature off, 1 on where the CPU has it; returns whether it is on.
+int64_t apply_switch(const char* op, int64_t on, std::atomic<int>& setting, bool (*default_on)(),
+                     bool (*available)(), bool (*now)()) {
+  TORCH_CHECK(on >= -2 && on <= 1, op, ": on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);
+  if (on != -2) setting.store((on < 0 ? default_on() : (on == 1 && available())) ? 1 : 0);
+  return now() ? 1 : 0;
+}
+
 bool bf16_dot_available() {
 #if defined(__x86_64__) || defined(_M_X64)
   static const bool ok = [] {
@@ -163,15 +182,7 @@ bool bf16_dot_available() {
 #endif
 }
 
-bool default_bf16_dot() {
-  const char* env = std::getenv("TURBOSPEC_BF16_DOT");
-  if (env != nullptr && *env != '\0') {
-    TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0,
-                "TURBOSPEC_BF16_DOT must be 0 or 1 (or unset), got '", env, "'");
-    if (env[0] == '0') return false;
-  }
-  return bf16_dot_available();
-}
+bool default_bf16_dot() { return env_allows("TURBOSPEC_BF16_DOT") && bf16_dot_available(); }
 
 std::atomic<int>& bf16_dot_setting() {
   static std::atomic<int> on{default_bf16_dot() ? 1 : 0};
@@ -188,11 +199,7 @@ bool bf16_dot() {
 }
 
 int64_t set_cpu_bf16_dot(int64_t on) {
-  TORCH_CHECK(on >= -2 && on <= 1, "cpu_bf16_dot: on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);
-  if (on == -2) return bf16_dot() ? 1 : 0;
-  const bool v = on < 0 ? default_bf16_dot() : (on == 1 && bf16_dot_available());
-  bf16_dot_setting().store(v ? 1 : 0);
-  return bf16_dot() ? 1 : 0;
+  return apply_switch("cpu_bf16_dot", on, bf16_dot_setting(), default_bf16_dot, bf16_dot_available, bf16_dot);
 }
 
 namespace {
@@ -261,15 +268,7 @@ bool amx_available() {
 #endif
 }
 
-bool default_amx() {
-  const char* env = std::getenv("TURBOSPEC_AMX");
-  if (env != nullptr && *env != '\0') {
-    TORCH_CHECK(std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0,
-                "TURBOSPEC_AMX must be 0 or 1 (or unset), got '", env, "'");
-    if (env[0] == '0') return false;
-  }
-  return amx_available();
-}
+bool default_amx() { return env_allows("TURBOSPEC_AMX") && amx_available(); }
 
 std::atomic<int>& amx_setting() {
   static std::atomic<int> on{default_amx() ? 1 : 0};
@@ -284,11 +283,7 @@ bool amx_int8() {
 }
 
 int64_t set_cpu_amx(int64_t on) {
-  TORCH_CHECK(on >= -2 && on <= 1, "cpu_amx: on must be -2 (read), -1 (default), 0 (off) or 1 (on), got ", on);
-  if (on == -2) return amx_int8() ? 1 : 0;
-  const bool v = on < 0 ? default_amx() : (on == 1 && amx_available());
-  amx_setting().store(v ? 1 : 0);
-  return amx_int8() ? 1 : 0;
+  return apply_switch("cpu_amx", on, amx_setting(), default_amx, amx_available, amx_int8);
 }
 
 }  // namespace turbospec
