@@ -151,13 +151,13 @@ class Scheduler:
             self.prefilling[job.slot] = [0, [], None]  # tokens in the cache, their features, from the prefix cache
         self._prefill(out)
         decoding = {slot: job for slot, job in self.active.items() if slot not in self.prefilling}
-        lengths = self._draft_lengths(decoding)
+        k = self._draft_length(decoding)
         # Every request drafts at once: the head drafters' weight products go in one call per round
         # for the whole batch (lockstep); each request gets the drafts it would get alone.
-        slots, jobs = list(decoding), list(decoding.values())
+        jobs = list(decoding.values())
         t = time.perf_counter()
         with nvtx.range("draft"):
-            planned = drive([job.seq.plan_steps(lengths.get(slot)) for slot, job in zip(slots, jobs)])
+            planned = drive([job.seq.plan_steps(k if self._budgeted(job) else None) for job in jobs])
         drafting = sum(1 for job in jobs if job.seq.drafter is not None)
         share = (time.perf_counter() - t) / max(1, drafting)
         for job, res in zip(jobs, planned):
@@ -243,17 +243,13 @@ class Scheduler:
         timings; a seeded sampled request keeps its own untimed budget: output as alone.)"""
         return self.budget is not None and job.seq.drafter is not None and job.seq.budget.timed
 
-    def _draft_lengths(self, decoding: dict[int, Job]) -> dict[int, int]:
-        """The batch budget's draft length of each budgeted decoding job (by slot): one length for
-        every row of a padded pass, each row its own on a ragged one (``BatchBudget.choose_rows``)."""
-        budgeted = [slot for slot, j in decoding.items() if self._budgeted(j)]
+    def _draft_length(self, decoding: dict[int, Job]) -> int | None:
         if self.budget is None or not decoding:
-            return {}
-        drafting = [(decoding[s].seq.budget.expected_upto, decoding[s].seq.budget.draft_cost()) for s in budgeted]
-        if self.batch.ragged:
-            return dict(zip(budgeted, self.budget.choose_rows(len(decoding) - len(drafting), drafting)))
-        k = self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting, ragged=False)
-        return dict.fromkeys(budgeted, k)
+            return None
+        drafting = [(j.seq.budget.expected_upto, j.seq.budget.draft_cost())
+                    for j in decoding.values() if self._budgeted(j)]
+        return self.budget.choose(max(decoding) + 1, len(decoding) - len(drafting), drafting,
+                                  ragged=self.batch.ragged)
 
 
 def run_batch(sched: Scheduler, jobs: list[Job]) -> Iterator[tuple[int, list[int]]]:

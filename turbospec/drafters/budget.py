@@ -527,60 +527,6 @@ class BatchBudget:
             return 1
         return 0
 
-    def choose_rows(self, plain_rows: int,
-                    drafting: list[tuple[Callable[[int], list[float]], float]]) -> list[int]:
-        """A ragged pass (each row computes its own tokens only): a length per drafting row. The
-        step's tokens go one at a time to the row whose next draft token adds the most expected
-        tokens per second it costs (its acceptance-weighted gain over its draft time plus the pass's
-        mean cost per token): rows that keep being accepted draft long, the others little or nothing.
-        Of the totals along that order the one with the best expected tokens per second of the whole
-        step is taken, ``(plain rows + sum_r E_r(k_r)) / (V(plain rows + sum_r (k_r + 1)) + sum_r k_r
-        draft_r)``; probes while off and exploration of a neighbouring total as ``choose``."""
-        n = len(drafting)
-        if not self.adaptive or self.max_draft == 0 or not drafting:
-            return [self.max_draft] * n
-        sizes = [plain_rows + n + t for t in range(n * self.max_draft + 1)]
-        verify = self.verify_costs(sizes)
-        if verify[0] is None:
-            return [min(2, self.max_draft)] * n  # nothing measured yet: start short, then follow the numbers
-        tables = [expected_upto(self.max_draft) for expected_upto, _ in drafting]
-        costs = [d for _, d in drafting]
-        slope = max(0.0, (verify[-1] - verify[0]) / max(1, len(sizes) - 1))  # the pass's mean seconds per token
-        ks, order = [0] * n, []  # order: the row given each next token
-        for _ in range(n * self.max_draft):
-            gains = [(tables[r][ks[r] + 1] - tables[r][ks[r]]) / (costs[r] + slope + 1e-12)
-                     if ks[r] < self.max_draft else float("-inf") for r in range(n)]
-            r = max(range(n), key=gains.__getitem__)
-            ks[r] += 1
-            order.append(r)
-        tokens, draft_s, best, best_rate = plain_rows + sum(t[0] for t in tables), 0.0, 0, 0.0
-        ks = [0] * n
-        for total in range(len(order) + 1):
-            if total:
-                r = order[total - 1]
-                tokens += tables[r][ks[r] + 1] - tables[r][ks[r]]
-                draft_s += costs[r]
-                ks[r] += 1
-            rate = tokens / (verify[total] + draft_s)
-            if total == 0 or rate > best_rate * 1.0001:
-                best, best_rate = total, rate
-        if best > 0:
-            self._off_steps, self._probe_interval = 0, 4
-            self._drafting_steps += 1
-            if self._drafting_steps % self.EXPLORE_EVERY == 0:
-                up = self._drafting_steps % (2 * self.EXPLORE_EVERY) == 0
-                best = min(best + 1, len(order)) if up else max(best - 1, 1)
-        else:
-            self._off_steps += 1
-            if self._off_steps > self._probe_interval:
-                self._off_steps = 0
-                self._probe_interval = min(2 * self._probe_interval, self.MAX_PROBE_INTERVAL)
-                best = 1  # one token, to the row that gains most
-        out = [0] * n
-        for r in order[:best]:
-            out[r] += 1
-        return out
-
     def record(self, tokens_in_pass: int, seconds: float) -> None:
         samples = self.verify_time.setdefault(tokens_in_pass, [])
         samples.append(seconds)
