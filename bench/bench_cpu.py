@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,40 @@ def llama_bin(path: str | None) -> str | None:
     return cand if os.path.isfile(os.path.join(cand, "llama-bench")) else None
 
 
+class PeerFailed(RuntimeError):
+    """A llama.cpp tool exited with an error or died of a signal (llama.cpp's AMX build crashed in its
+    prompt processing on a 2026-12-02 Intel AMX machine): the run records it and goes on."""
+
+
+def run_peer(cmd: list[str], with_stderr: bool = False) -> str:
+    """Run a llama.cpp tool; its stdout (and then its stderr: the examples log there), or PeerFailed
+    naming the tool, the exit status or signal and the last line of its stderr."""
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        how = f"signal {signal.Signals(-r.returncode).name}" if r.returncode < 0 else f"exit status {r.returncode}"
+        tail = (r.stderr or "").strip().splitlines()[-1:] or [""]
+        raise PeerFailed(f"{os.path.basename(cmd[0])} ({' '.join(cmd[1:])}) failed: {how} {tail[0]}".rstrip())
+    return r.stdout + (r.stderr if with_stderr else "")
+
+
+def guarded(errors: list[str], fn):
+    """fn()'s result, or None with a llama.cpp failure appended to ``errors`` (printed as it happens)."""
+    try:
+        return fn()
+    except PeerFailed as e:
+        print(f"peer failed: {e}", flush=True)
+        errors.append(str(e))
+        return None
+
+
+def peer_row(out: dict, name: str, errors: list[str], fn) -> None:
+    """out[name] = fn() (a llama.cpp row of the speculation table), printed; a failure goes to errors."""
+    r = guarded(errors, fn)
+    if r is not None:
+        out[name] = r
+        print(f"spec {name}: {r}", flush=True)
+
+
 def parse_llama_bench(stdout: str) -> dict:
     """llama-bench -o json -> {("pp" | "tg", n): mean tok/s}."""
     out = {}
@@ -74,18 +109,23 @@ def llama_bench(bin_dir: str, gguf: str, threads: int, reps: int, prompt: str, g
     """``llama-bench -p <prompt> -n <gen>`` on ``gguf`` -> {("pp" | "tg", n): mean tok/s}."""
     cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", str(reps), "-p", str(prompt),
            "-n", str(gen), "-o", "json"]
-    return parse_llama_bench(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    return parse_llama_bench(run_peer(cmd))
 
 
-def alternated(rounds: int, turbospec_fn, llama_fn) -> dict:
+def alternated(rounds: int, turbospec_fn, llama_fn, errors: list[str] | None = None) -> dict:
     """Rounds of turbospec then llama.cpp (llama_fn None: turbospec only), alternated (this
     machine's speed drifts by tens of percent over minutes): the median of each system, the median
-    of the per-round ratios, and the rounds."""
+    of the per-round ratios, and the rounds. A llama.cpp failure goes to ``errors`` (its row then has
+    turbospec's figures only) and llama.cpp is not run again in this row."""
     runs: dict = {"turbospec": [], "llama.cpp": []}
     for _ in range(rounds):
         runs["turbospec"].append(turbospec_fn())
         if llama_fn is not None:
-            runs["llama.cpp"].append(llama_fn())
+            got = guarded(errors if errors is not None else [], llama_fn)
+            if got is None:
+                llama_fn, runs["llama.cpp"] = None, []
+            else:
+                runs["llama.cpp"].append(got)
     row = {k: statistics.median(v) for k, v in runs.items() if v}
     if runs["llama.cpp"]:
         row["ratio"] = statistics.median(t / c for t, c in zip(runs["turbospec"], runs["llama.cpp"]))
@@ -100,7 +140,7 @@ def llama_plain_at_depths(bin_dir: str, gguf: str, depths: list[int], n_gen: int
     reads the whole KV cache), so this, not tg at depth 0, is the plain baseline for the prompts."""
     cmd = [os.path.join(bin_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-r", "1", "-p", "0",
            "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-o", "json"]
-    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    rows = json.loads(run_peer(cmd))
     by_depth = {int(r["n_depth"]): n_gen / float(r["avg_ts"]) for r in rows}  # seconds per depth
     seconds = sum(by_depth[d] for d in depths)
     return {"tok_s": n_gen * len(depths) / seconds, "tokens": n_gen * len(depths), "depths": len(by_depth)}
@@ -236,7 +276,8 @@ def main() -> int:
     formats = args.formats.split(",")
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_flags(), "threads": args.threads, "model": src,
             "kernels": turbospec.kernels_available(), "torch": torch.__version__, "llama_cpp": bin_dir}
-    res: dict = {"plain": {}, "curve": {}, "prefill": {}, "spec": {}, "pair": {}}
+    res: dict = {"plain": {}, "curve": {}, "prefill": {}, "spec": {}, "pair": {}, "peer_errors": []}
+    errors = res["peer_errors"]
     print(f"# CPU benchmark {meta['date']}, {meta['cpu']}, {args.threads} threads", flush=True)
 
     for fmt in formats:
@@ -245,29 +286,30 @@ def main() -> int:
         # Plain decode, the two systems alternated round by round
         row = alternated(args.rounds, lambda: ts_decode_tps(model, args.tokens),
                          (lambda: llama_bench(bin_dir, gguf, args.threads, 1, "0", args.tokens)[("tg", args.tokens)])
-                         if gguf else None)
+                         if gguf else None, errors)
         runs = row["rounds"]
         if not args.no_curve:
             res["curve"].setdefault(fmt, {}).update(ts_verify_curve(model))
         if args.prefill > 0:
             pre = alternated(args.prefill_rounds, lambda: ts_prefill_tps(model, args.prefill),
                              (lambda: llama_bench(bin_dir, gguf, args.threads, 1, str(args.prefill), 0)
-                              [("pp", args.prefill)]) if gguf else None)
+                              [("pp", args.prefill)]) if gguf else None, errors)
             res["prefill"][fmt] = {**pre, "tokens": args.prefill}
             print(f"prefill {fmt}: " + ", ".join(f"{k} {v}" for k, v in pre["rounds"].items() if v), flush=True)
         del model
         if gguf and not args.no_curve:
-            lb = llama_bench(bin_dir, gguf, args.threads, args.reps, ",".join(str(n) for n in VERIFY_TOKENS),
-                             args.tokens)
-            tg_ms = 1e3 / lb[("tg", args.tokens)]
-            res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
+            lb = guarded(errors, lambda: llama_bench(bin_dir, gguf, args.threads, args.reps,
+                                                     ",".join(str(n) for n in VERIFY_TOKENS), args.tokens))
+            if lb is not None:
+                tg_ms = 1e3 / lb[("tg", args.tokens)]
+                res["curve"][fmt]["llama.cpp"] = {n: (1e3 * n / lb[("pp", n)] if n > 1 else tg_ms) for n in VERIFY_TOKENS}
         res["plain"][fmt] = row
         print(f"plain decode {fmt}: " + ", ".join(f"{k} {v}" for k, v in runs.items() if v), flush=True)
 
     if args.spec_prompts > 0 and args.draft_model:
-        res["pair"] = pair_run(src, args.draft_model, bin_dir, args)
+        res["pair"] = pair_run(src, args.draft_model, bin_dir, args, errors)
     elif args.spec_prompts > 0:
-        res["spec"] = spec_run(src, bin_dir, args)
+        res["spec"] = spec_run(src, bin_dir, args, errors)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu.json"), "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1, default=str)
@@ -328,9 +370,11 @@ def llama_decode(cmd: list[str], texts: list[str]) -> dict:
     for t in texts:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
             f.write(t)
-        r = subprocess.run(cmd + ["-f", f.name], capture_output=True, text=True)
-        os.unlink(f.name)
-        parsed = parse_llama_lookup(r.stdout + r.stderr)
+        try:
+            log = run_peer(cmd + ["-f", f.name], with_stderr=True)
+        finally:
+            os.unlink(f.name)
+        parsed = parse_llama_lookup(log)
         toks += parsed["decoded"]
         secs += parsed["seconds"]
         drafted += parsed["n_drafted"] or 0
@@ -338,7 +382,7 @@ def llama_decode(cmd: list[str], texts: list[str]) -> dict:
     return {"tok_s": toks / secs, "tokens": toks, "accept": accepted / drafted if drafted else None}
 
 
-def spec_run(src: str, bin_dir: str | None, args) -> dict:
+def spec_run(src: str, bin_dir: str | None, args, errors: list[str]) -> dict:
     """Decode tok/s on Spec-Bench prompts: turbospec plain / ngram / suffix / shipped head + ngram (quantized
     GGUF; fp32 activations, and / or int8 ones: --spec-activations, systems suffixed _int8, each
     mode against its own plain row) and llama-lookup; turbospec outputs checked equal to plain greedy
@@ -370,18 +414,16 @@ def spec_run(src: str, bin_dir: str | None, args) -> dict:
         out.update(ts_systems(target, tok, encoded, systems, args))
         del target
     if bin_dir:
-        out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,
-                                                   args.threads)
-        print(f"spec llama_plain: {out['llama_plain']}", flush=True)
+        peer_row(out, "llama_plain", errors, lambda: llama_plain_at_depths(
+            bin_dir, src, [len(e) for e in encoded], args.max_new_tokens, args.threads))
         max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
-        out["llama_lookup"] = llama_decode(
+        peer_row(out, "llama_lookup", errors, lambda: llama_decode(
             [os.path.join(bin_dir, "llama-lookup"), "-m", src, "-n", str(args.max_new_tokens), "-t", str(args.threads),
-             "--temp", "0", "--spec-draft-n-max", "8", "-c", str(max_seq + 64)], texts)
-        print(f"spec llama_lookup: {out['llama_lookup']}", flush=True)
+             "--temp", "0", "--spec-draft-n-max", "8", "-c", str(max_seq + 64)], texts))
     return out
 
 
-def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
+def pair_run(src: str, draft_src: str, bin_dir: str | None, args, errors: list[str]) -> dict:
     """A target GGUF with a draft-model GGUF (same tokenizer) on the Spec-Bench sample: turbospec
     plain, the draft model at fixed draft lengths and with the adaptive budget (outputs checked
     equal to plain greedy); llama.cpp plain (``llama-bench`` tg on the target) and
@@ -412,20 +454,16 @@ def pair_run(src: str, draft_src: str, bin_dir: str | None, args) -> dict:
         target.set_activations("exact")
         draft.set_activations("exact")
     if bin_dir:
-        lb = llama_bench(bin_dir, src, args.threads, args.reps, "0", args.tokens)
-        out["llama_plain_tg"] = {"tok_s": lb[("tg", args.tokens)]}
-        print(f"spec llama_plain_tg: {out['llama_plain_tg']}", flush=True)
-        out["llama_plain"] = llama_plain_at_depths(bin_dir, src, [len(e) for e in encoded], args.max_new_tokens,
-                                                   args.threads)
-        print(f"spec llama_plain: {out['llama_plain']}", flush=True)
+        peer_row(out, "llama_plain_tg", errors, lambda: {
+            "tok_s": llama_bench(bin_dir, src, args.threads, args.reps, "0", args.tokens)[("tg", args.tokens)]})
+        peer_row(out, "llama_plain", errors, lambda: llama_plain_at_depths(
+            bin_dir, src, [len(e) for e in encoded], args.max_new_tokens, args.threads))
         max_seq = max(map(len, encoded)) + args.max_new_tokens + 70
         for n in (int(k) for k in args.llama_draft_max.split(",")):
-            name = f"llama_speculative_simple_n{n}"
-            out[name] = llama_decode(
+            peer_row(out, f"llama_speculative_simple_n{n}", errors, lambda n=n: llama_decode(
                 [os.path.join(bin_dir, "llama-speculative-simple"), "-m", src, "-md", draft_src,
                  "--spec-type", "draft-simple", "--spec-draft-n-max", str(n), "-n", str(args.max_new_tokens),
-                 "-t", str(args.threads), "--temp", "0", "-c", str(max_seq + 64)], texts)
-            print(f"spec {name}: {out[name]}", flush=True)
+                 "-t", str(args.threads), "--temp", "0", "-c", str(max_seq + 64)], texts))
     return out
 
 
@@ -468,6 +506,8 @@ def markdown(meta: dict, res: dict) -> str:
             total = f"{r['total_s']:.1f}" if "total_s" in r else "-"
             lines.append(f"| {name} | {r['tok_s']:.1f} | {ratio} | {vs_llama} | {r.get('tau', float('nan')):.2f} | "
                          f"{r.get('equal_to_plain', '-')} | {total} |")
+    if res.get("peer_errors"):
+        lines += ["", "llama.cpp failures (their rows are missing above):", ""] + [f"- {e}" for e in res["peer_errors"]]
     return "\n".join(lines) + "\n"
 
 

@@ -50,6 +50,44 @@ def test_llama_bench_command_and_alternated_rounds(tmp_path):
     assert alone == {"turbospec": 5.0, "rounds": {"turbospec": [5.0, 5.0], "llama.cpp": []}}
 
 
+def test_a_crashed_llama_cpp_tool_is_recorded_and_the_run_goes_on(tmp_path):
+    """llama.cpp's AMX build died of SIGSEGV / SIGILL in its prompt processing on an Intel AMX machine
+    (2026-12-02): the tool's failure names the tool and the signal, the alternated row keeps
+    turbospec's rounds, a speculation-table row is left out, and the report lists the failures."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'ggml: about to crash' >&2\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    with pytest.raises(bench_cpu.PeerFailed, match=r"llama-bench .*failed: signal SIGSEGV ggml: about to crash"):
+        bench_cpu.llama_bench(str(tmp_path), "m.gguf", 2, 1, "512", 0)
+    errors, calls = [], []
+
+    def llama():
+        calls.append(1)
+        return bench_cpu.llama_bench(str(tmp_path), "m.gguf", 2, 1, "512", 0)[("pp", 512)]
+    row = bench_cpu.alternated(3, lambda: 7.0, llama, errors)
+    assert row == {"turbospec": 7.0, "rounds": {"turbospec": [7.0, 7.0, 7.0], "llama.cpp": []}}
+    assert len(calls) == 1 and len(errors) == 1 and "SIGSEGV" in errors[0]  # not run again after it failed
+    out = {}
+    bench_cpu.peer_row(out, "llama_plain", errors, lambda: bench_cpu.llama_plain_at_depths(str(tmp_path), "m.gguf",
+                                                                                           [10], 4, 2))
+    assert out == {} and len(errors) == 2
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    with pytest.raises(bench_cpu.PeerFailed, match="exit status 3"):
+        bench_cpu.llama_bench(str(tmp_path), "m.gguf", 2, 1, "0", 16)
+    res = {"plain": {"q": {"turbospec": 7.0}}, "curve": {}, "prefill": {}, "spec": {}, "pair": {}, "peer_errors": errors}
+    md = bench_cpu.markdown({"cpu": "x", "threads": 2, "date": "d", "kernels": {}}, res)
+    assert "| q | 7.0 | - | - |" in md and md.count("SIGSEGV") == 2 and "llama.cpp failures" in md
+
+
+def test_llama_decode_reads_the_log_on_stderr(tmp_path):
+    fake = tmp_path / "llama-lookup"
+    fake.write_text("#!/bin/sh\necho 'I decoded   36 tokens in    1.500 seconds, speed:   24.000 t/s' >&2\n"
+                    "echo 'I n_drafted    = 32' >&2\necho 'I n_accept     = 4' >&2\n")
+    fake.chmod(0o755)
+    got = bench_cpu.llama_decode([str(fake), "-m", "m.gguf"], ["a", "b"])
+    assert got == {"tok_s": 72 / 3.0, "tokens": 72, "accept": 8 / 64}
+
+
 def test_parse_llama_lookup_log():
     log = ("0.02.315.695 I encoded   18 tokens in    0.307 seconds, speed:  175.874 t/s\n"
            "0.02.315.696 I decoded   36 tokens in    1.541 seconds, speed:   23.367 t/s\n"
