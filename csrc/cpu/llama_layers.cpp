@@ -94,12 +94,33 @@ void store_row_as(void* base, int64_t off, const float* src, int64_t d) {
   for (int64_t e = 0; e < d; ++e) dst[e] = static_cast<C>(src[e]);
 }
 
-void store_cache_row(const at::Tensor& cache, int64_t off, const float* src, int64_t d) {
+// bf16_products' caches hold their values as the attention reads them: rounded to bfloat16, and one
+// below 2^-50 in magnitude stored as +0 (tree_attention's read flush, done once here instead of at
+// every read: kv_flushed). The same values as the Python loop's flush_tiny_bf16.
+constexpr uint16_t kBf16TinyBits = 77 << 7;  // |x| < 2^-50: exponent field below 77
+
+void store_row_flushed(void* base, int64_t off, const float* src, int64_t d) {
+  c10::BFloat16* dst = static_cast<c10::BFloat16*>(base) + off;
+  for (int64_t e = 0; e < d; ++e) {
+    c10::BFloat16 v(src[e]);
+    if ((v.x & 0x7FFF) < kBf16TinyBits) v.x = 0;
+    dst[e] = v;
+  }
+}
+
+void store_cache_row(const at::Tensor& cache, int64_t off, const float* src, int64_t d, bool flush) {
   switch (cache.scalar_type()) {
     case at::kHalf: return store_row_as<c10::Half>(cache.data_ptr(), off, src, d);
-    case at::kBFloat16: return store_row_as<c10::BFloat16>(cache.data_ptr(), off, src, d);
+    case at::kBFloat16:
+      return flush ? store_row_flushed(cache.data_ptr(), off, src, d)
+                   : store_row_as<c10::BFloat16>(cache.data_ptr(), off, src, d);
     default: return store_row_as<float>(cache.data_ptr(), off, src, d);
   }
+}
+
+// A bfloat16 cache slice written by torch ops, flushed as store_row_flushed does
+void flush_tiny_bf16_(at::Tensor slice) {
+  slice.masked_fill_(slice.abs() < std::ldexp(1.0, -50), 0);
 }
 
 // A value rounded to the model's dtype T, kept as float32 (T = float: the value itself).
@@ -366,6 +387,7 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
     const at::Tensor& vc = v_cache[l];
     const int64_t ks0 = kc.stride(0), ks1 = kc.stride(1), ks2 = kc.stride(2);
     const int64_t vs0 = vc.stride(0), vs1 = vc.stride(1), vs2 = vc.stride(2);
+    const bool flush = bf16_products(activations, kc);  // bf16_products: stored flushed, read as flushed
     sublayer_input(l, 0);
     const float* bias = biases.empty() ? nullptr : as_floats<T>(biases[l], bias_buf);
     lin(l, 0, hp, hid, bias, qkvp);
@@ -401,14 +423,14 @@ std::vector<at::Tensor> layers_raw(const at::Tensor& x_in, const at::Tensor& cos
           const float rot = rnd<T>(xs[e < half ? e + half : e - half] * sn[e]);
           dst[e] = rnd<T>(a + rot);
         }
-        if (hh >= H) store_cache_row(kc, b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2, dst, d);
+        if (hh >= H) store_cache_row(kc, b * ks0 + (hh - H) * ks1 + (lp[b] + i) * ks2, dst, d, flush);
       }
       for (int64_t hv = 0; hv < Hkv; ++hv)
-        store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d);
+        store_cache_row(vc, b * vs0 + hv * vs1 + (lp[b] + i) * vs2, src + (H + Hkv + hv) * d, d, flush);
     }
     });
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc), nodes);
+                       windows.empty() ? 0 : windows[l], softcap, flush, nodes, /*kv_flushed=*/flush);
     float* ap = attn.data_ptr<float>();
     if (ragged) {
       float* cp_ = attc.data_ptr<float>();
@@ -578,14 +600,19 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     const at::Tensor& vc = v_cache[l];
     const at::Tensor k_new = qk.narrow(2, num_heads, num_kv_heads).transpose(1, 2);
     const at::Tensor v_new = qkv.narrow(2, num_heads + num_kv_heads, num_kv_heads).transpose(1, 2);
+    const bool flush = bf16_products(activations, kc);
+    const auto put = [&](at::Tensor dst, const at::Tensor& src) {
+      dst.copy_(src);
+      if (flush) flush_tiny_bf16_(dst);
+    };
     if (!cache_lens.has_value()) {
-      kc.narrow(2, cache_len, n).copy_(k_new);
-      vc.narrow(2, cache_len, n).copy_(v_new);
+      put(kc.narrow(2, cache_len, n), k_new);
+      put(vc.narrow(2, cache_len, n), v_new);
     } else {
       const int64_t* lp = lens.data_ptr<int64_t>();
       for (int64_t b = 0; b < B; ++b) {
-        kc[b].narrow(1, lp[b], n).copy_(k_new[b]);
-        vc[b].narrow(1, lp[b], n).copy_(v_new[b]);
+        put(kc[b].narrow(1, lp[b], n), k_new[b]);
+        put(vc[b].narrow(1, lp[b], n), v_new[b]);
       }
     }
     // float32 queries over a 16-bit cache (the kernel widens the cache), else q in the cache's dtype
@@ -593,7 +620,7 @@ std::vector<at::Tensor> llama_layers(const at::Tensor& x_in, const at::Tensor& c
     at::Tensor q = qk.narrow(2, 0, num_heads).to(cache16 ? at::kFloat : kc.scalar_type());
     at::Tensor attn = at::empty(q.sizes(), q.options());
     tree_attention_cpu(q, kc, vc, lens, mask, scale, /*include_prefix=*/true, attn, std::nullopt,
-                       windows.empty() ? 0 : windows[l], softcap, bf16_products(activations, kc));
+                       windows.empty() ? 0 : windows[l], softcap, flush, nullptr, /*kv_flushed=*/flush);
     at::Tensor y = next_linear(l, 1, attn.to(dtype).view({B, n, num_heads * d}), std::nullopt);
     x = x + (layout != 0 ? rms_norm(y, norm_at(0, true), eps) : y);
     h = layout == 1 ? x : rms_norm(x, norm_at(1, false), eps);

@@ -209,6 +209,8 @@ struct Args {
   const int64_t* depth;  // [B, n]: each new token's depth in its tree (window > 0 only)
   bool bf16;             // bf16_products (bfloat16 caches): q and P rounded, see bf16_round
   bool dot;              // bf16 with vdpbf16ps (the AVX-512 path on a CPU with AVX-512 BF16)
+  bool flushed;          // bf16: the cache's writer made every value below 2^-50 in magnitude +0 already
+                         // (the C++ layer loop's, kv_flushed): the reads skip that flush
   const int64_t* nodes;  // [B] or nullptr: row b's new tokens are its first nodes[b] (see tree_attention_cpu)
 };
 
@@ -329,15 +331,25 @@ TS_ATTN_BF16_INL void transpose16(const __m512i* r, __m512i* out) {
   }
 }
 
+// 32 bfloat16 values as bf16_products reads them: flushed (flush32), or as they are when the cache's
+// writer flushed them already (Args::flushed)
+template <bool Flush>
+TS_ATTN_BF16_INL __m512i load32(const c10::BFloat16* p) {
+  const __m512i w = _mm512_loadu_si512(p);
+  if constexpr (Flush) return flush32(w);
+  return w;
+}
+
 // kp[p * kTile + t] = (k[t][2p] << 16) | k[t][2p + 1] for t < nkp (keys >= nk: 0), p < D / 2; k: bfloat16
 // rows of stride ldk; D % 32 == 0
+template <bool Flush>
 TS_ATTN_BF16 void pack_keys_bf16(const c10::BFloat16* k, int64_t ldk, int64_t nk, int64_t D, uint32_t* kp) {
   const int64_t nkp = round_up(nk, 16);
   for (int64_t t0 = 0; t0 < nkp; t0 += 16)
     for (int64_t p0 = 0; p0 < D / 2; p0 += 16) {
       __m512i r[16], out[16];
       for (int i = 0; i < 16; ++i)
-        r[i] = t0 + i < nk ? _mm512_rol_epi32(flush32(_mm512_loadu_si512(k + (t0 + i) * ldk + 2 * p0)), 16)
+        r[i] = t0 + i < nk ? _mm512_rol_epi32(load32<Flush>(k + (t0 + i) * ldk + 2 * p0), 16)
                            : _mm512_setzero_si512();
       transpose16(r, out);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kp + (p0 + j) * kTile + t0, out[j]);
@@ -345,6 +357,7 @@ TS_ATTN_BF16 void pack_keys_bf16(const c10::BFloat16* k, int64_t ldk, int64_t nk
 }
 
 // vp[j * Dp + d] = (v[2j][d] << 16) | v[2j + 1][d] for 2j < nk (a key >= nk: 0), d < D; D % 32 == 0
+template <bool Flush>
 TS_ATTN_BF16 void pack_values_bf16(const c10::BFloat16* v, int64_t ldv, int64_t nk, int64_t D, int64_t Dp,
                                    uint32_t* vp) {
   // words of (later key, earlier key): out dword i = (earlier[i] << 16) | later[i]
@@ -355,21 +368,21 @@ TS_ATTN_BF16 void pack_values_bf16(const c10::BFloat16* v, int64_t ldv, int64_t 
   const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
   for (int64_t j = 0; 2 * j < nk; ++j)
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512i a = flush32(_mm512_loadu_si512(v + 2 * j * ldv + d));
-      const __m512i b = 2 * j + 1 < nk ? flush32(_mm512_loadu_si512(v + (2 * j + 1) * ldv + d)) : _mm512_setzero_si512();
+      const __m512i a = load32<Flush>(v + 2 * j * ldv + d);
+      const __m512i b = 2 * j + 1 < nk ? load32<Flush>(v + (2 * j + 1) * ldv + d) : _mm512_setzero_si512();
       _mm512_storeu_si512(vp + j * Dp + d, _mm512_permutex2var_epi16(b, il, a));
       _mm512_storeu_si512(vp + j * Dp + d + 16, _mm512_permutex2var_epi16(b, ih, a));
     }
 }
 
 // pp[r * (kTile / 2) + j] = (P[r][2j] << 16) | P[r][2j + 1] (bfloat16 bits of the rounded probabilities
-// s[r * kTile + t], t < nk; a key >= nk: 0), rows r < Rp
-TS_ATTN_BF16 void pack_probs_bf16(const float* s, int64_t Rp, int64_t nk, uint32_t* pp) {
+// s[r * kTile + t], t < nk; a key >= nk: 0), rows r < rows
+TS_ATTN_BF16 void pack_probs_bf16(const float* s, int64_t rows, int64_t nk, uint32_t* pp) {
   // the high words of dwords 2j (earlier key: out high half) and 2j + 1 (low half) of 32 floats
   alignas(64) static const uint16_t idx[32] = {3, 1, 7, 5, 11, 9, 15, 13, 19, 17, 23, 21, 27, 25, 31, 29,
                                                35, 33, 39, 37, 43, 41, 47, 45, 51, 49, 55, 53, 59, 57, 63, 61};
   const __m512i ix = _mm512_load_si512(idx);
-  for (int64_t r = 0; r < Rp; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     const float* srow = s + r * kTile;
     uint32_t* prow = pp + r * (kTile / 2);
     for (int64_t t = 0; t < nk; t += 32) {
@@ -383,58 +396,84 @@ TS_ATTN_BF16 void pack_probs_bf16(const float* s, int64_t Rp, int64_t nk, uint32
   }
 }
 
-// s[r * kTile + c] = sum over p of the pairs qp[r * ldq + p] . kp[p * kTile + c], rows r < Rp (a multiple
-// of 4), columns c < 16 * NB, each lane from +0 in the order of d
-template <int NB>
-TS_ATTN_BF16 void dot_scores(const uint32_t* qp, int64_t ldq, const uint32_t* kp, int64_t D2, int64_t Rp, float* s) {
-  for (int64_t rb = 0; rb < Rp; rb += 4) {
-    __m512 acc[4][NB];
-    for (int r = 0; r < 4; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < D2; ++p) {
-      __m512bh kv[NB];
-      for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * kTile + 16 * b);
-      for (int r = 0; r < 4; ++r) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(rb + r) * ldq + p]));
-        for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qb, kv[b]);
-      }
+// s[r * kTile + c] = sum over p of the pairs qp[r * ldq + p] . kp[p * kTile + c] for rows r in
+// [rb, rb + MR), columns c < 16 * NB, each lane from +0 in the order of d
+template <int NB, int MR>
+TS_ATTN_BF16_INL void dot_scores_rows(const uint32_t* qp, int64_t ldq, const uint32_t* kp, int64_t D2, int64_t rb,
+                                      float* s) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < D2; ++p) {
+    __m512bh kv[NB];
+    for (int b = 0; b < NB; ++b) kv[b] = (__m512bh)_mm512_loadu_si512(kp + p * kTile + 16 * b);
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[(rb + r) * ldq + p]));
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], qb, kv[b]);
     }
-    for (int r = 0; r < 4; ++r)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + (rb + r) * kTile + 16 * b, acc[r][b]);
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(s + (rb + r) * kTile + 16 * b, acc[r][b]);
+}
+
+// The scores of rows r < rows, four at a time, then the last 1-3 (a decode step's GQA group of 3
+// computes 3 rows, not 4: each lane's sum is the same whatever rows share the block)
+template <int NB>
+TS_ATTN_BF16 void dot_scores(const uint32_t* qp, int64_t ldq, const uint32_t* kp, int64_t D2, int64_t rows, float* s) {
+  int64_t rb = 0;
+  for (; rb + 4 <= rows; rb += 4) dot_scores_rows<NB, 4>(qp, ldq, kp, D2, rb, s);
+  switch (rows - rb) {
+    case 3: dot_scores_rows<NB, 3>(qp, ldq, kp, D2, rb, s); break;
+    case 2: dot_scores_rows<NB, 2>(qp, ldq, kp, D2, rb, s); break;
+    case 1: dot_scores_rows<NB, 1>(qp, ldq, kp, D2, rb, s); break;
+    default: break;
   }
 }
 
-// o[r * Dp + d] += sum over pairs j < np of pp[r * ldp + j] . vp[j * Dp + d], key order; rows r < Rp
-// (a multiple of 4), d < D (a multiple of 16)
-template <int NB>
+// o[r * Dp + d] += sum over pairs j < np of pp[r * ldp + j] . vp[j * Dp + d], key order; rows r in
+// [rb, rb + MR), d in [c, c + 16 NB)
+template <int NB, int MR>
 TS_ATTN_BF16_INL void dot_pv_block(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t Dp,
                                    int64_t rb, int64_t c, float* o) {
-  __m512 acc[4][NB];
-  for (int r = 0; r < 4; ++r)
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_loadu_ps(o + (rb + r) * Dp + c + 16 * b);
   for (int64_t j = 0; j < np; ++j) {
     __m512bh vv[NB];
     for (int b = 0; b < NB; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vp + j * Dp + c + 16 * b);
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[(rb + r) * ldp + j]));
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pb, vv[b]);
     }
   }
-  for (int r = 0; r < 4; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(o + (rb + r) * Dp + c + 16 * b, acc[r][b]);
 }
 
-TS_ATTN_BF16 void dot_pv(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t D, int64_t Dp,
-                         int64_t Rp, float* o) {
-  for (int64_t rb = 0; rb < Rp; rb += 4)
-    for (int64_t c = 0; c < D; c += 64) {
-      switch (std::min<int64_t>(4, (D - c) / 16)) {
-        case 4: dot_pv_block<4>(pp, ldp, vp, np, Dp, rb, c, o); break;
-        case 3: dot_pv_block<3>(pp, ldp, vp, np, Dp, rb, c, o); break;
-        case 2: dot_pv_block<2>(pp, ldp, vp, np, Dp, rb, c, o); break;
-        default: dot_pv_block<1>(pp, ldp, vp, np, Dp, rb, c, o); break;
-      }
+template <int MR>
+TS_ATTN_BF16_INL void dot_pv_rows(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t D,
+                                  int64_t Dp, int64_t rb, float* o) {
+  for (int64_t c = 0; c < D; c += 64) {
+    switch (std::min<int64_t>(4, (D - c) / 16)) {
+      case 4: dot_pv_block<4, MR>(pp, ldp, vp, np, Dp, rb, c, o); break;
+      case 3: dot_pv_block<3, MR>(pp, ldp, vp, np, Dp, rb, c, o); break;
+      case 2: dot_pv_block<2, MR>(pp, ldp, vp, np, Dp, rb, c, o); break;
+      default: dot_pv_block<1, MR>(pp, ldp, vp, np, Dp, rb, c, o); break;
     }
+  }
+}
+
+// O += P V for rows r < rows, four at a time, then the last 1-3 (as dot_scores)
+TS_ATTN_BF16 void dot_pv(const uint32_t* pp, int64_t ldp, const uint32_t* vp, int64_t np, int64_t D, int64_t Dp,
+                         int64_t rows, float* o) {
+  int64_t rb = 0;
+  for (; rb + 4 <= rows; rb += 4) dot_pv_rows<4>(pp, ldp, vp, np, D, Dp, rb, o);
+  switch (rows - rb) {
+    case 3: dot_pv_rows<3>(pp, ldp, vp, np, D, Dp, rb, o); break;
+    case 2: dot_pv_rows<2>(pp, ldp, vp, np, D, Dp, rb, o); break;
+    case 1: dot_pv_rows<1>(pp, ldp, vp, np, D, Dp, rb, o); break;
+    default: break;
+  }
 }
 #undef TS_ATTN_BF16
 #undef TS_ATTN_BF16_INL
@@ -454,12 +493,16 @@ TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, con
 #ifdef TS_ATTN_X86
   if (a.dot) {  // bf16_products with vdpbf16ps: the keys packed in pairs, transposed (columns >= nk: 0)
     uint32_t* kp = reinterpret_cast<uint32_t*>(kt);
-    pack_keys_bf16(reinterpret_cast<const c10::BFloat16*>(kb) + p0 * a.ks2, a.ks2, nk, D, kp);
+    const auto* kbf = reinterpret_cast<const c10::BFloat16*>(kb) + p0 * a.ks2;
+    if (a.flushed)
+      pack_keys_bf16<false>(kbf, a.ks2, nk, D, kp);
+    else
+      pack_keys_bf16<true>(kbf, a.ks2, nk, D, kp);
     switch (nkp / kNr) {
-      case 4: dot_scores<4>(qp, Dp / 2, kp, D / 2, Rp, s); break;
-      case 3: dot_scores<3>(qp, Dp / 2, kp, D / 2, Rp, s); break;
-      case 2: dot_scores<2>(qp, Dp / 2, kp, D / 2, Rp, s); break;
-      default: dot_scores<1>(qp, Dp / 2, kp, D / 2, Rp, s); break;
+      case 4: dot_scores<4>(qp, Dp / 2, kp, D / 2, rows, s); break;
+      case 3: dot_scores<3>(qp, Dp / 2, kp, D / 2, rows, s); break;
+      case 2: dot_scores<2>(qp, Dp / 2, kp, D / 2, rows, s); break;
+      default: dot_scores<1>(qp, Dp / 2, kp, D / 2, rows, s); break;
     }
   } else
 #endif
@@ -478,7 +521,7 @@ TS_INLINE void tile_scores_into(const Args& a, const KV* kb, const float* q, con
     const KV* kr = kb + (p0 + t) * a.ks2;
     for (int64_t d = 0; d < D; ++d) kt[d * kTile + t] = static_cast<float>(kr[d]);
   }
-  if (a.bf16)
+  if (a.bf16 && !a.flushed)
     for (int64_t d = 0; d < D; ++d)
       for (int64_t t = 0; t < nk; ++t) kt[d * kTile + t] = bf16_flush(kt[d * kTile + t]);
   // S = Q K^T (log2 units), then the tree mask
@@ -600,7 +643,7 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
         const KV* vr = vb + (p0 + t) * a.vs2;
         for (int64_t d = d0; d < D; ++d) vt[t * Dp + d] = static_cast<float>(vr[d]);
       }
-      if (a.bf16)
+      if (a.bf16 && !a.flushed)
         for (int64_t t = 0; t < nk; ++t)
           for (int64_t d = 0; d < D; ++d) vt[t * Dp + d] = bf16_flush(vt[t * Dp + d]);
     }
@@ -643,10 +686,14 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     if (a.dot) {  // P and V packed in pairs of keys (a key >= nk: 0)
       const int64_t np = (nk + 1) / 2;
       uint32_t* pp = sc.pp.data();
-      pack_probs_bf16(s, Rp, nk, pp);
+      pack_probs_bf16(s, rows, nk, pp);
       uint32_t* vp = reinterpret_cast<uint32_t*>(vt);
-      pack_values_bf16(reinterpret_cast<const c10::BFloat16*>(vb) + p0 * a.vs2, a.vs2, nk, D, Dp, vp);
-      dot_pv(pp, kTile / 2, vp, np, D, Dp, Rp, o);
+      const auto* vbf = reinterpret_cast<const c10::BFloat16*>(vb) + p0 * a.vs2;
+      if (a.flushed)
+        pack_values_bf16<false>(vbf, a.vs2, nk, D, Dp, vp);
+      else
+        pack_values_bf16<true>(vbf, a.vs2, nk, D, Dp, vp);
+      dot_pv(pp, kTile / 2, vp, np, D, Dp, rows, o);
       continue;
     }
 #endif
@@ -702,7 +749,7 @@ AttendFn pick_attend() {
 void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len_in, const at::Tensor& tree_mask_in, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
-                        int64_t window, double softcap, bool bf16_products, const int64_t* nodes) {
+                        int64_t window, double softcap, bool bf16_products, const int64_t* nodes, bool kv_flushed) {
   const AttnDims d = check_tree_attention_args(q_in, k_cache, v_cache, cache_len_in, tree_mask_in, scale, out, lse,
                                                c10::DeviceType::CPU);
   TORCH_CHECK(window >= 0, "tree_attention: window must be >= 0 (0: none), got ", window);
@@ -747,6 +794,7 @@ void tree_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const
   a.softcap_log2 = static_cast<float>(softcap * kLog2e);
   a.bf16 = bf16_products;
   a.dot = bf16_products && d.D % 32 == 0 && cpu_isa() == Isa::kAvx512 && bf16_dot();
+  a.flushed = bf16_products && kv_flushed;
   if (nodes != nullptr)
     for (int64_t b = 0; b < d.B; ++b)
       TORCH_CHECK(nodes[b] >= 0 && nodes[b] <= d.n, "tree_attention: nodes[", b, "] = ", nodes[b], " must be in [0, ",

@@ -2,6 +2,8 @@
 // ``nodes`` (int64 [B] or nullptr, the C++ layer loop's ragged passes): batch row b's new tokens are
 // its first nodes[b]; the rest are padding: their rows are not computed (out keeps what it held) and
 // no row attends their keys (its mask must not name them). The real rows' results are the same bits.
+// ``kv_flushed`` (bf16_products only): every cache value below 2^-50 in magnitude is +0 already (the
+// caller's writer flushed it: bf16_flush_rows), so the reads skip that flush; the same bits.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +16,6 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
                         const at::Tensor& cache_len, const at::Tensor& tree_mask_packed, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
                         int64_t window = 0, double softcap = 0.0, bool bf16_products = false,
-                        const int64_t* nodes = nullptr);
+                        const int64_t* nodes = nullptr, bool kv_flushed = false);
 
 }  // namespace turbospec

@@ -157,6 +157,54 @@ def test_int8_attention_rounds_to_bfloat16_over_its_bfloat16_cache():
     assert model.new_cache(4).k[0].dtype == torch.float32
 
 
+def test_int8_attention_stores_tiny_keys_and_values_as_it_reads_them():
+    """bf16_products read a cache value below 2^-50 in magnitude as +0; the C++ layer loop stores it so
+    (and skips that flush at every read), the Python loop too: with K and V channels of about 1e-18
+    (a Qwen2 bias, its weight rows zero) both loops give the same logits and caches, the tiny values
+    stored as +0; the public op reading a cache that holds them raw gives the same output as over the
+    flushed cache (it flushes at the read)."""
+    hf = make_tiny_model("qwen2", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=2)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight[3:5] = 0.0
+                proj.bias[3:5] = torch.tensor([1e-18, -3e-19])
+    model = loader.load_model(hf, dtype=torch.float32, weights="q8_0", activations="int8")
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+
+    def run():
+        cache = model.new_cache(80)
+        a = model.forward(ids[:, :66], torch.arange(66)[None], cache, 0)
+        b = model.forward(ids[:, 66:70], torch.tensor([[66, 67, 67, 68]]), cache, 66, mask)
+        return [a, b], cache
+    runs = {}
+    for use_cpp in (True, False):
+        model.use_cpp_layers = use_cpp
+        runs[use_cpp] = run()
+    model.use_cpp_layers = True
+    (lc, cc), (lp, cp) = runs[True], runs[False]
+    for x, y in zip(lc + cc.tensors(), lp + cp.tensors()):
+        assert torch.equal(x, y)
+    v = cc.v[0][0, 0, :70, 3:5].float()  # V is not rotated: the tiny channels themselves
+    assert bool((v == 0).all()) and not bool(torch.signbit(v).any())  # +0
+    k = cc.k[0][0, :, :70].float()
+    assert bool(((k == 0) | (k.abs() >= 2.0 ** -50)).all())
+    # the public op over the raw values (as a writer that does not flush leaves them) == over the flushed
+    raw_k, raw_v = cc.k[0].clone(), cc.v[0].clone()
+    raw_v[0, 0, :70, 3] = torch.tensor(1e-18).to(torch.bfloat16)
+    raw_k[0, 1, :70, 7] = torch.tensor(-2e-17).to(torch.bfloat16)
+    flushed_k = raw_k.masked_fill(raw_k.abs() < 2.0 ** -50, 0)
+    flushed_v = raw_v.masked_fill(raw_v.abs() < 2.0 ** -50, 0)
+    q = torch.randn(1, 4, 4, 32)
+    lens = torch.tensor([66])
+    tree = torch.tensor([[1, 3, 5, 11]], dtype=torch.int64)  # ancestors-and-self bits of the mask above
+    a, _ = ops.tree_attention(q, raw_k, raw_v, lens, tree, 0.17, bf16_products=True)
+    b, _ = ops.tree_attention(q, flushed_k, flushed_v, lens, tree, 0.17, bf16_products=True)
+    assert torch.equal(a, b)
+
+
 def test_int8_speculative_equals_plain_greedy():
     """Batch invariance holds in int8 mode too: a draft model and n-gram drafting give the tokens of
     plain greedy decoding with int8 activations."""

@@ -181,6 +181,14 @@ ACTIVATION_MODES = {"exact": 0, "int8": 8}  # -> the ``activations`` argument of
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def kv_as_stored(t: Tensor, kc: Tensor, bf16_products: bool) -> Tensor:
+    """New K or V rows as a cache ``kc`` stores them: in its dtype and, where attention over it takes
+    bf16_products, every value below 2^-50 in magnitude as +0 (what ``tree_attention`` reads it as: the
+    C++ layer loop stores it so and skips that flush at every read). The same values either way."""
+    t = t.to(kc.dtype)
+    return t.masked_fill(t.abs() < 2.0 ** -50, 0) if bf16_products else t
+
+
 def attn_query(q: Tensor, kc: Tensor) -> Tensor:
     """q as tree_attention takes it over cache ``kc``: float32 over a 16-bit CPU cache (the CPU kernel
     widens the cache's values), else in the cache's dtype."""
@@ -621,10 +629,11 @@ class Transformer:
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
-            kc[:, :, cache_len:total] = k.transpose(1, 2)
-            vc[:, :, cache_len:total] = v.transpose(1, 2)
+            bf16 = self.attn_bf16_products(kc)
+            kc[:, :, cache_len:total] = kv_as_stored(k.transpose(1, 2), kc, bf16)
+            vc[:, :, cache_len:total] = kv_as_stored(v.transpose(1, 2), vc, bf16)
             out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, lens, mask, self.scale, window=self.windows[li],
-                                        softcap=self.cfg.attn_softcap or 0.0, bf16_products=self.attn_bf16_products(kc))
+                                        softcap=self.cfg.attn_softcap or 0.0, bf16_products=bf16)
             return out
 
         return self._decoder(x, cos, sin, attend, capture)
@@ -878,12 +887,13 @@ class Transformer:
 
         def attend(li: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.k[li], cache.v[li]
+            bf16 = self.attn_bf16_products(kc)
             for b in range(bsz):
-                kc[b].index_copy_(1, slots[b], k[b].transpose(0, 1).to(kc.dtype))
-                vc[b].index_copy_(1, slots[b], v[b].transpose(0, 1).to(vc.dtype))
+                kc[b].index_copy_(1, slots[b], kv_as_stored(k[b].transpose(0, 1), kc, bf16))
+                vc[b].index_copy_(1, slots[b], kv_as_stored(v[b].transpose(0, 1), vc, bf16))
             out, _ = ops.tree_attention(attn_query(q, kc), kc, vc, cache_len, tree_mask_packed, self.scale,
                                         window=self.windows[li], softcap=self.cfg.attn_softcap or 0.0,
-                                        bf16_products=self.attn_bf16_products(kc))
+                                        bf16_products=bf16)
             return out
 
         x, captured = self._decoder(self.embed_tokens(input_ids), cos, sin, attend, capture)
