@@ -184,6 +184,14 @@ TS_INLINE float bf16_flush(float x) {
   return r;
 }
 
+// Where pack_values_bf16 puts dimension d (of a multiple-of-32 head dimension) in a packed value row,
+// and so where the vdpbf16ps PV product leaves it in O: within each block of 32, unpacklo_epi16 gives
+// the low 4 dimensions of each 8 (positions 0-15), unpackhi_epi16 the high 4 (16-31).
+TS_INLINE int64_t dot_dim_pos(int64_t d) {
+  const int64_t e = d % 32, lane = e / 8, w = e % 8;
+  return d - e + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
+}
+
 // bfloat16 bits of a float32 that is a bfloat16 value
 TS_INLINE uint32_t bf16_bits(float x) {
   uint32_t u;
@@ -356,22 +364,19 @@ TS_ATTN_BF16 void pack_keys_bf16(const c10::BFloat16* k, int64_t ldk, int64_t nk
     }
 }
 
-// vp[j * Dp + d] = (v[2j][d] << 16) | v[2j + 1][d] for 2j < nk (a key >= nk: 0), d < D; D % 32 == 0
+// vp[j * Dp + d + pos(e)] = (v[2j][d + e] << 16) | v[2j + 1][d + e] for 2j < nk (a key >= nk: 0), each block of
+// 32 dimensions d in the order unpacklo / unpackhi_epi16 leave it (pos below: one instruction a register,
+// where an in-order interleave took vpermt2w's three): the PV products then hold the dimensions in that
+// order too, each dimension's sum the same, and the output is read back through pos (dot_dim_pos).
 template <bool Flush>
 TS_ATTN_BF16 void pack_values_bf16(const c10::BFloat16* v, int64_t ldv, int64_t nk, int64_t D, int64_t Dp,
                                    uint32_t* vp) {
-  // words of (later key, earlier key): out dword i = (earlier[i] << 16) | later[i]
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i il = _mm512_load_si512(lo_idx), ih = _mm512_load_si512(hi_idx);
   for (int64_t j = 0; 2 * j < nk; ++j)
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = load32<Flush>(v + 2 * j * ldv + d);
       const __m512i b = 2 * j + 1 < nk ? load32<Flush>(v + (2 * j + 1) * ldv + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + j * Dp + d, _mm512_permutex2var_epi16(b, il, a));
-      _mm512_storeu_si512(vp + j * Dp + d + 16, _mm512_permutex2var_epi16(b, ih, a));
+      _mm512_storeu_si512(vp + j * Dp + d, _mm512_unpacklo_epi16(b, a));
+      _mm512_storeu_si512(vp + j * Dp + d + 16, _mm512_unpackhi_epi16(b, a));
     }
 }
 
@@ -705,7 +710,10 @@ TS_INLINE void attend_rows(const Args& a, int64_t b, int64_t hk, int64_t r0, int
     const int64_t r = r0 + rr, i = r / G, h = hk * G + r % G;
     const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
     T* dst = out + ((b * n + i) * a.Hq + h) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[rr * Dp + d] * inv);
+    if (a.dot)  // O holds the dimensions in pack_values_bf16's order
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[rr * Dp + dot_dim_pos(d)] * inv);
+    else
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(o[rr * Dp + d] * inv);
     if (a.lse != nullptr)
       a.lse[(b * a.Hq + h) * n + i] = l[rr] > 0.f ? (m[rr] + std::log2(l[rr])) * kLn2 : kNegInf;
   }
