@@ -1028,6 +1028,18 @@ TS_AMX __attribute__((always_inline)) inline void amx_scale(const int32_t* C, co
   }
 }
 
+// C [16 x 16 int32] = one block's tdpbsud in tile set (tc, ta, tb): A = the 16 input rows' 32 bytes at a
+// (row stride K), B = the block's 512 bytes at bt. A macro: the tile intrinsics take their tile numbers
+// as literals (GCC pastes them into the instruction's register names).
+#define TS_AMX_BLOCK_SUMS(tc, ta, tb, a, bt, C) \
+  do {                                          \
+    _tile_zero(tc);                             \
+    _tile_loadd(ta, (a), K);                    \
+    _tile_loadd(tb, (bt), 64);                  \
+    _tile_dpbsud(tc, ta, tb);                   \
+    _tile_stored(tc, (C), 64);                  \
+  } while (0)
+
 // R16 (a multiple of 16) input rows whose quantized rows lie K bytes apart (xr[m].q = xr[0].q + m K).
 template <int64_t F>
 TS_AMX void rows_x_amx(const uint8_t* g, const QRow* xr, int64_t R16, int64_t K, float* out, int64_t ldo) {
@@ -1056,28 +1068,12 @@ TS_AMX void rows_x_amx(const uint8_t* g, const QRow* xr, int64_t R16, int64_t K,
     __m512 acc[16];
     for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
     // block b in tiles 0-2 (C0), block b + 1 in tiles 3-5 (C1): b + 1's tile work overlaps b's scaling
-    _tile_zero(2);
-    _tile_loadd(0, q, K);
-    _tile_loadd(1, btile(0), 64);
-    _tile_dpbsud(2, 0, 1);
-    _tile_stored(2, C0, 64);
+    TS_AMX_BLOCK_SUMS(2, 0, 1, q, btile(0), C0);
     for (int64_t b = 0; b < nb; b += 2) {
-      if (b + 1 < nb) {
-        _tile_zero(5);
-        _tile_loadd(3, q + 32 * (b + 1), K);
-        _tile_loadd(4, btile(b + 1), 64);
-        _tile_dpbsud(5, 3, 4);
-        _tile_stored(5, C1, 64);
-      }
+      if (b + 1 < nb) TS_AMX_BLOCK_SUMS(5, 3, 4, q + 32 * (b + 1), btile(b + 1), C1);
       amx_scale<F>(C0, g + b * x_chunk(F), x, b, acc);
       if (b + 1 < nb) {
-        if (b + 2 < nb) {
-          _tile_zero(2);
-          _tile_loadd(0, q + 32 * (b + 2), K);
-          _tile_loadd(1, btile(b + 2), 64);
-          _tile_dpbsud(2, 0, 1);
-          _tile_stored(2, C0, 64);
-        }
+        if (b + 2 < nb) TS_AMX_BLOCK_SUMS(2, 0, 1, q + 32 * (b + 2), btile(b + 2), C0);
         amx_scale<F>(C1, g + (b + 1) * x_chunk(F), x, b + 1, acc);
       }
     }
@@ -1085,6 +1081,7 @@ TS_AMX void rows_x_amx(const uint8_t* g, const QRow* xr, int64_t R16, int64_t K,
   }
   _tile_release();
 }
+#undef TS_AMX_BLOCK_SUMS
 
 // An accumulator the compiler must take as it is at this point: integer adds associate, and GCC
 // otherwise rebalances a tile's per-row sums into trees that hold every product of a block live at

@@ -124,6 +124,18 @@ def test_int8_activations_change_logits_a_little_and_switch_back():
         model.set_activations("int4")
 
 
+TREE = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
+
+
+def _prefill_and_tree(model):
+    """A 66-token prompt in one call (passes of 64), then a 4-node tree verify: ([logits, logits], cache)."""
+    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
+    cache = model.new_cache(80)
+    a = model.forward(ids[:, :66], torch.arange(66)[None], cache, 0)
+    b = model.forward(ids[:, 66:70], torch.tensor([[66, 67, 67, 68]]), cache, 66, TREE)
+    return [a, b], cache
+
+
 def test_int8_attention_rounds_to_bfloat16_over_its_bfloat16_cache():
     """int8 activations make a bfloat16 K/V cache by default ("auto") and attention over it rounds q and
     P to bfloat16 (tree_attention's bf16_products): the C++ layer loop and the Python loop (its
@@ -131,14 +143,10 @@ def test_int8_attention_rounds_to_bfloat16_over_its_bfloat16_cache():
     for, keeps float32 attention (other logits); exact activations keep the model's own cache."""
     model = _model("llama", "q4_0", torch.float32, "int8")
     assert model.new_cache(4).k[0].dtype == torch.bfloat16 and model.attn_bf16_products(model.new_cache(4).k[0])
-    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
-    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
 
     def run():
-        cache = model.new_cache(80)
-        a = model.forward(ids[:, :66], torch.arange(66)[None], cache, 0)
-        b = model.forward(ids[:, 66:70], torch.tensor([[66, 67, 67, 68]]), cache, 66, mask)
-        return [a, b] + cache.tensors()
+        logits, cache = _prefill_and_tree(model)
+        return logits + cache.tensors()
     runs = {}
     for use_cpp in (True, False):
         model.use_cpp_layers = use_cpp
@@ -171,18 +179,10 @@ def test_int8_attention_stores_tiny_keys_and_values_as_it_reads_them():
                 proj.weight[3:5] = 0.0
                 proj.bias[3:5] = torch.tensor([1e-18, -3e-19])
     model = loader.load_model(hf, dtype=torch.float32, weights="q8_0", activations="int8")
-    ids = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(6))
-    mask = torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]], dtype=torch.bool)
-
-    def run():
-        cache = model.new_cache(80)
-        a = model.forward(ids[:, :66], torch.arange(66)[None], cache, 0)
-        b = model.forward(ids[:, 66:70], torch.tensor([[66, 67, 67, 68]]), cache, 66, mask)
-        return [a, b], cache
     runs = {}
     for use_cpp in (True, False):
         model.use_cpp_layers = use_cpp
-        runs[use_cpp] = run()
+        runs[use_cpp] = _prefill_and_tree(model)
     model.use_cpp_layers = True
     (lc, cc), (lp, cp) = runs[True], runs[False]
     for x, y in zip(lc + cc.tensors(), lp + cp.tensors()):
@@ -200,7 +200,7 @@ def test_int8_attention_stores_tiny_keys_and_values_as_it_reads_them():
     q = torch.randn(1, 4, 4, 32)
     lens = torch.tensor([66])
     tree = torch.tensor([[1, 3, 5, 11]], dtype=torch.int64)  # ancestors-and-self bits of the mask above
-    a, _ = ops.tree_attention(q, raw_k, raw_v, lens, tree, 0.17, bf16_products=True)
+    a, _ = ops.tree_attention(q, raw_k, raw_v, lens, tree, 0.17, bf16_products=True)  # TREE's rows
     b, _ = ops.tree_attention(q, flushed_k, flushed_v, lens, tree, 0.17, bf16_products=True)
     assert torch.equal(a, b)
 

@@ -261,21 +261,30 @@ def test_bf16_dot_products_step_aside_where_they_would_flush(bf16_dot):
         assert torch.equal(on, reference.linear(xc, [wc], [30]))
 
 
-def test_bf16_dot_setting_and_errors():
-    default = ops.cpu_bf16_dot("default")
+@pytest.mark.parametrize("op,var", [("cpu_bf16_dot", "TURBOSPEC_BF16_DOT"), ("cpu_amx", "TURBOSPEC_AMX")])
+def test_cpu_switch_setting_and_errors(op, var):
+    """ops.cpu_bf16_dot / ops.cpu_amx: the default is what kernels_available reports; False turns the
+    feature off, True on where the CPU allows it (what a process without the environment variable gets),
+    never on the AVX2 path; bad values are errors naming what is allowed, and a bad $var too."""
+    switch = getattr(ops, op)
+    default = switch("default")
     try:
-        assert ops.kernels_available()["cpu_bf16_dot"] == default
-        assert ops.cpu_bf16_dot(False) is False and ops.cpu_bf16_dot() is False
-        assert ops.cpu_bf16_dot(True) == default  # on where the CPU allows it
+        assert ops.kernels_available()[op] == default
+        assert switch(False) is False and switch() is False
+        available = _kernels_available_with(var, "", op).stdout.strip() == "True"
+        assert switch(True) == available
         ops.cpu_isa("avx2")
-        assert ops.cpu_bf16_dot() is False  # an AVX-512 path only
+        assert switch() is False  # an AVX-512 path only
     finally:
         ops.cpu_isa("default")
-        ops.cpu_bf16_dot("default")
+        switch("default")
     with pytest.raises(ValueError, match="on must be True, False or 'default', got 'yes'"):
-        ops.cpu_bf16_dot("yes")
+        switch("yes")
     with pytest.raises(RuntimeError, match=r"on must be -2 \(read\), -1 \(default\), 0 \(off\) or 1 \(on\), got 3"):
-        torch.ops.turbospec.cpu_bf16_dot(3)
+        getattr(torch.ops.turbospec, op)(3)
+    assert _kernels_available_with(var, "0", op).stdout.strip() == "False"
+    bad = _kernels_available_with(var, "yes", op)
+    assert bad.returncode != 0 and f"{var} must be 0 or 1 (or unset), got 'yes'" in bad.stderr
 
 
 def _kernels_available_with(var: str, value: str, key: str):
@@ -285,14 +294,6 @@ def _kernels_available_with(var: str, value: str, key: str):
     import sys
     code = f"import turbospec; print(turbospec.ops.kernels_available()[{key!r}])"
     return subprocess.run([sys.executable, "-c", code], env={**os.environ, var: value}, capture_output=True, text=True)
-
-
-def test_bf16_dot_env_override():
-    """TURBOSPEC_BF16_DOT=0 turns the dot products off; a bad value is an error naming it."""
-    assert _kernels_available_with("TURBOSPEC_BF16_DOT", "0", "cpu_bf16_dot").stdout.strip() == "False"
-    bad = _kernels_available_with("TURBOSPEC_BF16_DOT", "yes", "cpu_bf16_dot")
-    assert bad.returncode != 0
-    assert "TURBOSPEC_BF16_DOT must be 0 or 1 (or unset), got 'yes'" in bad.stderr
 
 
 def test_segments_of_mixed_formats_concatenate():
@@ -748,27 +749,6 @@ def test_amx_tiles_give_the_vector_kernels_bits(amx, name, rows, k):
     if rows == 17:
         alone = torch.cat([ops.linear(x[i:i + 1], parts, [xfmt, 2003], b, activations=8) for i in range(rows)])
         assert torch.equal(got, alone)
-
-
-def test_amx_setting_and_errors():
-    default = ops.cpu_amx("default")
-    try:
-        assert ops.kernels_available()["cpu_amx"] == default
-        assert ops.cpu_amx(False) is False and ops.cpu_amx() is False
-        assert ops.cpu_amx(True) == default  # on where the CPU allows it
-        ops.cpu_isa("avx2")
-        assert ops.cpu_amx() is False  # an AVX-512 path only
-    finally:
-        ops.cpu_isa("default")
-        ops.cpu_amx("default")
-    with pytest.raises(ValueError, match="on must be True, False or 'default', got 'yes'"):
-        ops.cpu_amx("yes")
-    with pytest.raises(RuntimeError, match=r"on must be -2 \(read\), -1 \(default\), 0 \(off\) or 1 \(on\), got 3"):
-        torch.ops.turbospec.cpu_amx(3)
-    assert _kernels_available_with("TURBOSPEC_AMX", "0", "cpu_amx").stdout.strip() == "False"
-    bad = _kernels_available_with("TURBOSPEC_AMX", "yes", "cpu_amx")
-    assert bad.returncode != 0
-    assert "TURBOSPEC_AMX must be 0 or 1 (or unset), got 'yes'" in bad.stderr
 
 
 def q4k_extremes(n: int, k: int, seed: int) -> torch.Tensor:
