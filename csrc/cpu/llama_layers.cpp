@@ -96,14 +96,12 @@ void store_row_as(void* base, int64_t off, const float* src, int64_t d) {
 
 // bf16_products' caches hold their values as the attention reads them: rounded to bfloat16, and one
 // below 2^-50 in magnitude stored as +0 (tree_attention's read flush, done once here instead of at
-// every read: kv_flushed). The same values as the Python loop's flush_tiny_bf16.
-constexpr uint16_t kBf16TinyBits = 77 << 7;  // |x| < 2^-50: exponent field below 77
-
+// every read: kv_flushed). The same values as the Python loops' kv_as_stored.
 void store_row_flushed(void* base, int64_t off, const float* src, int64_t d) {
   c10::BFloat16* dst = static_cast<c10::BFloat16*>(base) + off;
   for (int64_t e = 0; e < d; ++e) {
     c10::BFloat16 v(src[e]);
-    if ((v.x & 0x7FFF) < kBf16TinyBits) v.x = 0;
+    if ((v.x & 0x7FFF) < (kBf16MinExp << 7)) v.x = 0;
     dst[e] = v;
   }
 }
@@ -120,7 +118,7 @@ void store_cache_row(const at::Tensor& cache, int64_t off, const float* src, int
 
 // A bfloat16 cache slice written by torch ops, flushed as store_row_flushed does
 void flush_tiny_bf16_(at::Tensor slice) {
-  slice.masked_fill_(slice.abs() < std::ldexp(1.0, -50), 0);
+  slice.masked_fill_(slice.abs() < std::ldexp(1.0, static_cast<int>(kBf16MinExp) - 127), 0);
 }
 
 // A value rounded to the model's dtype T, kept as float32 (T = float: the value itself).

@@ -148,7 +148,7 @@ TS_INLINE float row_max(const float* p, int64_t n) {
 // multiply-adds (the odd element of a pair first, operands packed so that this is the earlier one) give
 // the same bits. With every nonzero operand at least 2^-50 in magnitude each product is a multiple of
 // 2^-114 and so is every running sum (see linear.cpp's dot-product kernel): no denormal arises for vdpbf16ps to flush.
-constexpr uint32_t kBf16MinExp = 77;  // biased float32 exponent of 2^-50
+// kBf16MinExp (tree_attention.h): the biased float32 exponent of 2^-50
 
 TS_INLINE float bf16_round(float x) {
   uint32_t u;

@@ -12,6 +12,10 @@
 
 namespace turbospec {
 
+// bf16_products read a cache value below 2^-50 in magnitude as +0: 77 is the biased float32 (and
+// bfloat16) exponent of 2^-50. The C++ layer loop's cache writer flushes with it too (kv_flushed).
+constexpr uint32_t kBf16MinExp = 77;
+
 void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& cache_len, const at::Tensor& tree_mask_packed, double scale,
                         bool include_prefix, const at::Tensor& out, const std::optional<at::Tensor>& lse,
