@@ -226,8 +226,7 @@ class EagleDrafter(Drafter):
                     row[slot_of[a]] = True
                     a = nodes[a].parent
                 rows.append(row)
-            mask = torch.ones(n_new, self._fill + start + n_new, dtype=torch.bool)
-            mask[:, self._fill:] = torch.tensor(rows, dtype=torch.bool)
+            mask = torch.tensor(rows, dtype=torch.bool)  # over the tree's slots; the committed pairs before: all
             h_in = torch.stack([hidden[nodes[i].parent] for i in expand])[None]
             e_in = self.target.embedding(torch.tensor([nodes[i].token for i in expand], device=dev)).to(self.dtype)[None]
             p_in = torch.full((1, n_new), root_pos - 1 + d, device=dev)

@@ -196,7 +196,7 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, wei
     untouched (it may still be trained).
     ``skip``: submodules (names) the drafter computes some other way, left as they are."""
     import copy
-    m = copy.deepcopy(module).to(dtype).eval()
+    m = copy.deepcopy(module).to(dtype).eval().requires_grad_(False)  # (norms: turbospec's kernel, not autograd's)
     if device is not None:
         m = m.to(device)
     if next(m.parameters()).device.type != "cpu":
@@ -205,8 +205,17 @@ def inference_copy(module: torch.nn.Module, dtype: torch.dtype, device=None, wei
         return m
     source = dict(module.named_modules())
     for name, sub in m.named_modules():
-        if isinstance(sub, torch.nn.Linear) and not any(name == k or name.startswith(k + ".") for k in skip):
+        if any(name == k or name.startswith(k + ".") for k in skip):
+            continue
+        if isinstance(sub, torch.nn.Linear):
             orig = source[name]
             fast = draft_linear(orig.weight, dtype, weights, orig.bias, name or "linear", strict, activations)
             sub.forward = fast.__call__
+        # linears of one input computed as one (``FUSED``: attribute -> the linears' names): one weight
+        # stream and one call instead of several (each output row's dot product is unchanged)
+        for attr, parts in getattr(sub, "FUSED", {}).items():
+            lins = [source[f"{name}.{p}" if name else p] for p in parts]
+            if all(lin.bias is None for lin in lins):
+                w = torch.cat([lin.weight.detach() for lin in lins])
+                setattr(sub, attr, draft_linear(w, dtype, weights, None, f"{name}.{attr}", strict, activations))
     return m

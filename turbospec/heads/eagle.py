@@ -48,8 +48,7 @@ class EagleLayer(nn.Module):
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         else:
             x = hidden  # EAGLE-1/2: fc already mixed the embedding in; no input norm
-        a = self.self_attn
-        return a.q_proj(x), a.k_proj(x), a.v_proj(x)
+        return self.self_attn.project(x)
 
     def out(self, attended: Tensor, hidden: Tensor) -> Tensor:
         h = hidden + self.self_attn.o_proj(attended)

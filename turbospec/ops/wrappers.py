@@ -10,6 +10,7 @@ in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -33,6 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the build
     warnings.warn(f"{_BUILD_HINT} ({e})", stacklevel=2)
 
 
+@functools.lru_cache(maxsize=None)  # the kernels register when _C is imported (the check cost ~5 us a call)
 def _has_kernel(op: str, key: str) -> bool:
     if not _EXTENSION:
         return False
