@@ -3,7 +3,9 @@
 For each head (``--method``: the default model's shipped EAGLE-3 / Medusa heads) and each storage in
 ``--draft-weights`` (dense in ``--draft-dtype``, q8_0, q4_0), the Spec-Bench sample is decoded
 greedily with a fixed node budget (adaptive off, so every step drafts the same tree size and the
-drafting cost is measured at every step; the head alone, without the n-gram chain it ships with).
+drafting cost is measured at every step; the head alone, without the n-gram chain it ships with), or
+with ``--adaptive`` under the adaptive budget (``--nodes`` its most), as ``drafter="eagle"`` runs by
+default; ``--ngram`` adds n-gram lookup (adaptive) as a reference.
 Recorded per system: seconds of drafting per verify step (``stats["draft_s"]``), seconds of the
 verify step, τ, acceptance by draft position (the first round's mean over prompts of
 ``stats["accept_per_position"]``) and decode tok/s; every output is checked equal to plain greedy decoding. The
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--adaptive", action="store_true",
+                   help="the heads draft under the adaptive budget (--nodes: its most nodes) instead of a fixed size")
+    p.add_argument("--ngram", action="store_true", help="also n-gram lookup (drafter='ngram', adaptive) as a reference")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--spec-bench", default=DEFAULT_SPEC_BENCH)
     p.add_argument("--out", default=os.path.join("bench", "out", "draft_cost.json"))
@@ -79,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     texts = prompts(args.spec_bench, args.per_category)
     heads = shipped_heads()
     systems: dict[str, dict] = {"plain": dict(drafter="none", activations=args.activations)}
+    if args.ngram:
+        systems["ngram"] = dict(drafter="ngram", num_draft=args.nodes, activations=args.activations)
     shipped_engine: dict = {}  # method -> its shipped head's engine settings (loaded once)
 
     def tree_of(head):
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             if acts not in ("", "int8"):
                 raise SystemExit(f"--draft-weights {w!r}: expected a storage, optionally + '+int8'")
             systems[f"{label}_{w}"] = dict(drafter="medusa" if head.cfg.method == "medusa" else "eagle", head=head,
-                                           tree=tree_of(head), num_draft=args.nodes, adaptive=False,
+                                           tree=tree_of(head), num_draft=args.nodes, adaptive=args.adaptive,
                                            draft_weights=storage, draft_activations=acts or "exact",
                                            draft_dtype=args.draft_dtype, activations=args.activations)
     engines = {name: turbospec.Engine(target, tokenizer=tok, max_seq_len=2048, **kw) for name, kw in systems.items()}
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(dict(system=name, **med, equal=all(r["equal"] for r in rs), accept=rs[0]["accept"]))
     plain = next(r for r in rows if r["system"] == "plain")["tok_s"]
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {platform.processor() or platform.machine()}; "
-             f"{args.threads} threads; {len(encoded)} prompts x {args.max_new_tokens} tokens; {args.nodes} nodes; "
+             f"{args.threads} threads; {len(encoded)} prompts x {args.max_new_tokens} tokens; "
+             f"{'at most ' if args.adaptive else ''}{args.nodes} nodes{' (adaptive budget)' if args.adaptive else ''}; "
              f"draft dtype {args.draft_dtype}; target activations {args.activations}; {args.rounds} rounds (medians)",
              "",
              "| system | draft ms / step | verify ms / step | τ | acceptance by position | decode tok/s | × plain | "
