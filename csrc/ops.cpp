@@ -87,6 +87,17 @@ TORCH_LIBRARY(turbospec, m) {
         "int[] capture, Tensor[] qk_norms, int activations=0, Tensor? cache_lens=None, int norm_layout=0, "
         "int[] windows=[], int activation=0, float attn_softcap=0.0, int[] experts=[], int experts_per_token=0, "
         "bool moe_norm_topk=False, Tensor? nodes=None) -> Tensor[]");
+  // The row-wise parts of an EAGLE head's decoder layer (CPU; csrc/cpu/eagle_rows.cpp; specification:
+  // heads.eagle.EagleHead._input / _output). weights / formats / counts / activations: the linears'
+  // segments as for llama_layers, per linear its activations (0 exact, 8 int8). eagle_input: rows float32
+  // [N, F + H] (features, next token's embedding), linears [fc, qkv], norms [input_layernorm,
+  // hidden_norm] (EAGLE-3), mode 0 EAGLE-1/2 / 1 EAGLE-3 / 2 EAGLE-3 over the head's outputs (no fc)
+  // -> [N, H + q + k + v]. eagle_output: rows [N, A + H] (attention output, g), linears [o, gate_up,
+  // down], norm post_attention_layernorm [H] -> [N, H].
+  m.def("eagle_input(Tensor rows, Tensor[] weights, int[] formats, int[] counts, int[] activations, Tensor? fc_bias, "
+        "Tensor[] norms, int hidden_size, float eps, int mode) -> Tensor");
+  m.def("eagle_output(Tensor rows, Tensor[] weights, int[] formats, int[] counts, int[] activations, Tensor norm, "
+        "float eps) -> Tensor");
   // y [..., sum N_i] = x [..., K] @ concat_i(W_i)^T (+ bias [sum N_i]) on CPU (csrc/cpu/linear.cpp),
   // x float32 / bfloat16 / float16; weights[i]: [N_i, K] float32 / float16 / bfloat16 (formats[i] =
   // 0 / 1 / 30) or uint8 [N_i, row bytes] GGUF blocks (formats[i] = GGML type id: 2 Q4_0, 3 Q4_1,

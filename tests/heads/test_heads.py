@@ -718,3 +718,55 @@ def test_drafting_copy_fuses_projections_bit_for_bit(cyc, weights):
         a.qkv_fused = mlp.gate_up_fused = None
         separate = fast(feats, emb, torch.arange(n)[None])
     assert torch.equal(fused, separate)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("weights, activations", [("dense", "exact"), ("q4_0", "exact"), ("q4_0", "int8")])
+def test_row_kernels_equal_the_python_head_bit_for_bit(cyc, method, weights, activations):
+    """A drafting copy's row-wise parts as one turbospec op each (``bind_row_kernels``: eagle_input /
+    eagle_output) give the bits of the Python parts they replace (``_input`` / ``_output`` without
+    them), for the features' and the fused (head-output) input, and the ops equal their references."""
+    from turbospec import ops
+    from turbospec.drafters.tree import inference_copy
+    from turbospec.ops import reference
+    if not ops.has_op("eagle_input"):
+        pytest.skip("turbospec._C not built")
+    _, target, _, vocab = cyc
+    head = make_head(method, target, vocab=vocab)
+    fast = inference_copy(head, torch.float32, weights=weights, activations=activations)
+    assert fast.bind_row_kernels()
+    kernels = fast._row_kernels
+    torch.manual_seed(2)
+    h, n = head.cfg.hidden_size, 7
+    f = len(head.cfg.feature_layers) * h if method == "eagle3" else h
+    a = fast.layer.self_attn
+    rows_in = {False: torch.randn(n, f + h), True: torch.randn(n, 2 * h)}
+    rows_out = torch.randn(n, a.nh * a.d + h)
+    with torch.no_grad():
+        got = {fused: fast._input(rows_in[fused], fused) for fused in (False, True)}
+        got_out = fast._output(rows_out)
+        fast._row_kernels = None
+        want = {fused: fast._input(rows_in[fused], fused) for fused in (False, True)}
+        want_out = fast._output(rows_out)
+    for fused in (False, True):
+        assert torch.equal(got[fused], want[fused]), fused
+    assert torch.equal(got_out, want_out)
+    mode = 1 if method == "eagle3" else 0
+    spec = reference.eagle_input(rows_in[False], kernels["input"], kernels["fc_bias"], kernels["norms"], h,
+                                 head.cfg.rms_norm_eps, mode)
+    spec_out = reference.eagle_output(rows_out, kernels["output"], kernels["norm"], head.cfg.rms_norm_eps)
+    assert torch.equal(got[False], spec) and torch.equal(got_out, spec_out)
+
+
+def test_row_kernel_bad_input_names_the_argument():
+    from turbospec import ops
+    if not ops.has_op("eagle_input"):
+        pytest.skip("turbospec._C not built")
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="eagle_input: mode must be 0"):
+        torch.ops.turbospec.eagle_input(torch.randn(2, 64), [w, w], [0, 0], [1, 1], [0, 0], None, [], 32, 1e-6, 3)
+    with pytest.raises(RuntimeError, match="eagle_output: rows must be a float32 CPU tensor"):
+        torch.ops.turbospec.eagle_output(torch.randn(2, 8, dtype=torch.float64), [w, w, w], [0, 0, 0], [1, 1, 1],
+                                         [0, 0, 0], torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="eagle_output: counts and activations must have 3 entries"):
+        torch.ops.turbospec.eagle_output(torch.randn(2, 64), [w, w], [0, 0], [1, 1], [0, 0], torch.ones(32), 1e-6)

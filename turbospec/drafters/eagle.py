@@ -91,6 +91,7 @@ class EagleDrafter(Drafter):
         else:
             self.head = inference_copy(head, dtype, dev, self.weights, strict=draft_weights not in (None, "auto"),
                                        activations=self.activations)
+            self.head.bind_row_kernels()  # (CPU, float32: each row-wise part one turbospec op)
             if head.eagle3:
                 self.lm = None
                 self.vocab_ids = self.head.draft_vocab_ids()

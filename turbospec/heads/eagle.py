@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from .config import HeadConfig
 from ..model.kv_cache import KVCache
+from ..model.transformer import Linear
+from ..ops import eagle_input, eagle_output, has_op
 from .layers import MLP, Attention, RMSNorm, Rotary
 from ..ops.lockstep import Rows, compute
 
@@ -163,10 +165,42 @@ class EagleHead(nn.Module):
         out = yield Rows(self._output, torch.cat((attended, g), dim=-1).reshape(b * n, -1))
         return out.view(b, n, h)
 
+    def bind_row_kernels(self) -> bool:
+        """For a drafting copy (``drafters.tree.inference_copy``) in float32 on CPU whose linears all run
+        on turbospec's kernels: ``_input`` / ``_output`` become one turbospec op each
+        (``ops.eagle_input`` / ``ops.eagle_output``, the same operations in the same order: the same
+        bits) instead of ~8 ATen calls each. Returns whether they did."""
+        layer = self.layer
+        a, mlp = layer.self_attn, layer.mlp
+
+        def fast(mod):  # the turbospec Linear a drafting copy's nn.Linear runs (or a fused one)
+            lin = mod if isinstance(mod, Linear) else getattr(getattr(mod, "forward", None), "__self__", None)
+            return lin if isinstance(lin, Linear) and lin.kernel else None
+
+        lins = [fast(m) for m in (self.fc, a.qkv_fused, a.o_proj, mlp.gate_up_fused, mlp.down_proj)]
+        norms = [layer.post_attention_layernorm] + ([layer.input_layernorm, layer.hidden_norm] if self.eagle3 else [])
+        if any(lin is None for lin in lins) or self.fc.weight.dtype != torch.float32 \
+                or any(n.weight.dtype != torch.float32 or n.eps != self.cfg.rms_norm_eps for n in norms) \
+                or not (has_op("eagle_input") and has_op("eagle_output")):
+            self._row_kernels = None
+            return False
+        spec = [(lin.weights, lin.formats, lin.activations) for lin in lins]
+        self._row_kernels = dict(
+            input=spec[:2], input_fused=[([], [], 0), spec[1]], output=spec[2:], fc_bias=lins[0].bias,
+            norms=[n.weight.detach() for n in norms[1:]], norm=layer.post_attention_layernorm.weight.detach())
+        return True
+
+    _row_kernels: dict | None = None
+
     def _input(self, rows: Tensor, fused: bool = False) -> Tensor:
         """rows [N, F + H] (features, embedding) -> [N, H + q + k + v]: the layer's hidden input
         g (eagle3: fc(features), or the features themselves when ``fused``) and its projections."""
         h = self.cfg.hidden_size
+        if self._row_kernels is not None:
+            k = self._row_kernels
+            mode = (2 if fused else 1) if self.eagle3 else 0
+            return eagle_input(rows, k["input_fused"] if mode == 2 else k["input"], k["fc_bias"], k["norms"], h,
+                               self.cfg.rms_norm_eps, mode)
         hidden, embeds = rows.split([rows.shape[-1] - h, h], dim=-1)
         if self.eagle3:
             g = hidden if fused else self.fc(hidden)
@@ -180,6 +214,9 @@ class EagleHead(nn.Module):
     def _output(self, rows: Tensor) -> Tensor:
         """rows [N, nh * d + H] (attention output, g) -> the head's output [N, H]."""
         h = self.cfg.hidden_size
+        if self._row_kernels is not None:
+            k = self._row_kernels
+            return eagle_output(rows, k["output"], k["norm"], self.cfg.rms_norm_eps)
         attended, g = rows.split([rows.shape[-1] - h, h], dim=-1)
         return self.layer.out(attended, g)
 

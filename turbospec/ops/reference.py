@@ -1092,6 +1092,44 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     return s, weight * (h * inv).to(x.dtype)
 
 
+def _linear_as(x: Tensor, weights: list[Tensor], formats: list[int], act: int, bias: Tensor | None = None) -> Tensor:
+    """turbospec::linear's specification with its activations (8: int8 where it takes them)."""
+    if act == 8 and x.shape[-1] % 32 == 0 and all(map(has_int8_kernel, formats)):
+        return linear_int8(x, weights, formats, bias)
+    return linear(x, weights, formats, bias)
+
+
+def eagle_input(rows: Tensor, linears: list[tuple[list[Tensor], list[int], int]], fc_bias: Tensor | None,
+                norms: list[Tensor], hidden_size: int, eps: float, mode: int) -> Tensor:
+    """Specification of ``turbospec::eagle_input`` (an EAGLE head's input side, ``EagleHead._input``):
+    rows float32 [N, F + H] (features, embedding) -> [N, H + q + k + v] = (g, q/k/v). linears: [fc, qkv]
+    as (weights, formats, activations). mode 0 (EAGLE-1/2): g = fc(cat(embedding, features)) + fc_bias,
+    q/k/v of g; 1 (EAGLE-3): g = fc(features); 2: g = features; EAGLE-3's q/k/v of
+    cat(rms_norm(embedding, norms[0]), rms_norm(g, norms[1]))."""
+    h = hidden_size
+    feats, emb = rows[:, :rows.shape[1] - h], rows[:, rows.shape[1] - h:]
+    (fw, ff, fa), (qw, qf, qa) = linears
+    if mode == 0:
+        g = _linear_as(torch.cat((emb, feats), dim=-1), fw, ff, fa, fc_bias)
+        x = g
+    else:
+        g = feats.contiguous() if mode == 2 else _linear_as(feats, fw, ff, fa)
+        x = torch.cat((rms_norm(emb, norms[0], eps), rms_norm(g, norms[1], eps)), dim=-1)
+    return torch.cat((g, _linear_as(x, qw, qf, qa)), dim=-1)
+
+
+def eagle_output(rows: Tensor, linears: list[tuple[list[Tensor], list[int], int]], norm: Tensor, eps: float) -> Tensor:
+    """Specification of ``turbospec::eagle_output`` (``EagleHead._output``): rows float32 [N, A + H]
+    (attention output, g) -> h + down(silu(gate) * up) of gate_up(rms_norm(h, norm)), h = g + o(attention
+    output). linears: [o, gate_up, down] as (weights, formats, activations)."""
+    h_dim = norm.numel()
+    att, g = rows[:, :rows.shape[1] - h_dim], rows[:, rows.shape[1] - h_dim:]
+    (ow, of, oa), (uw, uf, ua), (dw, df, da) = linears
+    h = g + _linear_as(att, ow, of, oa)
+    gate, up = _linear_as(rms_norm(h, norm, eps), uw, uf, ua).chunk(2, dim=-1)
+    return h + _linear_as(torch.nn.functional.silu(gate) * up, dw, df, da)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """Specification of ``turbospec::silu_mul``: gate_up [..., 2I] -> dtype(dtype(silu(gate)) * up)
     [..., I], gate and up the two halves of the last dim (torch's ``F.silu(gate) * up``)."""

@@ -414,6 +414,35 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
     return reference.add_rms_norm(x, delta, weight, eps)
 
 
+def _flat_linears(linears) -> tuple[list[Tensor], list[int], list[int], list[int]]:
+    weights, formats, counts, acts = [], [], [], []
+    for w, f, a in linears:
+        weights += list(w)
+        formats += [int(x) for x in f]
+        counts.append(len(w))
+        acts.append(8 if a == 8 else 0)
+    return weights, formats, counts, acts
+
+
+def eagle_input(rows: Tensor, linears, fc_bias: Tensor | None, norms: list[Tensor], hidden_size: int, eps: float,
+                mode: int) -> Tensor:
+    """An EAGLE head's input side in one kernel (CPU; ``reference.eagle_input``, ``EagleHead._input``):
+    rows float32 [N, F + H] -> [N, H + q + k + v]. linears: [fc, qkv], each (weights, formats,
+    activations) as ``linear`` takes them (fc: no segments in mode 2)."""
+    if _runs("eagle_input", rows.device):
+        return torch.ops.turbospec.eagle_input.default(rows, *_flat_linears(linears), fc_bias, list(norms),
+                                                       int(hidden_size), float(eps), int(mode))
+    return reference.eagle_input(rows, linears, fc_bias, norms, hidden_size, eps, mode)
+
+
+def eagle_output(rows: Tensor, linears, norm: Tensor, eps: float) -> Tensor:
+    """An EAGLE head's output side in one kernel (CPU; ``reference.eagle_output``, ``EagleHead._output``):
+    rows float32 [N, A + H] -> [N, H]. linears: [o, gate_up, down] as (weights, formats, activations)."""
+    if _runs("eagle_output", rows.device):
+        return torch.ops.turbospec.eagle_output.default(rows, *_flat_linears(linears), norm, float(eps))
+    return reference.eagle_output(rows, linears, norm, eps)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of gate_up [..., 2I] = [gate | up] in one kernel (``reference.silu_mul``)."""
     if _runs("silu_mul", gate_up.device):
